@@ -1,0 +1,29 @@
+# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> report.
+# Run: scripts/run-pipeline.sh (sets up .venv, then `snakemake --cores all`).
+# Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
+#   python -m kmesh run STAGE --profile PROFILE
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/sources.smk"
+include: "workflow/rules/kernels.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/synthetic.smk"
+include: "workflow/rules/drain.smk"
+include: "workflow/rules/ownership.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        all_outputs(),
+    default_target: True

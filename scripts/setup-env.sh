@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment from the hash-locked pins.
+#   KMESH_VENV  where the venv lives (default: .venv in the repo root)
+#   KMESH_LOCK  which lock to install (default: requirements/cpu.lock)
+# Idempotent: a stamp holds the sha256 of the lock; the venv is rebuilt only when it changed.
+# Everything is installed with --require-hashes --no-deps: no resolver runs, nothing unpinned enters.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KMESH_VENV:-$root/.venv}"
+lock="${KMESH_LOCK:-$root/requirements/cpu.lock}"
+python="${KMESH_PYTHON:-python3.11}"
+stamp="$venv/.kmesh-lock"
+want="$(sha256sum "$lock" | cut -d' ' -f1)"
+
+# pip's configured extra index is a flat folder; its per-package "ignored" warnings are noise.
+quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
+  echo "[setup-env] $venv is current (lock $want)"
+else
+  echo "[setup-env] building $venv from $lock (first time: ~2-4 min)"
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  quiet_pip install --quiet --require-hashes --no-deps -r "$lock"
+  echo "$want" > "$stamp"
+fi
+# The project itself, editable, so a rerun after a source change needs no reinstall.
+quiet_pip install --quiet --no-deps --no-build-isolation -e "$root"

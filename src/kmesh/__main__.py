@@ -1,0 +1,3 @@
+from kmesh.cli import main
+
+raise SystemExit(main())

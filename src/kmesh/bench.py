@@ -1,0 +1,173 @@
+"""Matched-pair timing (DESIGN §5): the only way KMesh compares two arms.
+
+Design, stated in every table the report renders:
+- n matched pairs (default 7) after `warmup` discarded pairs; within a pair both arms run the same
+  children; the arm that goes first alternates (pair 0: A first, pair 1: B first, ...).
+- Each arm's run of one child records named intervals, possibly nested (read ⊂ restore ⊂ outer).
+  A part that occurs several times in one child run is summed (e.g. four object reads).
+- Per pair and part: the median over children for each arm. Across pairs: the median of the n
+  paired differences (B − A), the median of the n ratios (B / A), and in how many pairs B was faster.
+  Nested parts are reported side by side, never added.
+- On CUDA, intervals are CUDA events on the current stream, resolved after one synchronize per run.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from kmesh.errors import KMeshError
+
+
+class TimingError(KMeshError):
+    """Misuse of the timing harness (bad nesting, unknown arm, too few pairs)."""
+
+
+class Intervals:
+    """Named, nestable intervals of one arm's run on one child."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        if device not in ("cpu", "cuda"):
+            raise TimingError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.device = device
+        self._open: list[str] = []
+        self._spans: list[tuple[str, Any, Any]] = []
+        self.parents: dict[str, str | None] = {}
+
+    def _stamp(self) -> Any:
+        if self.device == "cuda":
+            import torch
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter_ns()
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        if name in self._open:
+            raise TimingError(f"interval {name!r} nested inside itself")
+        parent = self._open[-1] if self._open else None
+        if self.parents.setdefault(name, parent) != parent:
+            raise TimingError(f"interval {name!r} opened under {parent!r}, earlier under {self.parents[name]!r}")
+        self._open.append(name)
+        start = self._stamp()
+        try:
+            yield
+        finally:
+            end = self._stamp()
+            self._open.pop()
+            self._spans.append((name, start, end))
+
+    def seconds(self) -> dict[str, float]:
+        """Total seconds per part (synchronizes once on CUDA)."""
+        if self._open:
+            raise TimingError(f"intervals still open: {self._open}")
+        if self.device == "cuda" and self._spans:
+            import torch
+
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for name, a, b in self._spans:
+            dt = a.elapsed_time(b) / 1e3 if self.device == "cuda" else (b - a) / 1e9
+            out[name] = out.get(name, 0.0) + dt
+        return out
+
+
+def paired_stats(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """Statistics of matched pairs (a[i], b[i]): median difference B−A, median ratio B/A, B-faster count."""
+    if len(a) != len(b) or not a:
+        raise TimingError(f"need equally many, at least one, paired values; got {len(a)} and {len(b)}")
+    diffs = [y - x for x, y in zip(a, b)]
+    ratios = [y / x if x > 0 else float("inf") for x, y in zip(a, b)]
+    return {
+        "pairs": len(a),
+        "median_a": statistics.median(a),
+        "median_b": statistics.median(b),
+        "median_diff": statistics.median(diffs),
+        "median_ratio": statistics.median(ratios),
+        "b_faster": sum(d < 0 for d in diffs),
+        "diffs": diffs,
+        "ratios": ratios,
+    }
+
+
+@dataclass
+class PairedTiming:
+    """Raw per-pair, per-child times of two arms and their paired summary."""
+
+    arm_a: str
+    arm_b: str
+    pairs: list[dict[str, Any]] = field(default_factory=list)   # {"order": [...], arm: {part: [s per child]}}
+    parents: dict[str, str | None] = field(default_factory=dict)
+    warmup: int = 0
+
+    def parts(self) -> list[str]:
+        seen: list[str] = []
+        for p in self.pairs:
+            for arm in (self.arm_a, self.arm_b):
+                for name in p[arm]:
+                    if name not in seen:
+                        seen.append(name)
+        return seen
+
+    def per_pair(self, arm: str, part: str) -> list[float]:
+        """Median over children of one arm's part, one value per pair."""
+        return [statistics.median(p[arm][part]) for p in self.pairs]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        return {part: paired_stats(self.per_pair(self.arm_a, part), self.per_pair(self.arm_b, part))
+                for part in self.parts()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "paired", "arms": {"A": self.arm_a, "B": self.arm_b},
+                "design": {"pairs": len(self.pairs), "warmup": self.warmup, "order": "alternating, A first in pair 0",
+                           "per_pair": "median over children", "nesting": self.parents},
+                "summary": self.summary(), "raw": self.pairs}
+
+
+RunFn = Callable[[str, Any, Intervals], None]
+
+
+def run_pairs(
+    fn: RunFn,
+    arms: tuple[str, str],
+    children: Sequence[Any],
+    pairs: int = 7,
+    warmup: int = 1,
+    device: str = "cpu",
+    progress: bool = True,
+    between: Callable[[], None] | None = None,
+) -> PairedTiming:
+    """Run `fn(arm, child, intervals)` for both arms over all children, `pairs` times, order alternating.
+
+    `between` runs before every child run (e.g. forced eviction so each read is cold).
+    """
+    if pairs < 1:
+        raise TimingError("pairs must be ≥ 1")
+    if not children:
+        raise TimingError("need at least one child")
+    a, b = arms
+    result = PairedTiming(a, b, warmup=warmup)
+    from kmesh.progress import track
+
+    for i in track(range(warmup + pairs), f"pairs {a} vs {b}", enabled=progress):
+        order = [a, b] if (i - warmup) % 2 == 0 else [b, a]
+        record: dict[str, Any] = {"order": order}
+        for arm in order:
+            per_part: dict[str, list[float]] = {}
+            for child in children:
+                if between:
+                    between()
+                iv = Intervals(device)
+                fn(arm, child, iv)
+                for name, s in iv.seconds().items():
+                    per_part.setdefault(name, []).append(s)
+                for name, parent in iv.parents.items():
+                    result.parents.setdefault(name, parent)
+            record[arm] = per_part
+        if i >= warmup:
+            result.pairs.append(record)
+    return result

@@ -1,0 +1,110 @@
+"""`kmesh run STAGE | doctor | render | service ...` (also `python -m kmesh ...`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kmesh.errors import KMeshError
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    """--set a.b=value (value parsed as YAML) → nested dict."""
+    import yaml
+
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise KMeshError(f"--set expects KEY=VALUE, got {item!r}")
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kmesh.config import load_config
+    from kmesh.stages import result_path, stage_runner
+
+    cfg = load_config(profile=args.profile, config_path=args.config, overrides=_parse_overrides(args.set))
+    run = stage_runner(args.stage)
+    result = run(cfg)
+    out = Path(args.out or result_path(cfg, args.stage))
+    result.write(out)
+    s = result.summary()
+    print(f"[kmesh] {args.stage} ({cfg.profile}): {s['passed']} passed, {s['failed']} failed, "
+          f"{s['skipped']} skipped -> {out}")
+    for c in result.cases:
+        if c.passed is False:
+            first = (c.error or "").splitlines()[0] if c.error else \
+                ", ".join(k for k, v in c.checks.items() if v["ok"] is False)
+            print(f"[kmesh]   FAILED {c.id}: {first}", file=sys.stderr)
+        elif c.passed is None:
+            print(f"[kmesh]   skipped {c.id}: {c.skipped}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kmesh.doctor import print_report, probe
+
+    caps = probe(Path(args.results_dir))
+    if args.json:
+        print(json.dumps(caps, indent=1))
+    else:
+        print_report(caps)
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from kmesh.config import load_config
+    from kmesh.report.render import render_all
+
+    cfg = load_config(profile=args.profile, config_path=args.config)
+    written = render_all(cfg)
+    for p in written:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kmesh", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run one pipeline stage and write its result file")
+    r.add_argument("stage")
+    r.add_argument("--profile", choices=["cpu", "cuda"], default=None)
+    r.add_argument("--config", default=None, help="config file (default: config/config.yaml)")
+    r.add_argument("--out", default=None, help="result file (default: results/<profile>/<stage>/result.json)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    r.set_defaults(func=cmd_run)
+
+    d = sub.add_parser("doctor", help="print what this machine supports")
+    d.add_argument("--results-dir", default="results", help="where O_DIRECT is probed")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_doctor)
+
+    n = sub.add_parser("render", help="render tables and plots from existing result files")
+    n.add_argument("--profile", choices=["cpu", "cuda"], default=None)
+    n.add_argument("--config", default=None)
+    n.set_defaults(func=cmd_render)
+
+    try:
+        from kmesh.service.cli import add_service_parser
+    except ImportError:
+        pass
+    else:
+        add_service_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KMeshError as e:
+        print(f"kmesh: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,138 @@
+"""Load, merge and validate the pipeline configuration.
+
+One source of truth for Snakemake and for `python -m kmesh run`: config/config.yaml, overlaid with
+config/profiles/<profile>.yaml, validated against config/config.schema.yaml.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+import yaml
+
+from kmesh.errors import ConfigError
+
+PROFILES = ("cpu", "cuda")
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The project root: $KMESH_ROOT, else the nearest directory above `start` (cwd) holding config/config.yaml."""
+    env = os.environ.get("KMESH_ROOT")
+    if env:
+        return Path(env).resolve()
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "config" / "config.yaml").is_file():
+            return d
+    raise ConfigError(f"no config/config.yaml found in {here} or above; run from the KMesh checkout or set KMESH_ROOT")
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Overlay `over` onto `base`: mappings merge recursively, everything else is replaced."""
+    out = copy.deepcopy(dict(base))
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _field_path(err: jsonschema.ValidationError) -> str:
+    path = ".".join(str(p) for p in err.absolute_path)
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        # Name the unexpected key itself, not only its parent.
+        allowed = set(err.schema.get("properties", {}))
+        extra = sorted(k for k in err.instance if k not in allowed)
+        if extra:
+            return ".".join(filter(None, [path, extra[0]]))
+    if err.validator == "required":
+        return path or "<top level>"
+    return path or "<top level>"
+
+
+def validate(data: Mapping[str, Any], schema_path: Path) -> None:
+    """Raise ConfigError naming the first offending field (dotted path) and why."""
+    schema = yaml.safe_load(schema_path.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(dict(data)), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"config field '{_field_path(e)}': {e.message}{more}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated, merged configuration plus where it came from."""
+
+    data: dict[str, Any]
+    root: Path
+
+    @property
+    def profile(self) -> str:
+        return self.data["profile"]
+
+    @property
+    def seed(self) -> int:
+        return int(self.data["seed"])
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.data.get(name) or {})
+
+    @property
+    def results_dir(self) -> Path:
+        p = Path(self.data["results_dir"])
+        return p if p.is_absolute() else self.root / p
+
+    def stage_dir(self, stage: str) -> Path:
+        """results/<profile>/<stage>/ (created on demand)."""
+        d = self.results_dir / self.profile / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def path(self, rel: str | os.PathLike[str]) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else self.root / p
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the merged config: the 'config hash' in provenance."""
+        blob = json.dumps(self.data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def load_config(
+    profile: str | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    root: Path | None = None,
+) -> Config:
+    """Read config.yaml, overlay the profile file and `overrides`, validate, return a Config."""
+    root = root or find_root()
+    path = Path(config_path) if config_path else root / "config" / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    prof = profile or (overrides or {}).get("profile") or data.get("profile", "cpu")
+    if prof not in PROFILES:
+        raise ConfigError(f"config field 'profile': {prof!r} is not one of {list(PROFILES)}")
+    prof_file = root / "config" / "profiles" / f"{prof}.yaml"
+    if not prof_file.is_file():
+        raise ConfigError(f"profile file not found: {prof_file}")
+    data = deep_merge(data, yaml.safe_load(prof_file.read_text()) or {})
+    if overrides:
+        data = deep_merge(data, overrides)
+    data["profile"] = prof
+    validate(data, root / "config" / "config.schema.yaml")
+    return Config(data=data, root=root)

@@ -1,0 +1,174 @@
+"""The one result file every stage writes (schema "kmesh.result/1", DESIGN §4).
+
+    res = Result.begin("synthetic", cfg)
+    with res.case("lbhnc-bf16-fwd", {"layout": "LBHNC"}) as c:
+        c.check("values_identical", torch.equal(a, b))
+        c.check("key_rel_err", err <= 1e-5, value=err)
+    res.write(path)          # always written, also when cases failed
+    sys.exit(0 if res.ok else 1)
+
+A case passes iff every check passed and nothing raised. A skipped case (c.skip(reason)) is
+neither passed nor failed and says why; a stage with skips is not "all passed".
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from kmesh.config import Config
+from kmesh.errors import ResultError
+
+SCHEMA = "kmesh.result/1"
+
+
+def to_jsonable(v: Any) -> Any:
+    """Plain JSON types from numpy/torch scalars, tuples, paths; non-finite floats as strings."""
+    if isinstance(v, dict):
+        return {str(k): to_jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [to_jsonable(x) for x in v]
+    if isinstance(v, Path):
+        return str(v)
+    if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Case:
+    id: str
+    params: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    error: str | None = None
+    skipped: str | None = None
+    seconds: float | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        if self.skipped is not None:
+            return None
+        return self.error is None and all(c["ok"] is not False for c in self.checks.values()) and bool(self.checks)
+
+    def check(self, name: str, ok: bool, value: Any = None) -> bool:
+        """Record a pass/fail check. Returns ok so callers can branch on it."""
+        if name in self.checks:
+            raise ValueError(f"case {self.id}: check {name!r} recorded twice")
+        self.checks[name] = {"ok": bool(ok), "value": to_jsonable(value)}
+        return bool(ok)
+
+    def record(self, name: str, value: Any) -> None:
+        """Record an informational value (no pass/fail)."""
+        self.checks[name] = {"ok": None, "value": to_jsonable(value)}
+
+    def skip(self, reason: str) -> None:
+        """Stop this case here and mark it skipped with a reason."""
+        raise _Skip(reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "params": to_jsonable(self.params), "passed": self.passed,
+                "checks": self.checks, "error": self.error, "skipped": self.skipped,
+                "seconds": self.seconds}
+
+
+class Result:
+    def __init__(self, stage: str, profile: str, provenance: dict[str, Any]) -> None:
+        self.stage = stage
+        self.profile = profile
+        self.provenance = provenance
+        self.cases: list[Case] = []
+        self.timings: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}
+
+    @classmethod
+    def begin(cls, stage: str, cfg: Config) -> "Result":
+        from kmesh.provenance import collect
+
+        return cls(stage, cfg.profile, collect(cfg))
+
+    @contextmanager
+    def case(self, case_id: str, params: dict[str, Any] | None = None) -> Iterator[Case]:
+        """Run one case; an exception inside fails the case (recorded with its traceback tail)."""
+        import time
+
+        if any(c.id == case_id for c in self.cases):
+            raise ValueError(f"duplicate case id {case_id!r}")
+        c = Case(case_id, dict(params or {}))
+        self.cases.append(c)
+        t0 = time.perf_counter()
+        try:
+            yield c
+        except _Skip as s:
+            c.skipped = s.reason
+        except Exception as e:  # the case fails; the stage goes on with the next case
+            tb = traceback.format_exception(type(e), e, e.__traceback__)
+            c.error = f"{type(e).__name__}: {e}\n" + "".join(tb[-3:])
+        finally:
+            c.seconds = time.perf_counter() - t0
+
+    def summary(self) -> dict[str, Any]:
+        passed = sum(c.passed is True for c in self.cases)
+        failed = sum(c.passed is False for c in self.cases)
+        skipped = sum(c.passed is None for c in self.cases)
+        return {"cases": len(self.cases), "passed": passed, "failed": failed, "skipped": skipped,
+                "all_passed": failed == 0 and skipped == 0 and passed > 0, **to_jsonable(self.extra)}
+
+    @property
+    def ok(self) -> bool:
+        """The stage succeeded: no case failed (skips are allowed but reported)."""
+        s = self.summary()
+        return s["failed"] == 0 and s["cases"] > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "stage": self.stage, "profile": self.profile,
+                "provenance": to_jsonable(self.provenance),
+                "cases": [c.to_dict() for c in self.cases],
+                "timings": to_jsonable(self.timings), "summary": self.summary()}
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Atomically write the file (temp + rename), stamping the end time."""
+        from kmesh.provenance import now
+
+        self.provenance["end"] = now()
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, p)
+        return p
+
+
+def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a result file and check its schema id and required keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ResultError(f"result file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ResultError(f"result file {p} is not JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ResultError(f"result file {p} has schema {data.get('schema') if isinstance(data, dict) else None!r}, "
+                          f"expected {SCHEMA!r}")
+    for key in ("stage", "profile", "provenance", "cases", "timings", "summary"):
+        if key not in data:
+            raise ResultError(f"result file {p} lacks {key!r}")
+    return data

@@ -1,0 +1,30 @@
+# Shared definitions: profile, paths, and what `rule all` asks for.
+from snakemake.utils import validate
+
+validate(config, "../../config/config.schema.yaml")
+
+PROFILE = config.get("profile", "cpu")
+RESULTS = config.get("results_dir", "results")
+GPU = 1 if PROFILE == "cuda" else 0
+# Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
+STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership"]
+
+
+def result(stage):
+    return f"{RESULTS}/{PROFILE}/{stage}/result.json"
+
+
+def logfile(stage):
+    return f"{RESULTS}/{PROFILE}/logs/{stage}.log"
+
+
+def kmesh_run(stage):
+    """The one call a stage rule makes (the stage writes its result even when cases fail)."""
+    return f"python -m kmesh run {stage} --profile {PROFILE} --out {{output.result}} > {{log}} 2>&1"
+
+
+def all_outputs():
+    return [result(s) for s in STAGES] + [
+        f"{RESULTS}/{PROFILE}/tables/summary.md",
+        f"{RESULTS}/{PROFILE}/plots/summary.png",
+    ]

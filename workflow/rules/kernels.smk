@@ -1,0 +1,14 @@
+# Compile every kernels/*.cu for sm_90 (and load them where the profile has a GPU).
+rule kernels:
+    input:
+        sources=result("sources"),
+        cu=sorted(glob_wildcards("kernels/{name}.cu").name and expand("kernels/{name}.cu", name=glob_wildcards("kernels/{name}.cu").name)),
+    output:
+        result=result("kernels"),
+    log:
+        logfile("kernels"),
+    resources:
+        gpu=GPU,
+        mem_mb=2000,
+    shell:
+        kmesh_run("kernels")
