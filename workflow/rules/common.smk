@@ -1,4 +1,6 @@
 # Shared definitions: profile, paths, and what `rule all` asks for.
+import glob
+
 from snakemake.utils import validate
 
 validate(config, "../../config/config.schema.yaml")

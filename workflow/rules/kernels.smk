@@ -2,7 +2,7 @@
 rule kernels:
     input:
         sources=result("sources"),
-        cu=sorted(glob_wildcards("kernels/{name}.cu").name and expand("kernels/{name}.cu", name=glob_wildcards("kernels/{name}.cu").name)),
+        cu=sorted(glob.glob("kernels/*.cu")),
     output:
         result=result("kernels"),
     log:

@@ -1,0 +1,1 @@
+"""Tables and plots rendered from result files (never from anything else)."""

@@ -1,0 +1,58 @@
+"""Plots where a reader would rather look than read: stage outcomes, per-pair differences."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: pipelines and CI have no display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def _save(fig: Any, base: Path, formats: Iterable[str]) -> list[Path]:
+    base.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for fmt in formats:
+        p = base.with_suffix(f".{fmt}")
+        # Fixed metadata so reruns on identical inputs give identical SVG/PNG bytes.
+        fig.savefig(p, dpi=120, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else {"Software": None})
+        out.append(p)
+    plt.close(fig)
+    return out
+
+
+def summary_plot(summary: pd.DataFrame, base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(summary) + 2), 3.2))
+    if len(summary):
+        x = range(len(summary))
+        bottom = [0] * len(summary)
+        for col, color in (("passed", "#3a7d44"), ("failed", "#c0392b"), ("skipped", "#b0b0b0")):
+            vals = summary[col].tolist()
+            ax.bar(x, vals, bottom=bottom, color=color, label=col)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(list(x), summary["stage"].tolist(), rotation=20)
+        ax.legend(frameon=False, fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no stage results yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("cases")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)
+
+
+def paired_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Per-pair differences (B − A) for every part, with the median marked."""
+    a, b = timing["arms"]["A"], timing["arms"]["B"]
+    parts = list(timing["summary"])
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(parts) + 1.5), 3.2))
+    for i, part in enumerate(parts):
+        diffs = [d * 1e3 for d in timing["summary"][part]["diffs"]]
+        ax.scatter([i] * len(diffs), diffs, s=14, alpha=0.7, color="#34495e")
+        med = timing["summary"][part]["median_diff"] * 1e3
+        ax.hlines(med, i - 0.25, i + 0.25, color="#c0392b")
+    ax.axhline(0, color="grey", lw=0.6)
+    ax.set_xticks(range(len(parts)), parts)
+    ax.set_ylabel(f"{b} − {a} per pair [ms]")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)

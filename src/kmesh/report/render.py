@@ -1,0 +1,57 @@
+"""Render every stage result of a profile into results/<profile>/tables and results/<profile>/plots."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kmesh.config import Config
+from kmesh.errors import ResultError
+from kmesh.report import plots, tables
+from kmesh.result import load_result
+from kmesh.stages import STAGES
+
+
+def collect_results(cfg: Config) -> tuple[list[dict[str, Any]], list[str]]:
+    """Result files present for this profile, in pipeline order, plus problems with unreadable ones."""
+    base = cfg.results_dir / cfg.profile
+    found, problems = [], []
+    for stage in STAGES:
+        if stage == "report":
+            continue
+        p = base / stage / "result.json"
+        if not p.exists():
+            continue
+        try:
+            found.append(load_result(p))
+        except ResultError as e:
+            problems.append(str(e))
+    return found, problems
+
+
+def render_all(cfg: Config) -> list[Path]:
+    rep = cfg.section("report")
+    fmts, pfmts = rep.get("formats", ["md", "csv", "tex"]), rep.get("plots", ["png", "svg"])
+    tdir = cfg.results_dir / cfg.profile / "tables"
+    pdir = cfg.results_dir / cfg.profile / "plots"
+    results, problems = collect_results(cfg)
+    written: list[Path] = []
+
+    summary = tables.summary_frame(results)
+    caption = f"KMesh stage results, profile {cfg.profile}."
+    if problems:
+        caption += " Unreadable result files: " + "; ".join(problems)
+    written += tables.write_table(summary, tdir / "summary", fmts, caption)
+    written += plots.summary_plot(summary, pdir / "summary", pfmts, f"KMesh {cfg.profile}: cases per stage")
+
+    for r in results:
+        stage = r["stage"]
+        written += tables.write_table(tables.cases_frame(r), tdir / f"{stage}_cases", fmts,
+                                      f"Stage {stage}: every case and its outcome.")
+        for name, timing in r.get("timings", {}).items():
+            if not isinstance(timing, dict) or timing.get("kind") != "paired":
+                continue
+            base = f"{stage}_{name}"
+            written += tables.write_table(tables.paired_frame(timing), tdir / base, fmts,
+                                          f"Stage {stage}, {name}: " + tables.paired_caption(timing))
+            written += plots.paired_plot(timing, pdir / base, pfmts, f"{stage} / {name}: per-pair differences")
+    return written

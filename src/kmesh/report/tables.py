@@ -1,0 +1,88 @@
+"""Tables from result files: stage summary, per-case table, paired-timing tables (DESIGN §5).
+
+Every paired table carries its design in a caption line: pairs, order, per-pair statistic, nesting.
+Times are shown in milliseconds; differences are B − A, ratios B / A.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+
+def summary_frame(results: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for r in results:
+        s, prov = r["summary"], r["provenance"]
+        status = "FAILED" if s["failed"] else ("passed" if not s["skipped"] else "passed (with skips)")
+        if not s["cases"]:
+            status = "no cases"
+        kmesh = prov.get("kmesh", {})
+        rows.append({
+            "stage": r["stage"], "status": status, "cases": s["cases"], "passed": s["passed"],
+            "failed": s["failed"], "skipped": s["skipped"],
+            "revision": (kmesh.get("rev") or "unknown")[:12] + ("+dirty" if kmesh.get("dirty") else ""),
+            "hardware": prov.get("gpu") or prov.get("cpu"), "torch": prov.get("torch"),
+            "finished": prov.get("end"),
+        })
+    return pd.DataFrame(rows)
+
+
+def cases_frame(result: dict[str, Any]) -> pd.DataFrame:
+    rows = []
+    for c in result["cases"]:
+        failed_checks = [k for k, v in c["checks"].items() if v.get("ok") is False]
+        rows.append({
+            "case": c["id"],
+            "result": {True: "pass", False: "FAIL", None: "skip"}[c["passed"]],
+            "checks": sum(v.get("ok") is not None for v in c["checks"].values()),
+            "failed checks": ", ".join(failed_checks),
+            "note": (c.get("skipped") or (c.get("error") or "").splitlines()[0] if c.get("error") or c.get("skipped") else ""),
+            "seconds": round(c["seconds"], 3) if c.get("seconds") is not None else None,
+        })
+    return pd.DataFrame(rows)
+
+
+def paired_frame(timing: dict[str, Any]) -> pd.DataFrame:
+    """One row per timed part: medians of A and B, median paired difference and ratio, pairs B faster."""
+    a, b = timing["arms"]["A"], timing["arms"]["B"]
+    nesting = timing["design"].get("nesting", {})
+    rows = []
+    for part, s in timing["summary"].items():
+        parent = nesting.get(part)
+        rows.append({
+            "part": part + (f" (⊂ {parent})" if parent else ""),
+            f"{a} median [ms]": s["median_a"] * 1e3,
+            f"{b} median [ms]": s["median_b"] * 1e3,
+            f"median Δ ({b} − {a}) [ms]": s["median_diff"] * 1e3,
+            f"median ratio {b}/{a}": s["median_ratio"],
+            f"{b} faster": f"{s['b_faster']}/{s['pairs']}",
+        })
+    return pd.DataFrame(rows)
+
+
+def paired_caption(timing: dict[str, Any]) -> str:
+    d = timing["design"]
+    return (f"{d['pairs']} matched pairs after {d['warmup']} warm-up pair(s), order {d['order']}; "
+            f"per pair the {d['per_pair']}; Δ and ratio are medians over pairs; nested parts are never added.")
+
+
+def write_table(df: pd.DataFrame, base: Path, formats: Iterable[str], caption: str = "") -> list[Path]:
+    """Write df as base.md / base.csv / base.tex; returns the paths written."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for fmt in formats:
+        p = base.with_suffix(f".{fmt}")
+        if fmt == "md":
+            text = df.to_markdown(index=False, floatfmt=".4g") if len(df) else "_(no rows)_"
+            p.write_text((f"{caption}\n\n" if caption else "") + text + "\n")
+        elif fmt == "csv":
+            df.to_csv(p, index=False)
+        elif fmt == "tex":
+            p.write_text(df.to_latex(index=False, float_format="%.4g", caption=caption or None,
+                                     escape=True) if len(df) else "% no rows\n")
+        else:
+            raise ValueError(f"unknown table format {fmt!r}")
+        out.append(p)
+    return out

@@ -1,0 +1,99 @@
+"""Stage `kernels`: compile every kernels/*.cu for the configured target and, with a GPU, load it.
+
+Outputs results/<profile>/kernels/<name>.cubin (what kmesh.cuda loads). Without nvcc the compile
+cases are *skipped* with "no nvcc" — never passed. Load cases run only where CUDA is available.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from kmesh.config import Config
+from kmesh.result import Result
+
+_KERNEL_NAME = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(')
+
+
+def kernel_entry_points(source: str) -> list[str]:
+    """Names of the extern "C" __global__ functions a .cu file defines (what a loader looks up)."""
+    return _KERNEL_NAME.findall(source)
+
+
+def nvcc_version(nvcc: str) -> str | None:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    m = re.search(r"release ([0-9.]+)", out.stdout)
+    return m.group(1) if m else out.stdout.strip().splitlines()[-1:][0] if out.stdout else None
+
+
+def compile_cubin(nvcc: str, gencode: str, src: Path, out: Path) -> dict[str, object]:
+    """nvcc -cubin; returns the command, ptxas resource report and return code."""
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v", *shlex.split(gencode),
+           str(src), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return {"cmd": " ".join(cmd), "returncode": proc.returncode,
+            "ptxas": [ln.strip() for ln in proc.stderr.splitlines() if "ptxas" in ln][-12:],
+            "stderr_tail": proc.stderr[-2000:] if proc.returncode else ""}
+
+
+def run(cfg: Config) -> Result:
+    res = Result.begin("kernels", cfg)
+    sec = cfg.section("kernels")
+    src_dir = cfg.path(sec["sources"])
+    out_dir = cfg.stage_dir("kernels")
+    nvcc = shutil.which(sec["nvcc"]) or (sec["nvcc"] if Path(sec["nvcc"]).is_file() else None)
+    sources = sorted(src_dir.glob("*.cu"))
+    res.extra["nvcc"] = nvcc
+    res.extra["nvcc_version"] = nvcc_version(nvcc) if nvcc else None
+    res.extra["gencode"] = sec["gencode"]
+
+    with res.case("inventory", {"dir": str(src_dir)}) as c:
+        c.record("sources", [s.name for s in sources])
+        if not sources:
+            c.skip(f"no kernels/*.cu in {src_dir}")
+        c.check("every_source_has_entry_point",
+                all(kernel_entry_points(s.read_text()) for s in sources),
+                {s.name: kernel_entry_points(s.read_text()) for s in sources})
+
+    cuda_ok = False
+    try:
+        import torch
+
+        cuda_ok = torch.cuda.is_available()
+    except ImportError:
+        pass
+
+    for src in sources:
+        cubin = out_dir / f"{src.stem}.cubin"
+        with res.case(f"compile:{src.stem}", {"source": src.name, "gencode": sec["gencode"]}) as c:
+            if nvcc is None:
+                c.skip(f"no nvcc ({sec['nvcc']!r} not found on PATH)")
+            cubin.unlink(missing_ok=True)  # a stale cubin must never pass for a fresh one
+            info = compile_cubin(nvcc, sec["gencode"], src, cubin)
+            c.record("build", info)
+            c.check("nvcc_ok", info["returncode"] == 0, info["stderr_tail"] or None)
+            c.check("cubin_written", cubin.is_file() and cubin.stat().st_size > 0,
+                    cubin.stat().st_size if cubin.is_file() else None)
+        with res.case(f"load:{src.stem}", {"cubin": str(cubin)}) as c:
+            if cfg.profile != "cuda" or not cuda_ok:
+                c.skip("no CUDA device in this profile/machine: compiled only")
+            if not cubin.is_file():
+                raise FileNotFoundError(f"{cubin} was not built")
+            import cupy
+
+            module = cupy.RawModule(path=str(cubin))
+            names = kernel_entry_points(src.read_text())
+            found = {}
+            for n in names:
+                try:
+                    module.get_function(n)
+                    found[n] = True
+                except Exception as e:  # report which symbol is missing, keep checking the rest
+                    found[n] = f"{type(e).__name__}: {e}"
+            c.check("entry_points_load", all(v is True for v in found.values()), found)
+    return res

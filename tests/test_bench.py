@@ -1,0 +1,100 @@
+"""The matched-pair harness: statistics on known inputs, order alternation, warm-up exclusion, nesting."""
+import time
+
+import pytest
+
+from kmesh.bench import Intervals, TimingError, paired_stats, run_pairs
+
+
+def test_paired_stats_known_values():
+    s = paired_stats([1.0, 2.0, 3.0], [2.0, 2.0, 1.0])
+    assert s["diffs"] == [1.0, 0.0, -2.0]
+    assert s["median_diff"] == 0.0
+    assert s["ratios"] == [2.0, 1.0, pytest.approx(1 / 3)]
+    assert s["median_ratio"] == 1.0
+    assert s["b_faster"] == 1
+    assert s["median_a"] == 2.0 and s["median_b"] == 2.0
+
+
+def test_paired_stats_is_median_of_differences_not_difference_of_medians():
+    a = [10.0, 1.0, 5.0, 7.0]
+    b = [1.0, 9.0, 4.0, 6.0]
+    s = paired_stats(a, b)
+    # diffs: -9, 8, -1, -1 -> median -1 ; difference of medians would be 5 - 6 = -1 too, so pick a sharper case
+    assert s["median_diff"] == -1.0
+    s2 = paired_stats([1.0, 100.0, 3.0], [2.0, 1.0, 6.0])
+    # diffs 1, -99, 3 -> median 1 ; medians: a=3, b=2 -> difference of medians -1
+    assert s2["median_diff"] == 1.0
+    assert s2["median_b"] - s2["median_a"] == -1.0
+    assert s2["b_faster"] == 1
+
+
+def test_paired_stats_rejects_unmatched():
+    with pytest.raises(TimingError):
+        paired_stats([1.0], [1.0, 2.0])
+    with pytest.raises(TimingError):
+        paired_stats([], [])
+
+
+def test_run_pairs_alternates_order_and_drops_warmup():
+    calls = []
+
+    def fn(arm, child, iv):
+        calls.append((arm, child))
+        with iv.part("outer"):
+            with iv.part("inner"):
+                pass
+
+    t = run_pairs(fn, ("A", "B"), children=["c1", "c2"], pairs=4, warmup=2, progress=False)
+    assert len(t.pairs) == 4
+    assert [p["order"] for p in t.pairs] == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+    # 6 pairs in all (2 warm-up) x 2 arms x 2 children
+    assert len(calls) == 24
+    assert t.parents == {"inner": "outer", "outer": None}
+    s = t.summary()
+    assert set(s) == {"outer", "inner"} and s["outer"]["pairs"] == 4
+
+
+def test_run_pairs_per_pair_value_is_median_over_children():
+    delays = {"A": {"x": 0.0, "y": 0.0, "z": 0.03}, "B": {"x": 0.01, "y": 0.01, "z": 0.01}}
+
+    def fn(arm, child, iv):
+        with iv.part("work"):
+            time.sleep(delays[arm][child])
+
+    t = run_pairs(fn, ("A", "B"), children=["x", "y", "z"], pairs=3, warmup=0, progress=False)
+    s = t.summary()["work"]
+    # A's median child is ~0 s (the 30 ms outlier is not the median); B's is ~10 ms.
+    assert s["median_a"] < 0.005
+    assert 0.009 < s["median_b"] < 0.05
+    assert s["b_faster"] == 0
+
+
+def test_intervals_sum_repeats_and_reject_bad_nesting():
+    iv = Intervals("cpu")
+    for _ in range(3):
+        with iv.part("read"):
+            time.sleep(0.002)
+    assert iv.seconds()["read"] >= 0.006
+    iv2 = Intervals("cpu")
+    with iv2.part("a"):
+        with iv2.part("b"):
+            pass
+    with pytest.raises(TimingError):
+        with iv2.part("b"):  # b was nested under a before; now at top level
+            pass
+    with pytest.raises(TimingError):
+        Intervals("tpu")
+
+
+@pytest.mark.gpu
+def test_intervals_cuda_events():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = torch.randn(1 << 24, device="cuda")
+    iv = Intervals("cuda")
+    with iv.part("copy"):
+        y = x.clone()
+    assert iv.seconds()["copy"] > 0
+    del y

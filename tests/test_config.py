@@ -1,0 +1,77 @@
+"""Config loading: profile overlay, validation errors that name the field."""
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kmesh.config import load_config
+from kmesh.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    return tmp_path
+
+
+def _edit(tree, fn):
+    p = tree / "config" / "config.yaml"
+    data = yaml.safe_load(p.read_text())
+    fn(data)
+    p.write_text(yaml.safe_dump(data))
+
+
+def test_default_and_cuda_profiles_validate():
+    cpu = load_config(root=ROOT)
+    assert cpu.profile == "cpu" and cpu.section("synthetic")["device"] == "cpu"
+    cuda = load_config(profile="cuda", root=ROOT)
+    assert cuda.profile == "cuda" and cuda.section("synthetic")["device"] == "cuda"
+    assert cpu.digest() != cuda.digest()
+
+
+def test_bad_type_names_the_field(tree):
+    _edit(tree, lambda d: d["timing"].__setitem__("pairs", "seven"))
+    with pytest.raises(ConfigError, match=r"'timing\.pairs'.*not of type 'integer'"):
+        load_config(root=tree)
+
+
+def test_unknown_key_names_the_key(tree):
+    _edit(tree, lambda d: d["kernels"].__setitem__("gencodes", "x"))
+    with pytest.raises(ConfigError, match=r"'kernels\.gencodes'"):
+        load_config(root=tree)
+
+
+def test_out_of_range_and_bad_pattern(tree):
+    _edit(tree, lambda d: d["timing"].__setitem__("pairs", 1))
+    with pytest.raises(ConfigError, match=r"'timing\.pairs'.*minimum"):
+        load_config(root=tree)
+    _edit(tree, lambda d: (d["timing"].__setitem__("pairs", 7), d["kernels"].__setitem__("gencode", "-arch=sm_90")))
+    with pytest.raises(ConfigError, match=r"'kernels\.gencode'"):
+        load_config(root=tree)
+
+
+def test_unknown_profile_and_missing_file(tree):
+    with pytest.raises(ConfigError, match="profile"):
+        load_config(profile="tpu", root=tree)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(config_path=tree / "nope.yaml", root=tree)
+
+
+def test_overrides_are_validated_too():
+    with pytest.raises(ConfigError, match=r"'seed'"):
+        load_config(root=ROOT, overrides={"seed": -1})
+    cfg = load_config(root=ROOT, overrides={"seed": 5})
+    assert cfg.seed == 5
+
+
+def test_cli_reports_bad_config_clearly(tree, capsys, monkeypatch):
+    from kmesh.cli import main
+
+    _edit(tree, lambda d: d["model"]["smollm2"].__setitem__("max_new_tokens", 0))
+    monkeypatch.setenv("KMESH_ROOT", str(tree))
+    assert main(["run", "kernels"]) == 2
+    err = capsys.readouterr().err
+    assert "model.smollm2.max_new_tokens" in err and "minimum" in err

@@ -1,0 +1,49 @@
+"""Report rendering: tables carry the paired statistics of the result file, plots are written."""
+import pandas as pd
+
+from kmesh.bench import PairedTiming
+from kmesh.config import load_config
+from kmesh.result import Result
+
+
+def _timing() -> PairedTiming:
+    t = PairedTiming("staging", "direct", warmup=1)
+    # Three pairs, one child each: A = 10, 20, 30 ms; B = 5, 25, 12 ms.
+    for a, b, order in ((0.010, 0.005, ["staging", "direct"]), (0.020, 0.025, ["direct", "staging"]),
+                        (0.030, 0.012, ["staging", "direct"])):
+        t.pairs.append({"order": order, "staging": {"read": [a], "outer": [2 * a]},
+                        "direct": {"read": [b], "outer": [2 * b]}})
+    t.parents = {"read": "outer", "outer": None}
+    return t
+
+
+def test_render_paired_table_and_plots(tmp_path):
+    cfg = load_config(overrides={"results_dir": str(tmp_path)})
+    res = Result.begin("drain", cfg)
+    with res.case("c1") as c:
+        c.check("ok", True)
+    with res.case("c2") as c:
+        c.check("ok", False)
+    res.timings["storage"] = _timing().to_dict()
+    res.write(tmp_path / "cpu" / "drain" / "result.json")
+
+    from kmesh.stages.report import run
+
+    out = run(cfg)
+    assert out.ok, [c.to_dict() for c in out.cases]
+    tables = tmp_path / "cpu" / "tables"
+    df = pd.read_csv(tables / "drain_storage.csv")
+    read = df[df["part"].str.startswith("read")].iloc[0]
+    # diffs: -5, +5, -18 ms -> median -5 ms; ratios 0.5, 1.25, 0.4 -> median 0.5; direct faster in 2 of 3
+    assert abs(read["median Δ (direct − staging) [ms]"] - (-5.0)) < 1e-9
+    assert abs(read["median ratio direct/staging"] - 0.5) < 1e-12
+    assert read["direct faster"] == "2/3"
+    assert "⊂ outer" in read["part"]
+    md = (tables / "drain_storage.md").read_text()
+    assert "3 matched pairs after 1 warm-up" in md
+    summary = pd.read_csv(tables / "summary.csv")
+    assert summary.loc[summary.stage == "drain", "status"].item() == "FAILED"
+    for ext in ("png", "svg"):
+        assert (tmp_path / "cpu" / "plots" / f"drain_storage.{ext}").stat().st_size > 1000
+        assert (tmp_path / "cpu" / "plots" / f"summary.{ext}").stat().st_size > 1000
+    assert (tables / "drain_cases.tex").read_text().startswith("\\begin{table}")
