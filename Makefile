@@ -1,0 +1,24 @@
+# The two commands of README.md. Both set up .venv from requirements/cpu.lock first (idempotent).
+SHELL := /bin/bash
+VENV := .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export LMCACHE_TRACK_USAGE := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: env pipeline test doctor lock
+
+env:
+	scripts/setup-env.sh
+
+pipeline: env  ## run every stage on the CPU profile, then tables + plots
+	snakemake --cores all $(SNAKEMAKE_ARGS)
+
+test: env  ## the test suite (CI runs exactly this)
+	KMESH_REQUIRE_VLLM=1 python -m pytest -q $(PYTEST_ARGS)
+
+doctor: env
+	python -m kmesh doctor
+
+lock:  ## regenerate requirements/cpu.lock from requirements/cpu.in
+	$(VENV)/bin/python scripts/lock.py cpu

@@ -1,0 +1,370 @@
+"""The copy engine: submit() accepts a copy and returns a Ticket; drain() waits until accepted copies have
+PHYSICALLY finished and only then drops the holds on their buffers.
+
+Completion is never "the call returned":
+- CPU: copies run on one worker thread (FIFO); a ticket is finished when that thread has stopped copying it.
+- CUDA: copies run on a side stream that first waits for the producer (the caller's current stream, or the
+  `after` stream/event), so the producer's earlier writes are visible; a ticket is finished when all its
+  chunks are issued and a CUDA event recorded after them has completed.
+Holds: while a ticket is pending, its source and destination are held (refcounted, by byte range);
+release() of a held buffer raises BufferHeldError. A drain that fails (refused, timed out, completion check
+failed) drops nothing; a failed copy is never resubmitted, it is reported as failed once it has stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+
+from kmesh.transfer.errors import (BufferHeldError, CompletionCheckError, DrainRefusedError, DrainTimeoutError,
+                                   EngineClosedError, SubmitError, TransferArgumentError, TransferError)
+from kmesh.transfer.faults import ChunkGate, FaultPlan
+from kmesh.transfer.holds import Hold, HoldTable, span_of
+from kmesh.transfer.ledger import SharedLedger
+
+TicketState = Literal["pending", "done", "failed"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One accepted copy. state: pending (accepted, holds on) → done | failed (drained, holds off)."""
+
+    id: int
+    owner: str
+    nbytes: int
+    route: str  # e.g. "cuda:0->cpu"
+    state: TicketState = "pending"
+    error: str | None = None
+    chunks_done: int = 0  # chunks copied (CPU) or issued to the stream (CUDA)
+    chunks_total: int = 1
+    _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
+    _event: object | None = field(default=None, repr=False)  # torch.cuda.Event after the last chunk
+    _copy_error: str | None = field(default=None, repr=False)
+    _ledger_slots: list[int] = field(default_factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Ticket(id={self.id}, owner={self.owner!r}, state={self.state}, {self.route}, {self.nbytes} B)"
+
+
+@dataclass
+class DrainReport:
+    done: list[Ticket]
+    failed: list[Ticket]
+    seconds: float
+    holds_released: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class _Job:
+    ticket: Ticket
+    src: torch.Tensor  # flat byte views
+    dst: torch.Tensor
+    after: object | None
+    chunk: int
+
+
+_ids = itertools.count(1)
+
+
+class TransferEngine:
+    def __init__(self, device: str = "cpu", faults: FaultPlan | None = None, *,
+                 gate: ChunkGate | None = None, ledger: SharedLedger | None = None) -> None:
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise TransferArgumentError(f"device must be cpu or cuda[:N], got {device!r}")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise TransferArgumentError("a cuda TransferEngine needs a CUDA device; none is available")
+            dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        self.device = dev
+        self.faults = faults or FaultPlan()
+        self._chunked = faults is not None or gate is not None
+        self.gate = gate
+        self.ledger = ledger
+        self._holds = HoldTable()
+        self._lock = threading.Lock()
+        self._tickets: dict[int, Ticket] = {}
+        self._closed = False
+        self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+
+    # -- submit -------------------------------------------------------------------------------------
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, *, owner: str, after: object | None = None) -> Ticket:
+        """Accept an async copy src -> dst (same number of bytes, both contiguous); holds go on both.
+
+        after: what the source's producer must finish first. CUDA: a torch.cuda.Stream or Event (default: the
+        caller's current stream); CPU: a threading.Event or an earlier Ticket (default: nothing, CPU writes
+        made before submit are already visible). Raises TransferArgumentError before accepting anything, or
+        SubmitError after accepting (its .pending holds the ticket: drain it).
+        """
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if not isinstance(owner, str) or not owner:
+            raise TransferArgumentError(f"owner must be a non-empty string, got {owner!r}")
+        s, d = self._byte_views(src, dst)
+        chunk = self.faults.chunk_bytes if self._chunked else max(s.numel(), 1)
+        if chunk <= 0:
+            raise TransferArgumentError(f"chunk_bytes must be > 0, got {chunk}")
+        t = Ticket(id=next(_ids), owner=owner, nbytes=s.numel(), route=f"{src.device}->{dst.device}",
+                   chunks_total=max(1, -(-s.numel() // chunk)))
+        producer = self._producer(after)
+        self._hold(t, src, "src")
+        self._hold(t, dst, "dst")
+        with self._lock:
+            self._tickets[t.id] = t
+        job = _Job(t, s, d, producer, chunk)
+        if self.device.type == "cuda":
+            self._submit_cuda(job)
+        else:
+            self._enqueue(job)
+        if self.faults.take("fail_after_submit"):
+            raise SubmitError("submit failed after the copy was accepted (injected fault)", [t])
+        return t
+
+    def _byte_views(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for name, x in (("src", src), ("dst", dst)):
+            if not isinstance(x, torch.Tensor):
+                raise TransferArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if not x.is_contiguous():
+                raise TransferArgumentError(f"{name} must be contiguous (shape {tuple(x.shape)}, "
+                                            f"stride {x.stride()})")
+            if x.device.type == "cuda" and (self.device.type != "cuda" or x.device != self.device):
+                raise TransferArgumentError(f"{name} is on {x.device}, this engine copies on {self.device}")
+            if x.device.type not in ("cpu", "cuda"):
+                raise TransferArgumentError(f"{name} is on unsupported device {x.device}")
+        nb_s, nb_d = src.numel() * src.element_size(), dst.numel() * dst.element_size()
+        if nb_s != nb_d:
+            raise TransferArgumentError(f"src has {nb_s} bytes, dst {nb_d}; a copy moves equal byte counts")
+        if span_of(src).overlaps(span_of(dst)) and nb_s:
+            raise TransferArgumentError("src and dst overlap")
+        return src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+
+    def _producer(self, after: object | None) -> object | None:
+        if self.device.type == "cuda":
+            if after is None:
+                return torch.cuda.current_stream(self.device)
+            if isinstance(after, (torch.cuda.Stream, torch.cuda.Event)):
+                return after
+            if isinstance(after, Ticket):
+                return after._event
+        else:
+            if after is None or isinstance(after, (threading.Event, Ticket)):
+                return after
+        raise TransferArgumentError(f"after= must be a producer stream/event (cuda) or threading.Event/Ticket "
+                                    f"(cpu), got {type(after).__name__}")
+
+    def _hold(self, t: Ticket, x: torch.Tensor, role: str) -> None:
+        span = span_of(x)
+        self._holds.add(Hold(t.id, role, span))
+        if self.ledger is not None and x.device.type == "cpu":
+            from kmesh.shm import segment_at
+
+            hit = segment_at(span.start, max(span.end - span.start, 1))
+            if hit is not None:
+                seg, off = hit
+                t._ledger_slots.append(self.ledger.add(t.id, seg.tag, off, off + span.end - span.start, role))
+
+    # -- the copy itself ----------------------------------------------------------------------------
+    def _enqueue(self, job: _Job) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="kmesh-transfer", daemon=True)
+            self._worker.start()
+        self._queue.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            t = job.ticket
+            try:
+                self._copy_chunks(job)
+            except Exception as e:  # the copy stopped; drain reports it failed, never retries it
+                t._copy_error = f"{type(e).__name__}: {e}"
+            finally:
+                if self.device.type == "cuda" and self._stream is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)  # after every chunk that was issued
+                    t._event = ev
+                t._stopped.set()
+
+    def _copy_chunks(self, job: _Job) -> None:
+        t, f = job.ticket, self.faults
+        if self.device.type == "cpu":
+            if isinstance(job.after, threading.Event):
+                job.after.wait()
+            elif isinstance(job.after, Ticket):
+                job.after._stopped.wait()
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with stream_ctx:
+            for i in range(t.chunks_total):
+                if f.fail_copy_at_chunk is not None and i >= f.fail_copy_at_chunk:
+                    raise TransferError(f"copy failed at chunk {i} (injected fault)")
+                if self.gate is not None:
+                    self.gate.wait()
+                a, b = i * job.chunk, min((i + 1) * job.chunk, job.src.numel())
+                job.dst[a:b].copy_(job.src[a:b], non_blocking=self._stream is not None)
+                t.chunks_done = i + 1
+                if f.kill_after_chunks is not None and t.chunks_done >= f.kill_after_chunks:
+                    if self._stream is not None:
+                        self._stream.synchronize()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    def _submit_cuda(self, job: _Job) -> None:
+        s = self._stream
+        assert s is not None
+        # Order the side stream after the producer now, in the submitting thread (current streams are per thread).
+        if isinstance(job.after, torch.cuda.Stream):
+            s.wait_stream(job.after)
+        elif isinstance(job.after, torch.cuda.Event):
+            s.wait_event(job.after)
+        for x in (job.src, job.dst):
+            if x.device.type == "cuda":
+                x.record_stream(s)  # the caching allocator must not reuse the block before the copy ends
+        job.after = None
+        if self._chunked:
+            self._enqueue(job)  # chunks issued one by one by the worker (gate, chunk faults)
+            return
+        t = job.ticket
+        with torch.cuda.stream(s):
+            job.dst.copy_(job.src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        t._event = ev
+        t.chunks_done = 1
+        t._stopped.set()
+
+    # -- completion and drain -----------------------------------------------------------------------
+    def _finished(self, t: Ticket) -> bool:
+        """Has the copy physically stopped? Never guesses: a failing check raises CompletionCheckError."""
+        if self.faults.take("fail_completion_check"):
+            raise CompletionCheckError(f"completion check of ticket {t.id} failed (injected fault)", [t])
+        if not t._stopped.is_set():
+            return False
+        if t._event is not None:
+            try:
+                return bool(t._event.query())  # type: ignore[attr-defined]
+            except RuntimeError as e:
+                raise CompletionCheckError(f"completion check of ticket {t.id} failed: {e}", [t]) from e
+        return True
+
+    def _wait(self, t: Ticket, deadline: float | None) -> bool:
+        delay = 1e-5
+        while not self._finished(t):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if not t._stopped.is_set():
+                t._stopped.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            else:
+                time.sleep(delay)  # waiting on a CUDA event: poll with backoff (bounded by the deadline)
+                delay = min(delay * 2, 1e-3)
+        return True
+
+    def drain(self, tickets: Iterable[Ticket] | None = None, *, owner: str | None = None,
+              timeout: float | None = None) -> DrainReport:
+        """Wait until the selected pending tickets (given ones, else owner's, else all) have physically finished,
+        then drop their holds. Finishes accepted work only; never resubmits a failed copy.
+
+        Raises DrainRefusedError (injected) / DrainTimeoutError / CompletionCheckError; their .pending lists
+        the tickets still held. Tickets that did finish before the failure are finalized (holds dropped).
+        """
+        t0 = time.perf_counter()
+        sel = self._select(tickets, owner)
+        if self.faults.take("refuse_first_drain"):
+            raise DrainRefusedError("drain refused (injected fault); holds kept", sel)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done: list[Ticket] = []
+        failed: list[Ticket] = []
+        released = 0
+        for i, t in enumerate(sel):
+            try:
+                ok = self._wait(t, deadline)
+            except CompletionCheckError as e:
+                raise CompletionCheckError(str(e.args[0]).split(" (pending")[0], sel[i:]) from e
+            if not ok:
+                raise DrainTimeoutError(f"drain timed out after {timeout} s; copies still running", sel[i:])
+            released += self._finalize(t)
+            (failed if t.state == "failed" else done).append(t)
+        return DrainReport(done, failed, time.perf_counter() - t0, released)
+
+    def _select(self, tickets: Iterable[Ticket] | None, owner: str | None) -> list[Ticket]:
+        with self._lock:
+            if tickets is not None:
+                sel = list(tickets)
+                for t in sel:
+                    if not isinstance(t, Ticket) or self._tickets.get(t.id) is not t:
+                        if isinstance(t, Ticket) and t.state != "pending":
+                            continue
+                        raise TransferArgumentError(f"{t!r} is not a ticket of this engine")
+                sel = [t for t in sel if t.state == "pending"]
+                if owner is not None:
+                    sel = [t for t in sel if t.owner == owner]
+            else:
+                sel = [t for t in self._tickets.values() if owner is None or t.owner == owner]
+        return sorted(set(sel), key=lambda t: t.id)
+
+    def _finalize(self, t: Ticket) -> int:
+        t.state = "failed" if t._copy_error else "done"
+        t.error = t._copy_error
+        gone = self._holds.drop_ticket(t.id)
+        if self.ledger is not None:
+            for slot in t._ledger_slots:
+                self.ledger.remove(slot, t.id)
+        t._ledger_slots.clear()
+        with self._lock:
+            self._tickets.pop(t.id, None)
+        return len(gone)
+
+    # -- holds ----------------------------------------------------------------------------------------
+    def holds(self, t: torch.Tensor) -> int:
+        """Live holds overlapping the bytes of t."""
+        return len(self._holds.over(span_of(t)))
+
+    def live_holds(self) -> int:
+        return len(self._holds)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Declare that the caller is done with t. Raises BufferHeldError while any pending ticket holds it."""
+        held = self._holds.over(span_of(t))
+        if held:
+            ids = {h.ticket_id for h in held}
+            with self._lock:
+                pend = [self._tickets[i] for i in sorted(ids) if i in self._tickets]
+            sp = span_of(t)
+            raise BufferHeldError(f"buffer [{sp.start:#x}, {sp.end:#x}) on {sp.device} is held by {len(held)} "
+                                  f"hold(s); drain its tickets first", pend)
+
+    def pending(self, owner: str | None = None) -> list[Ticket]:
+        with self._lock:
+            return sorted((t for t in self._tickets.values() if owner is None or t.owner == owner),
+                          key=lambda t: t.id)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Drain everything (raises like drain, engine stays usable for a retry), then stop the worker."""
+        if self.pending():
+            self.drain(timeout=timeout)
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

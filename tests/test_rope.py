@@ -1,0 +1,359 @@
+"""kmesh.rope: shifting cached keys equals fresh rotation at the new position.
+
+References are independent of the code under test: a float64 complex-number rotation written here
+(pairs as complex numbers times e^{i·p·ω}), and, under the `vllm` marker, vLLM 0.32's own get_rope
+tables and forward (its CPU op and forward_native).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kmesh.errors import KMeshError
+from kmesh.rope import (
+    RopeConfig,
+    RopeError,
+    RopeRangeError,
+    apply_rotation,
+    measure_accuracy,
+    rotate,
+    shift,
+    shift_tables,
+)
+
+MAX32K = 32768
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "max_trained_positions": 16384}
+
+# (id, RopeConfig): SmolLM2 / Qwen2 shapes, both pairings, partial rotary, every scaling type;
+# all tables reach at least 32k positions.
+CONFIGS = {
+    "smollm2": RopeConfig(64, 64, 1e5, "neox", None, MAX32K),
+    "qwen2": RopeConfig(64, 64, 1e6, "neox", None, MAX32K),
+    "gptj": RopeConfig(64, 64, 1e4, "gptj", None, MAX32K),
+    "partial-neox": RopeConfig(80, 32, 1e4, "neox", None, MAX32K),
+    "partial-gptj": RopeConfig(80, 32, 1e4, "gptj", None, MAX32K),
+    "llama3": RopeConfig(128, 128, 5e5, "neox", LLAMA3, MAX32K),
+    "yarn": RopeConfig(64, 64, 1e6, "neox", YARN, MAX32K),
+    "linear": RopeConfig(64, 64, 1e4, "neox", LINEAR, MAX32K),
+    "dynamic": RopeConfig(64, 64, 1e4, "neox", DYNAMIC, MAX32K),
+}
+
+
+def ref_rotate(x: torch.Tensor, pos: torch.Tensor, rope: RopeConfig, mscale: float = 1.0) -> torch.Tensor:
+    """float64 rotation through complex numbers: a second code path, not kmesh.rope's."""
+    x = x.to(torch.float64)
+    rd, half = rope.rotary_dim, rope.rotary_dim // 2
+    xr = x[..., :rd]
+    if rope.style == "neox":
+        z = torch.complex(xr[..., :half], xr[..., half:])
+    else:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    angle = pos.to(torch.float64)[:, None] * rope.inv_freq()[None, :]
+    z = z * torch.polar(torch.full_like(angle, mscale), angle)[:, None, :]
+    out = x.clone()
+    if rope.style == "neox":
+        out[..., :rd] = torch.cat((z.real, z.imag), dim=-1)
+    else:
+        out[..., :rd] = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    return out
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor, rd: int) -> torch.Tensor:
+    """Per (token, head) relative L2 error over the rotary channels."""
+    d = got[..., :rd].to(torch.float64) - ref[..., :rd]
+    return d.norm(dim=-1) / ref[..., :rd].norm(dim=-1)
+
+
+def positions_pair(n: int, max_pos: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randint(0, max_pos, (n,), generator=g)
+    new = torch.randint(0, max_pos, (n,), generator=g)
+    # Always include the longest forward and backward moves, and a zero move.
+    old[:3] = torch.tensor([0, max_pos - 1, 77])
+    new[:3] = torch.tensor([max_pos - 1, 0, 77])
+    return old, new
+
+
+# --- (a) float64 reference ------------------------------------------------------------------------
+
+def test_inv_freq_default_matches_closed_form():
+    rope = CONFIGS["smollm2"]
+    i = torch.arange(32, dtype=torch.float64)
+    closed = 1e5 ** (-2 * i / 64)
+    assert rope.inv_freq().dtype == torch.float64 and rope.inv_freq().shape == (32,)
+    # float32 frequency (as vLLM computes it), widened: within float32 rounding of the exact value
+    assert torch.allclose(rope.inv_freq(), closed, rtol=3e-7, atol=0)
+
+
+def test_scaled_inv_freq_shapes_the_way_each_method_says():
+    base = RopeConfig(64, 64, 1e4, "neox", None, MAX32K).inv_freq()
+    assert torch.equal(CONFIGS["linear"].inv_freq(), base / 4.0)
+    # dynamic (vLLM's static NTK form): a larger base -> every frequency but the first slower
+    dyn = CONFIGS["dynamic"].inv_freq()
+    assert dyn[0] == base[0] and bool((dyn[1:] < base[1:]).all())
+    assert torch.equal(RopeConfig(64, 64, 1e4, "neox", {"rope_type": "dynamic", "factor": 2.0}, MAX32K).inv_freq(),
+                       base)  # without max_trained_positions vLLM's formula leaves the base unchanged
+    # llama3: wavelength < orig/high_freq keeps ω; > orig/low_freq divides it by the factor
+    l3, l3_base = CONFIGS["llama3"].inv_freq(), RopeConfig(128, 128, 5e5, "neox", None, MAX32K).inv_freq()
+    wavelen = 2 * math.pi / l3_base
+    assert torch.equal(l3[wavelen < 8192 / 4], l3_base[wavelen < 8192 / 4])
+    assert torch.allclose(l3[wavelen > 8192], l3_base[wavelen > 8192] / 8, rtol=1e-6)
+    # yarn: fastest channels extrapolate (unchanged), slowest interpolate (÷ factor)
+    y, y_base = CONFIGS["yarn"].inv_freq(), RopeConfig(64, 64, 1e6, "neox", None, MAX32K).inv_freq()
+    assert torch.equal(y[:3], y_base[:3])
+    assert torch.allclose(y[-3:], y_base[-3:] / 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fresh_rotate_matches_float64_reference(name):
+    rope = CONFIGS[name]
+    x = torch.randn(64, 3, rope.head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos, _ = positions_pair(64, MAX32K, 2)
+    m = rope.attention_mscale()
+    assert torch.allclose(rotate(x, pos, rope), ref_rotate(x, pos, rope, m), rtol=0, atol=1e-12)
+    err = rel_l2(rotate(x.float(), pos, rope), ref_rotate(x.float(), pos, rope, m), rope.rotary_dim)
+    assert float(err.max()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp32_shift_within_1e5_up_to_32k(name):
+    rope = CONFIGS[name]
+    n = 512
+    x = torch.randn(n, 3, rope.head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    old, new = positions_pair(n, MAX32K, 4)
+    assert bool((new < old).any()) and bool((new > old).any())  # backward and forward shifts
+    m = rope.attention_mscale()
+    cached = ref_rotate(x, old, rope, m).float()
+    moved = shift(cached, old, new, rope)
+    assert moved.dtype == torch.float32 and moved.shape == cached.shape
+    err = rel_l2(moved, ref_rotate(x, new, rope, m), rope.rotary_dim)
+    assert float(err.max()) <= 1e-5, f"{name}: max relative error {float(err.max()):.3g} at 32k"
+    # non-rotary channels untouched
+    assert torch.equal(moved[..., rope.rotary_dim:], cached[..., rope.rotary_dim:])
+
+
+def test_pairing_matters_neox_vs_gptj():
+    """A shift with the wrong pairing is far off: the reference check above can tell them apart."""
+    neox, gptj = CONFIGS["gptj"], RopeConfig(64, 64, 1e4, "neox", None, MAX32K)
+    x = torch.randn(16, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    old, new = positions_pair(16, 4096, 6)
+    cached = ref_rotate(x, old, neox)
+    wrong = shift(cached, old, new, gptj)
+    assert float(rel_l2(wrong, ref_rotate(x, new, neox), 64)[3:].min()) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["partial-neox", "partial-gptj"])
+def test_non_rotary_channels_bit_identical(name, dtype):
+    rope = CONFIGS[name]
+    k = torch.randn(32, 2, rope.head_dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+    # special values in the pass-through channels must survive bit for bit
+    k[0, 0, rope.rotary_dim:rope.rotary_dim + 4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    before = k.clone()
+    old, new = positions_pair(32, MAX32K, 8)
+    out = shift(k, old, new, rope)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    assert torch.equal(out[..., rope.rotary_dim:].view(bits), k[..., rope.rotary_dim:].view(bits))
+    assert torch.equal(k.view(bits), before.view(bits))  # input not modified
+    assert out.data_ptr() != k.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_shift_is_identity(dtype):
+    rope = CONFIGS["yarn"]  # mscale must not leak into a shift
+    k = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(9)).to(dtype)
+    pos = torch.tensor([0, 1, 5, 100, 4096, 20000, 32766, 32767])
+    assert torch.equal(shift(k, pos, pos, rope), k)
+
+
+# --- (b) one rotation from the original positions, never chained ----------------------------------
+
+def test_tables_depend_only_on_the_move():
+    rope = CONFIGS["qwen2"]
+    old, new = positions_pair(64, MAX32K // 2, 10)
+    c1, s1 = shift_tables(old, new, rope)
+    c2, s2 = shift_tables(old + 16000, new + 16000, rope)
+    assert c1.dtype == torch.float32 and c1.shape == (64, 32)
+    assert torch.equal(c1, c2) and torch.equal(s1, s2)
+    d = (new - old).double()[:, None] * rope.inv_freq()[None, :]
+    assert torch.equal(c1, torch.cos(d).float()) and torch.equal(s1, torch.sin(d).float())
+
+
+def test_shift_equals_direct_rotation_not_a_chain():
+    """Moving by d = sum of many small moves: one rotation by d stays at fp32 rounding; chaining the
+    small moves accumulates error ~100x larger. The shift must be the former."""
+    rope = CONFIGS["smollm2"]
+    x = torch.randn(4, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    old = torch.tensor([0, 10, 1000, 30000])
+    steps = 400
+    new = old + steps
+    cached = ref_rotate(x, old, rope).float()
+    ref = ref_rotate(x, new, rope)
+    direct = shift(cached, old, new, rope)
+    chained, cur = cached, old
+    for _ in range(steps):
+        chained = shift(chained, cur, cur + 1, rope)
+        cur = cur + 1
+    assert torch.equal(cur, new)
+    direct_err = float(rel_l2(direct, ref, 64).max())
+    chained_err = float(rel_l2(chained, ref, 64).max())
+    assert direct_err <= 3e-7
+    assert chained_err > 10 * direct_err
+
+
+def test_float64_angles_are_needed_at_32k():
+    """The same shift with angles formed in float32 (new·ω - old·ω) breaks the 1e-5 bound at 32k,
+    so the bound above really tests the float64 angle path."""
+    rope = CONFIGS["smollm2"]
+    x = torch.randn(64, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    old, new = positions_pair(64, MAX32K, 13)
+    cached = ref_rotate(x, old, rope).float()
+    w = rope.inv_freq().float()
+    angle32 = new.float()[:, None] * w - old.float()[:, None] * w
+    naive = apply_rotation(cached, torch.cos(angle32), torch.sin(angle32), rope)
+    ref = ref_rotate(x, new, rope)
+    assert float(rel_l2(naive, ref, 64).max()) > 1e-4
+    assert float(rel_l2(shift(cached, old, new, rope), ref, 64).max()) <= 1e-6
+
+
+def test_round_trip_returns_the_key():
+    rope = CONFIGS["llama3"]
+    k = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(14))
+    old, new = positions_pair(32, MAX32K, 15)
+    back = shift(shift(k, old, new, rope), new, old, rope)
+    assert float(rel_l2(back, k.double(), 128).max()) <= 1e-6
+
+
+# --- yarn mscale trap ------------------------------------------------------------------------------
+
+def test_yarn_mscale_is_not_applied_by_shift():
+    rope = CONFIGS["yarn"]
+    m = rope.attention_mscale()
+    assert m == pytest.approx(0.1 * math.log(4.0) + 1.0)  # ~1.139 for factor 4
+    assert CONFIGS["qwen2"].attention_mscale() == 1.0
+    x = torch.randn(64, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+    old, new = positions_pair(64, MAX32K, 17)
+    cached = ref_rotate(x, old, rope, m).float()  # engine-made key: carries mscale once
+    ref = ref_rotate(x, new, rope, m)
+    ours = shift(cached, old, new, rope)
+    assert float(rel_l2(ours, ref, 64).max()) <= 1e-5
+    # shift is a pure rotation: norms preserved
+    assert torch.allclose(ours.double().norm(dim=-1), cached.double().norm(dim=-1), rtol=1e-6)
+    # re-using an mscale-carrying table for the move applies mscale twice: a ~14% error
+    c, s = shift_tables(old, new, rope)
+    trap = apply_rotation(cached, c * m, s * m, rope)
+    trap_err = rel_l2(trap, ref, 64)
+    assert 0.13 < float(trap_err.min()) and float(trap_err.max()) < 0.15
+
+
+# --- (c) errors ------------------------------------------------------------------------------------
+
+def test_positions_out_of_range():
+    rope = CONFIGS["smollm2"]
+    k = torch.zeros(2, 1, 64)
+    ok = torch.tensor([0, MAX32K - 1])
+    for bad in (torch.tensor([0, MAX32K]), torch.tensor([-1, 5])):
+        with pytest.raises(RopeRangeError, match="outside"):
+            shift(k, bad, ok, rope)
+        with pytest.raises(RopeRangeError):
+            shift(k, ok, bad, rope)
+        with pytest.raises(RopeRangeError):
+            rotate(k, bad, rope)
+    assert issubclass(RopeRangeError, RopeError) and issubclass(RopeError, KMeshError)
+
+
+def test_bad_shapes_and_types():
+    rope = CONFIGS["partial-neox"]
+    k = torch.zeros(3, 2, 80)
+    p3 = torch.tensor([0, 1, 2])
+    cases = [
+        lambda: shift(k, p3, torch.tensor([0, 1]), rope),               # length mismatch
+        lambda: shift(k[:2], p3, p3, rope),                             # tokens vs positions
+        lambda: shift(torch.zeros(3, 2, 64), p3, p3, rope),             # wrong head_dim
+        lambda: shift(torch.zeros(80), p3, p3, rope),                   # no token axis
+        lambda: shift(k.to(torch.uint8), p3, p3, rope),                 # raw bytes (fp8 storage)
+        lambda: shift(k, p3.float(), p3, rope),                         # float positions
+        lambda: shift(k, p3[None], p3[None], rope),                     # 2-D positions
+        lambda: apply_rotation(k, torch.ones(3, 15), torch.zeros(3, 16), rope),
+        lambda: apply_rotation(k, torch.ones(3, 16), torch.zeros(3, 16, device="meta"), rope),
+        lambda: rotate(k, torch.tensor([0, 1]), rope),
+    ]
+    for i, bad in enumerate(cases):
+        with pytest.raises(RopeError):
+            bad()
+            pytest.fail(f"case {i} did not raise")
+    assert torch.equal(k, torch.zeros(3, 2, 80))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(head_dim=64, rotary_dim=63, theta=1e4, style="neox", scaling=None, max_position=10),
+    dict(head_dim=64, rotary_dim=128, theta=1e4, style="neox", scaling=None, max_position=10),
+    dict(head_dim=64, rotary_dim=64, theta=1e4, style="rot", scaling=None, max_position=10),
+    dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling=None, max_position=0),
+    dict(head_dim=64, rotary_dim=64, theta=0.5, style="neox", scaling=None, max_position=10),
+    dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling={"rope_type": "longrope"}, max_position=10),
+    dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling={"rope_type": "yarn", "factor": 4.0},
+         max_position=10),
+    dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling={"rope_type": "linear", "factor": -1.0},
+         max_position=10),
+])
+def test_bad_config(kwargs):
+    with pytest.raises(RopeError):
+        RopeConfig(**kwargs)
+
+
+# --- HF config reading -----------------------------------------------------------------------------
+
+def test_from_hf_config_dicts():
+    smol = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000.0,
+            "max_position_embeddings": 8192, "rope_scaling": None}
+    assert RopeConfig.from_hf_config(smol) == RopeConfig(64, 64, 1e5, "neox", None, 8192)
+    qwen_yarn = {"hidden_size": 896, "num_attention_heads": 14, "max_position_embeddings": 32768,
+                 "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 32768}}
+    r = RopeConfig.from_hf_config(qwen_yarn)
+    assert (r.head_dim, r.rotary_dim, r.theta, r.max_position, r.scaling_type) == (64, 64, 1e6, 131072, "yarn")
+    legacy_linear = {"head_dim": 128, "hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 1e4,
+                     "max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
+                     "rope_scaling": {"type": "linear", "factor": 2.0}}
+    r = RopeConfig.from_hf_config(legacy_linear)
+    assert (r.head_dim, r.rotary_dim, r.max_position, r.scaling) == (128, 64, 8192, {"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(RopeError):
+        RopeConfig.from_hf_config({"hidden_size": 64, "num_attention_heads": 1})  # no max_position_embeddings
+
+
+def test_measure_accuracy_reports_what_it_measures():
+    rope = CONFIGS["qwen2"]
+    r32 = measure_accuracy(rope, torch.float32, MAX32K, 256, seed=0)
+    assert r32["shift_exact_max_rel_l2"] <= 1e-5 and r32["shift_fresh_max_rel_l2"] <= 1e-5
+    r16 = measure_accuracy(rope, torch.bfloat16, MAX32K, 256, seed=0)
+    # bf16 errors are rounding-sized: within a few unit roundoffs, far above fp32's
+    u = r16["unit_roundoff"]
+    assert 100 * r32["shift_exact_max_rel_l2"] < r16["shift_exact_max_rel_l2"] <= 2 * u
+    assert r16["shift_fresh_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u
+    # a fresh rotation that is wrong shows up in the numbers (the measurement can fail)
+    bad = measure_accuracy(rope, torch.float32, MAX32K, 64, seed=0,
+                           fresh=lambda x, p: rotate(x, torch.clamp(p + 1, max=MAX32K - 1), rope))
+    assert bad["fresh_max_rel_l2"] > 1e-3
+    with pytest.raises(RopeRangeError):
+        measure_accuracy(rope, torch.float32, MAX32K + 1, 8, seed=0)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    rope = CONFIGS["partial-gptj"]
+    k = torch.randn(64, 2, 80, generator=torch.Generator().manual_seed(18))
+    old, new = positions_pair(64, MAX32K, 19)
+    cpu = shift(k, old, new, rope)
+    gpu = shift(k.cuda(), old.cuda(), new.cuda(), rope)
+    assert gpu.device.type == "cuda"
+    assert torch.allclose(gpu.cpu(), cpu, rtol=0, atol=1e-6)
+    assert torch.equal(gpu.cpu()[..., 32:], k[..., 32:])
+    r = measure_accuracy(rope, torch.bfloat16, MAX32K, 128, seed=0, device="cuda")
+    assert r["shift_exact_max_rel_l2"] <= 2 * r["unit_roundoff"]

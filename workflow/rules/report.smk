@@ -1,0 +1,23 @@
+# Render tables (md/csv/tex) and plots (png/svg) from every stage result of this profile.
+rule report:
+    input:
+        stages=[result(s) for s in STAGES],
+    output:
+        result=result("report"),
+        summary_table=report(
+            f"{RESULTS}/{PROFILE}/tables/summary.md",
+            caption="../report/summary_table.rst",
+            category="Summary",
+        ),
+        summary_plot=report(
+            f"{RESULTS}/{PROFILE}/plots/summary.png",
+            caption="../report/summary_plot.rst",
+            category="Summary",
+        ),
+    log:
+        logfile("report"),
+    resources:
+        gpu=0,
+        mem_mb=2000,
+    shell:
+        kmesh_run("report")
