@@ -357,3 +357,204 @@ def test_cuda_matches_cpu():
     assert torch.equal(gpu.cpu()[..., 32:], k[..., 32:])
     r = measure_accuracy(rope, torch.bfloat16, MAX32K, 128, seed=0, device="cuda")
     assert r["shift_exact_max_rel_l2"] <= 2 * r["unit_roundoff"]
+
+
+# --- (d) against vLLM 0.32's own rotary embedding ---------------------------------------------------
+# HF-shaped configs (transformers-5 `rope_parameters`), fed unchanged to RopeConfig.from_hf_config and,
+# as the Llama/Qwen2 model code does, to vLLM's get_rope(head_dim, max_position_embeddings, ...).
+
+def _hf(hidden: int, heads: int, max_pos: int, **rope_parameters) -> dict:
+    return {"hidden_size": hidden, "num_attention_heads": heads, "max_position_embeddings": max_pos,
+            "rope_parameters": rope_parameters}
+
+
+VLLM_CASES = {
+    "smollm2": (_hf(576, 9, 8192, rope_theta=1e5, rope_type="default"), True),
+    "qwen2.5": (_hf(896, 14, 32768, rope_theta=1e6, rope_type="default"), True),
+    "llama3.1": (_hf(4096, 32, 131072, rope_theta=5e5, **LLAMA3), True),
+    "qwen2-yarn": (_hf(896, 14, 32768, rope_theta=1e6, rope_type="yarn", factor=4.0,
+                       original_max_position_embeddings=32768), True),
+    "linear": (_hf(2048, 32, 8192, rope_theta=1e4, rope_type="linear", factor=4.0), True),
+    "dynamic": (_hf(2048, 32, 32768, rope_theta=1e4, rope_type="dynamic", factor=2.0,
+                    max_trained_positions=16384), True),
+    "partial-gptj": (_hf(1280, 16, 32768, rope_theta=1e4, rope_type="default", partial_rotary_factor=0.5), False),
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_get_rope():
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        yield get_rope
+
+
+def _pair(name: str, get_rope, dtype=torch.float32):
+    import dataclasses
+
+    cfg, neox = VLLM_CASES[name]
+    rope = RopeConfig.from_hf_config(cfg)
+    if not neox:
+        rope = dataclasses.replace(rope, style="gptj")
+    theirs = get_rope(rope.head_dim, max_position=cfg["max_position_embeddings"], is_neox_style=neox,
+                      rope_parameters=cfg["rope_parameters"], dtype=dtype)
+    return rope, theirs
+
+
+def _vllm_fresh(theirs, path: str):
+    """vLLM's fresh rotation of keys x [T, H, D]: the dispatched CPU op, or forward_native."""
+    def fresh(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        t, h, d = x.shape
+        q, k = x.reshape(t, h * d).clone(), x.reshape(t, h * d).clone()
+        fn = theirs if path == "cpu_op" else theirs.forward_native
+        _, k = fn(pos, q, k)
+        return k.reshape(t, h, d)
+    return fresh
+
+
+def _angle_bound(rope: RopeConfig, pos: torch.Tensor) -> torch.Tensor:
+    # vLLM forms angles in float32: |error| <= 2^-24·p·ω per rounding (two roundings for linear's p/f);
+    # a rotation error δ moves a vector by |δ| relative.
+    return (2.0 ** -23 * pos.double() * float(rope.inv_freq().max()) + 2e-6)[:, None]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(VLLM_CASES))
+def test_tables_match_vllm(name, vllm_get_rope):
+    rope, theirs = _pair(name, vllm_get_rope)
+    cache = theirs.cos_sin_cache
+    assert rope.max_position == cache.shape[0]
+    assert rope.attention_mscale() == pytest.approx(getattr(theirs, "mscale", 1.0), rel=1e-12)
+    half = rope.rotary_dim // 2
+    rows = torch.cat([torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(20))[:2048],
+                      torch.arange(cache.shape[0] - 8, cache.shape[0])])
+    # vLLM's float32 angle, re-formed from OUR frequencies: matches to cos/sin rounding only if our
+    # float32 frequencies equal vLLM's bit for bit (one ulp off moves angle ~1e5 by ~1e-2).
+    w = rope.inv_freq()
+    if rope.scaling_type == "linear":
+        f = rope.scaling["factor"]
+        angle32 = (rows.float() / f)[:, None] * (w * f).float()[None, :]
+    else:
+        angle32 = rows.float()[:, None] * w.float()[None, :]
+    m = rope.attention_mscale()
+    a = angle32.double()
+    assert torch.allclose(cache[rows, :half].double(), torch.cos(a) * m, rtol=0, atol=3e-7)
+    assert torch.allclose(cache[rows, half:].double(), torch.sin(a) * m, rtol=0, atol=3e-7)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(VLLM_CASES))
+def test_fresh_rotation_matches_vllm_fp32(name, vllm_get_rope, record_property):
+    rope, theirs = _pair(name, vllm_get_rope)
+    n = 256
+    top = min(rope.max_position, MAX32K)
+    x = torch.randn(n, 2, rope.head_dim, generator=torch.Generator().manual_seed(21))
+    pos, _ = positions_pair(n, top, 22)
+    ref = ref_rotate(x, pos, rope, rope.attention_mscale())
+    ours = rotate(x, pos, rope)
+    for path in ("cpu_op", "native"):
+        got = _vllm_fresh(theirs, path)(x, pos)
+        assert torch.equal(got[..., rope.rotary_dim:], x[..., rope.rotary_dim:])
+        assert bool((rel_l2(got, ours.double(), rope.rotary_dim) <= _angle_bound(rope, pos)).all()), path
+        record_property(f"vllm_{path}_fp32_max_rel_l2", float(rel_l2(got, ref, rope.rotary_dim).max()))
+    ours_err = float(rel_l2(ours, ref, rope.rotary_dim).max())
+    assert ours_err <= 1e-5
+    record_property("ours_fp32_fresh_max_rel_l2", ours_err)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(VLLM_CASES))
+def test_bf16_shift_no_worse_than_vllm_fresh_bf16(name, vllm_get_rope, record_property):
+    rope, theirs = _pair(name, vllm_get_rope, torch.bfloat16)
+    top = min(rope.max_position, MAX32K)
+    r32 = measure_accuracy(rope, torch.float32, top, 512, seed=23)
+    assert r32["shift_exact_max_rel_l2"] <= 1e-5 and r32["shift_fresh_max_rel_l2"] <= 1e-5
+    lines = [f"{name}: fp32 shift max rel {r32['shift_exact_max_rel_l2']:.2e}"]
+    record_property("fp32_shift_max_rel_l2", r32["shift_exact_max_rel_l2"])
+    for path in ("cpu_op", "native"):
+        r = measure_accuracy(rope, torch.bfloat16, top, 512, seed=23, fresh=_vllm_fresh(theirs, path))
+        u = r["unit_roundoff"]  # one bf16 rounding, relative: the 1-ulp-level allowance
+        # keys cached by vLLM's own bf16 rotation at the old positions, then shifted by us
+        assert r["shift_fresh_max_rel_l2"] <= r["fresh_max_rel_l2"] + u
+        assert r["shift_fresh_mean_rel_l2"] <= r["fresh_mean_rel_l2"] + u
+        # keys rounded once from an exact rotation, then shifted by us
+        assert r["shift_exact_max_rel_l2"] <= r["fresh_max_rel_l2"] + u
+        for k in ("fresh_max_rel_l2", "shift_fresh_max_rel_l2", "shift_exact_max_rel_l2", "fresh_mean_rel_l2",
+                  "shift_fresh_mean_rel_l2"):
+            record_property(f"bf16_{path}_{k}", r[k])
+        lines.append(f"bf16 [{path}] vLLM fresh {r['fresh_max_rel_l2']:.2e} (mean {r['fresh_mean_rel_l2']:.2e}); "
+                     f"our shift of vLLM keys {r['shift_fresh_max_rel_l2']:.2e} "
+                     f"(mean {r['shift_fresh_mean_rel_l2']:.2e}); of exact keys {r['shift_exact_max_rel_l2']:.2e}")
+    print("\n  ".join(lines))
+
+
+@pytest.mark.vllm
+def test_yarn_mscale_trap_against_vllm(vllm_get_rope):
+    """Keys cached by vLLM's yarn rotation carry mscale; moving them with vLLM's own cos/sin cache
+    row for the move applies it twice (~14% off); our shift matches vLLM's fresh rotation."""
+    rope, theirs = _pair("qwen2-yarn", vllm_get_rope)
+    assert theirs.mscale == pytest.approx(1 + 0.1 * math.log(4.0))
+    n = 256
+    x = torch.randn(n, 2, rope.head_dim, generator=torch.Generator().manual_seed(24))
+    old, new = positions_pair(n, MAX32K, 25)
+    fresh = _vllm_fresh(theirs, "cpu_op")
+    cached, want = fresh(x, old), fresh(x, new)
+    ours = shift(cached, old, new, rope)
+    assert bool((rel_l2(ours, want.double(), 64) <= _angle_bound(rope, old) + _angle_bound(rope, new)).all())
+    fwd = new > old
+    cos_sin = theirs.cos_sin_cache[(new - old)[fwd]]
+    naive = apply_rotation(cached[fwd], cos_sin[:, :32], cos_sin[:, 32:], rope)
+    err = rel_l2(naive, want[fwd].double(), 64)
+    assert 0.13 < float(err.min()) and float(err.max()) < 0.15
+
+
+@pytest.mark.vllm
+def test_from_transformers_config_objects(vllm_get_rope):
+    from transformers import LlamaConfig, Qwen2Config
+
+    smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5,
+                       max_position_embeddings=8192)
+    assert RopeConfig.from_hf_config(smol) == RopeConfig(64, 64, 1e5, "neox", None, 8192)
+    qwen = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+                       rope_theta=1e6)
+    r = RopeConfig.from_hf_config(qwen)
+    theirs = vllm_get_rope(64, max_position=qwen.max_position_embeddings, rope_parameters=qwen.rope_parameters,
+                           dtype=torch.float32)
+    assert (r.theta, r.scaling_type, r.max_position) == (1e6, "yarn", theirs.cos_sin_cache.shape[0])
+    assert r.attention_mscale() == pytest.approx(theirs.mscale)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_equals_dequantize_rotate_requantize(fp8):
+    rope = CONFIGS["partial-neox"]
+    limit = torch.finfo(fp8).max
+    real = torch.randn(256, 2, 80, generator=torch.Generator().manual_seed(26)) * 3
+    old, new = positions_pair(256, MAX32K, 27)
+
+    def quant(v: torch.Tensor, scale: float) -> torch.Tensor:
+        return (v / scale).clamp(-limit, limit).to(fp8)
+
+    for scale, exact in ((2.0 ** -6, True), (float(real.abs().max()) / limit, False)):
+        q = quant(real, scale)
+        via_fp32 = quant(shift(q.float() * scale, old, new, rope), scale)
+        direct = shift(q, old, new, rope)
+        assert direct.dtype == fp8
+        a, b = direct.float(), via_fp32.float()
+        assert not bool(a.isnan().any() or a.isinf().any())
+        if exact:
+            assert torch.equal(direct.view(torch.uint8), via_fp32.view(torch.uint8))
+        else:  # double rounding through the scale may flip a tie: rare, and one fp8 step at most
+            differ = a != b
+            assert float(differ.float().mean()) < 1e-3
+            fi = torch.finfo(fp8)
+            step = torch.maximum(a.abs(), b.abs()).clamp(min=fi.tiny) * fi.eps  # one step, subnormals too
+            assert bool(((a - b).abs() <= step)[differ].all())
+        assert torch.equal(direct[..., 32:].view(torch.uint8), q[..., 32:].view(torch.uint8))
+    # a pair at the format's limit, turned by 1 rad, grows past it (cos 1 + sin 1 ≈ 1.38): saturate
+    k = torch.zeros(1, 1, 80, dtype=fp8)
+    k[0, 0, 0] = k[0, 0, 16] = limit
+    out = shift(k, torch.tensor([5]), torch.tensor([6]), rope).float()
+    assert out[0, 0, 16] == limit and torch.isfinite(out).all()

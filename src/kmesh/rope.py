@@ -11,8 +11,8 @@ already has it; a shift is a pure rotation and must not apply it again. `rotate`
 engine's semantics) applies it once; `shift` never does.
 
 Tensors: keys are [T, ..., head_dim] (tokens first, e.g. [T, H, D]); positions are integer [T].
-Everything works on CPU and CUDA tensors with plain torch ops. fp8 caches: dequantize to float32,
-shift, requantize with the same scale (the caller owns the scale; this module rejects integer dtypes).
+Everything works on CPU and CUDA tensors with plain torch ops. fp8 caches: pass the float8 view (not
+the uint8 storage, which is rejected); see apply_rotation for why the scale needs no handling here.
 """
 from __future__ import annotations
 
@@ -284,6 +284,9 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: 
 
     Math in float32 (float64 when x or the tables are float64), result in x.dtype; channels
     >= rotary_dim are copied bit for bit. Returns a new tensor; x is not modified.
+    fp8 x (float8_e4m3fn / e5m2 values) is rotated as stored and saturated to the format's range:
+    a scale shared by a channel pair (per tensor, token or head) cancels in a rotation, so this equals
+    dequantize -> rotate -> requantize with the same scale (bit for bit for power-of-two scales).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
         raise RopeError("x, cos and sin must be torch.Tensors")
@@ -310,6 +313,10 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: 
     o1 = x1 * c - x2 * s
     o2 = x2 * c + x1 * s
     rotated = torch.cat((o1, o2), dim=-1) if rope.style == "neox" else torch.stack((o1, o2), dim=-1).flatten(-2)
+    if x.dtype.itemsize == 1:
+        # fp8: a rotation can grow an element by up to √2; saturate like a quantizer instead of overflowing.
+        limit = torch.finfo(x.dtype).max
+        rotated = rotated.clamp(-limit, limit)
     out = x.clone()
     out[..., : rope.rotary_dim] = rotated.to(x.dtype)
     return out
@@ -318,9 +325,7 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: 
 def shift(k: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     """Move cached (already rotated) keys k [T, ..., head_dim] from old_pos to new_pos in one rotation."""
     cos, sin = shift_tables(old_pos, new_pos, rope)
-    if cos.device != k.device:
-        raise RopeError(f"k on {k.device} but positions on {cos.device}")
-    return apply_rotation(k, cos, sin, rope)
+    return apply_rotation(k, cos, sin, rope)  # checks k's shape, dtype and device against the tables
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -330,7 +335,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig) -> torch.
     (a float64 reference), else float32.
     """
     _check_positions(positions, rope, "positions")
-    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != positions.shape[0]:
+    if not isinstance(x, torch.Tensor):
+        raise RopeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() >= 1 and x.shape[0] != positions.shape[0]:
         raise RopeError(f"x has {x.shape[0]} tokens but positions has {positions.shape[0]}")
     table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = _tables(positions, rope, table_dtype, rope.attention_mscale())

@@ -126,10 +126,14 @@ class TransferEngine:
         with self._lock:
             self._tickets[t.id] = t
         job = _Job(t, s, d, producer, chunk)
-        if self.device.type == "cuda":
-            self._submit_cuda(job)
-        else:
-            self._enqueue(job)
+        try:
+            if self.device.type == "cuda":
+                self._submit_cuda(job)
+            else:
+                self._enqueue(job)
+        except Exception as e:  # nothing was enqueued: undo the holds, the ticket never existed
+            self._finalize(t)
+            raise TransferError(f"submit could not enqueue the copy: {type(e).__name__}: {e}") from e
         if self.faults.take("fail_after_submit"):
             raise SubmitError("submit failed after the copy was accepted (injected fault)", [t])
         return t
@@ -159,6 +163,10 @@ class TransferEngine:
             if isinstance(after, (torch.cuda.Stream, torch.cuda.Event)):
                 return after
             if isinstance(after, Ticket):
+                if after.id in self._tickets and self._tickets[after.id] is after:
+                    return None  # same side stream: FIFO order already puts this copy after it
+                if after._event is None:
+                    raise TransferArgumentError(f"producer {after!r} of another engine is not issued yet")
                 return after._event
         else:
             if after is None or isinstance(after, (threading.Event, Ticket)):
@@ -251,14 +259,14 @@ class TransferEngine:
     def _finished(self, t: Ticket) -> bool:
         """Has the copy physically stopped? Never guesses: a failing check raises CompletionCheckError."""
         if self.faults.take("fail_completion_check"):
-            raise CompletionCheckError(f"completion check of ticket {t.id} failed (injected fault)", [t])
+            raise CompletionCheckError(f"completion check of ticket {t.id} failed (injected fault)")
         if not t._stopped.is_set():
             return False
         if t._event is not None:
             try:
                 return bool(t._event.query())  # type: ignore[attr-defined]
             except RuntimeError as e:
-                raise CompletionCheckError(f"completion check of ticket {t.id} failed: {e}", [t]) from e
+                raise CompletionCheckError(f"completion check of ticket {t.id} failed: {e}") from e
         return True
 
     def _wait(self, t: Ticket, deadline: float | None) -> bool:
@@ -268,6 +276,8 @@ class TransferEngine:
                 return False
             if not t._stopped.is_set():
                 t._stopped.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            elif deadline is None and t._event is not None:
+                t._event.synchronize()  # type: ignore[attr-defined]
             else:
                 time.sleep(delay)  # waiting on a CUDA event: poll with backoff (bounded by the deadline)
                 delay = min(delay * 2, 1e-3)
@@ -293,7 +303,7 @@ class TransferEngine:
             try:
                 ok = self._wait(t, deadline)
             except CompletionCheckError as e:
-                raise CompletionCheckError(str(e.args[0]).split(" (pending")[0], sel[i:]) from e
+                raise CompletionCheckError(f"{e}; holds kept", sel[i:]) from e
             if not ok:
                 raise DrainTimeoutError(f"drain timed out after {timeout} s; copies still running", sel[i:])
             released += self._finalize(t)

@@ -1,0 +1,246 @@
+"""The one client of the cache service. Stages, workers and tests all talk to the service through this.
+
+    with ServiceClient.connect(socket_path, instance=3) as svc:
+        buf = HostBuffer(descriptor.nbytes(layout))
+        reg = svc.register_host(buf, alloc_id=buf.address, generation=1, layout=layout)
+        req = svc.save(reg, b"prefix-0", offset=0, nbytes=4096)
+        svc.wait(req)                       # the copy has physically finished
+        svc.close(reg)                      # closing -> drained -> released on the service
+
+Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
+service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
+Host-memory use does not import torch; CUDA registrations do.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kmesh.service import descriptor
+from kmesh.service.errors import (ConnectionLostError, ServiceUnavailableError, WaitTimeoutError,
+                                  error_from_reply)
+from kmesh.service.handles import HostBuffer, export_cuda, send_frame
+from kmesh.service.protocol import HEADER, MAGIC, VERSION, pack_frame, unpack_body
+
+
+@dataclass(frozen=True)
+class RegRef:
+    """What a client needs to name one of its registrations."""
+
+    reg: int
+    gen: int
+    layout_digest: bytes
+    kind: str
+    nbytes: int
+    device: int | None = None  # CUDA device of a cuda_ipc registration
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """Blocking read of one frame: (version, payload). ConnectionLostError on EOF."""
+    head = _read_exact(sock, HEADER.size)
+    magic, version, _nfds, length = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ConnectionLostError(f"service sent a frame with bad magic {magic!r}")
+    return version, _read_exact(sock, length)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionLostError("the service closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class ServiceClient:
+    def __init__(self, sock: socket.socket, timeout: float = 30.0) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self.token: bytes | None = None
+        self.client_id: int | None = None
+        self.heartbeat_s = 10.0
+        self.server_pid: int | None = None
+        self._hb_stop = threading.Event()
+        self._hb_paused = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.heartbeat_errors: list[str] = []
+
+    # -- connection ------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, socket_path: str | Path, timeout: float = 30.0) -> "ServiceClient":
+        """Connect without hello (ping, or a raw protocol session)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(timeout)
+        try:
+            s.connect(str(socket_path))
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            s.close()
+            raise ServiceUnavailableError(f"no kmesh service at {socket_path}: {e.strerror}") from None
+        return cls(s, timeout)
+
+    @classmethod
+    def connect(cls, socket_path: str | Path, instance: int = 0, name: str = "", heartbeat: bool = True,
+                timeout: float = 30.0) -> "ServiceClient":
+        """Connect and say hello: the service binds this connection to our kernel credentials and issues a
+        token that every later request carries."""
+        c = cls.open(socket_path, timeout)
+        try:
+            r = c.call("hello", instance=instance, name=name)
+        except BaseException:
+            c.sock.close()
+            raise
+        c.token, c.client_id, c.heartbeat_s = r["token"], r["client"], r["heartbeat_s"]
+        c.server_pid = r["server_pid"]
+        if heartbeat:
+            c._hb_thread = threading.Thread(target=c._heartbeats, name="kmesh-heartbeat", daemon=True)
+            c._hb_thread.start()
+        return c
+
+    def _heartbeats(self) -> None:
+        while not self._hb_stop.wait(self.heartbeat_s / 4):
+            if self._hb_paused.is_set():
+                continue
+            try:
+                self.call("heartbeat")
+            except Exception as e:  # the next real call reports the problem; keep a trace for tests
+                self.heartbeat_errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    def pause_heartbeats(self) -> None:
+        """Stop sending heartbeats (tests: make the service see this client go silent)."""
+        self._hb_paused.set()
+
+    def resume_heartbeats(self) -> None:
+        self._hb_paused.clear()
+
+    def close_connection(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(timeout=2)
+        self.sock.close()
+
+    def __enter__(self) -> "ServiceClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_connection()
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def call(self, op: str, _fds: list[int] = (), _timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """One request/reply. Raises the typed ServiceError of an error reply."""
+        body = {"op": op, "seq": 0, **fields}
+        if self.token is not None and op not in ("hello", "ping"):
+            body.setdefault("token", self.token)
+        reply = self.raw(body, _fds, timeout=_timeout)
+        if reply.get("ok") is True:
+            return reply["result"]
+        err = reply.get("error") or {}
+        raise error_from_reply(err.get("code"), err.get("message"))
+
+    def raw(self, body: dict[str, Any], fds: list[int] = (), version: int = VERSION,
+            timeout: float | None = None) -> dict[str, Any]:
+        """Send one message (any body: tests use this for malformed ones) and return the decoded reply."""
+        with self._lock:
+            seq = next(self._seq) & 0xFFFFFFFF
+            ours = body.get("seq") == 0
+            if ours:
+                body = {**body, "seq": seq}
+            self.sock.settimeout(timeout or self.timeout)
+            try:
+                send_frame(self.sock, pack_frame(body, nfds=len(fds), version=version), list(fds))
+                _, payload = read_frame(self.sock)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise ConnectionLostError(f"connection to the service lost: {e}") from None
+            except socket.timeout:
+                raise ConnectionLostError(f"no reply from the service within {timeout or self.timeout} s") from None
+            reply = unpack_body(payload)
+            if ours and reply.get("seq") not in (seq, None):
+                raise ConnectionLostError(f"reply for seq {reply.get('seq')} while waiting for {seq}")
+            return reply
+
+    # -- operations ------------------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def heartbeat(self) -> dict[str, Any]:
+        return self.call("heartbeat")
+
+    def register_host(self, buf: HostBuffer, alloc_id: int, generation: int, layout: dict[str, Any],
+                      activate: bool = True) -> RegRef:
+        layout = descriptor.validate(layout)
+        r = self.call("register", _fds=[buf.fd], alloc_id=alloc_id, generation=generation, kind="memfd",
+                      nbytes=buf.nbytes, layout=layout)
+        ref = RegRef(r["reg"], r["gen"], r["layout_digest"], "memfd", buf.nbytes)
+        if activate:
+            self.activate(ref)
+        return ref
+
+    def register_cuda(self, tensor: Any, alloc_id: int, generation: int, layout: dict[str, Any],
+                      activate: bool = True) -> RegRef:
+        layout = descriptor.validate(layout)
+        nbytes = tensor.numel() * tensor.element_size()
+        h = export_cuda(tensor)
+        r = self.call("register", alloc_id=alloc_id, generation=generation, kind="cuda_ipc", nbytes=nbytes,
+                      layout=layout, cuda=h)
+        ref = RegRef(r["reg"], r["gen"], r["layout_digest"], "cuda_ipc", nbytes, device=h["device"])
+        if activate:
+            self.activate(ref)
+        return ref
+
+    def activate(self, ref: RegRef) -> str:
+        return self.call("activate", reg=ref.reg, gen=ref.gen)["state"]
+
+    def close(self, ref: RegRef) -> dict[str, Any]:
+        return self.call("close", reg=ref.reg, gen=ref.gen)
+
+    def save(self, ref: RegRef, key: bytes, offset: int, nbytes: int) -> int:
+        """Copy bytes of our registered memory into a new immutable original `key`; returns the request id."""
+        if ref.kind == "cuda_ipc":
+            import torch
+
+            torch.cuda.synchronize(ref.device)  # our writes must be complete before the service reads
+        return self.call("save", reg=ref.reg, gen=ref.gen, layout_digest=ref.layout_digest, key=key,
+                         offset=offset, nbytes=nbytes)["req"]
+
+    def load(self, ref: RegRef, key: bytes, offset: int) -> int:
+        """Copy original `key` into our registered memory at offset (a private copy); returns the request id."""
+        return self.call("load", reg=ref.reg, gen=ref.gen, layout_digest=ref.layout_digest, key=key,
+                         offset=offset)["req"]
+
+    def poll(self, req: int) -> dict[str, Any]:
+        return self.call("wait", req=req, timeout_s=0.0)
+
+    def wait(self, req: int, timeout: float = 30.0) -> dict[str, Any]:
+        """Until the request's copy has physically finished (done/failed/cancelled). WaitTimeoutError if it
+        is still running after `timeout` (it keeps running)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            slice_s = max(0.0, min(left, self.heartbeat_s / 4, 30.0))
+            r = self.call("wait", req=req, timeout_s=slice_s, _timeout=slice_s + self.timeout)
+            if r["state"] != "running":
+                return r
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"request {req} still running after {timeout} s "
+                                       f"({r['chunks_done']}/{r['chunks_total']} chunks)")
+
+    def cancel(self, req: int) -> dict[str, Any]:
+        return self.call("cancel", req=req)
+
+    def evict(self, key: bytes | None = None) -> dict[str, Any]:
+        return self.call("evict", **({"key": key} if key is not None else {}))
+
+    def status(self, scope: str = "self") -> dict[str, Any]:
+        return self.call("status", scope=scope)
+
+    def shutdown(self) -> dict[str, Any]:
+        return self.call("shutdown")

@@ -1,0 +1,200 @@
+"""Accepted copy requests: their byte-range reservations, and the engines that run them.
+
+A request is accepted only after every check passed; from then on it is "work in flight" that nothing
+cancels part-way: cancel, close, heartbeat loss or client death only mean nobody wants the result, while the
+copy itself runs to completion (kmesh.transfer never abandons an accepted copy). The request's byte range in
+the client's registration stays reserved until the engine has drained its ticket — a cancelled load's
+destination cannot be handed to another copy while the first may still be writing it.
+
+Completion: one watcher thread per engine blocks in `engine.drain([ticket])` (physical completion: finished
+host copy / CUDA event) and then wakes the server's selector through a pipe. The server mutates the registry
+only from its own thread, when it collects finished jobs.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kmesh.service.errors import CapacityError, DestinationBusyError, UnknownRequestError
+from kmesh.transfer import ChunkGate, FaultPlan, SubmitError, TransferEngine, TransferError
+
+
+@dataclass(eq=False)
+class CopyJob:
+    req_id: int
+    client_id: int
+    kind: str                      # "load" (object -> client memory) | "save" (client memory -> object)
+    reg: Any                       # Registration
+    obj: Any                       # store Original
+    offset: int
+    nbytes: int
+    state: str = "running"         # running -> done | failed | cancelled
+    cancel_requested: bool = False
+    error: str | None = None
+    ticket: Any = None
+    drain_errors: int = 0
+    accepted_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    tensors: tuple[Any, ...] = ()  # src, dst: alive until the engine drained the ticket
+
+    @property
+    def terminal(self) -> bool:
+        return self.state != "running"
+
+    def describe(self) -> dict[str, Any]:
+        return {"req": self.req_id, "kind": self.kind, "reg": self.reg.reg_id, "key": self.obj.key,
+                "offset": self.offset, "nbytes": self.nbytes, "state": self.state,
+                "cancel_requested": self.cancel_requested, "error": self.error,
+                "chunks_done": getattr(self.ticket, "chunks_done", 0),
+                "chunks_total": getattr(self.ticket, "chunks_total", 0)}
+
+
+class Reservations:
+    """Byte ranges of registrations that accepted copies read (shared) or write (exclusive)."""
+
+    def __init__(self) -> None:
+        self._by_reg: dict[int, list[tuple[int, int, bool, int]]] = {}
+
+    def check(self, reg_id: int, start: int, end: int, writes: bool) -> None:
+        for s, e, w, req in self._by_reg.get(reg_id, ()):
+            if s < end and start < e and (w or writes):
+                raise DestinationBusyError(f"bytes [{start}, {end}) of registration {reg_id} overlap request {req} "
+                                           f"({'writing' if w else 'reading'} [{s}, {e})), which has not drained")
+
+    def add(self, reg_id: int, start: int, end: int, writes: bool, req_id: int) -> None:
+        self._by_reg.setdefault(reg_id, []).append((start, end, writes, req_id))
+
+    def remove(self, reg_id: int, req_id: int) -> None:
+        left = [r for r in self._by_reg.get(reg_id, ()) if r[3] != req_id]
+        if left:
+            self._by_reg[reg_id] = left
+        else:
+            self._by_reg.pop(reg_id, None)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self._by_reg.values())
+
+
+class _Lane:
+    """One engine and the thread that waits for its tickets in submission order."""
+
+    def __init__(self, engine: TransferEngine, done: "queue.SimpleQueue[CopyJob]", wake_w: int) -> None:
+        self.engine = engine
+        self.q: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self._done, self._wake_w = done, wake_w
+        self.thread = threading.Thread(target=self._watch, name=f"kmesh-watch-{engine.device}", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            while True:
+                try:
+                    self.engine.drain([job.ticket])
+                    break
+                except TransferError:  # completion unknown: the copy may still run, so keep waiting
+                    job.drain_errors += 1
+                    time.sleep(0.05)
+            self._done.put(job)
+            os.write(self._wake_w, b"\0")
+
+
+class CopyRunner:
+    def __init__(self, chunk_bytes: int, gate_fd: int | None = None, max_jobs: int = 4096) -> None:
+        self._gate = ChunkGate.from_read_fd(gate_fd) if gate_fd is not None else None
+        self._chunk_bytes = chunk_bytes
+        self._lanes: dict[str, _Lane] = {}
+        self._done: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
+        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.jobs: OrderedDict[int, CopyJob] = OrderedDict()
+        self._ids = itertools.count(1)
+        self.max_jobs = max_jobs
+        self.reservations = Reservations()
+
+    def _lane(self, device: torch.device) -> _Lane:
+        name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+        lane = self._lanes.get(name)
+        if lane is None:
+            faults = FaultPlan(chunk_bytes=self._chunk_bytes) if self._gate is not None else None
+            lane = self._lanes[name] = _Lane(TransferEngine(name, faults=faults, gate=self._gate), self._done,
+                                             self._wake_w)
+        return lane
+
+    def new_id(self) -> int:
+        running = sum(1 for j in self.jobs.values() if not j.terminal)
+        if running >= self.max_jobs:
+            raise CapacityError(f"{running} copies in flight, limit {self.max_jobs}")
+        return next(self._ids)
+
+    def start(self, job: CopyJob, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Hand an accepted job to the engine of the device memory involved (TransferArgumentError = nothing
+        accepted; the caller undoes its bookkeeping)."""
+        device = dst.device if dst.device.type == "cuda" else src.device
+        lane = self._lane(device)
+        try:
+            job.ticket = lane.engine.submit(src, dst, owner=f"req-{job.req_id}")
+        except SubmitError as e:  # accepted, then failed: still drained like any accepted copy
+            job.ticket, job.error = e.pending[0], str(e)
+        job.tensors = (src, dst)
+        self.jobs[job.req_id] = job
+        self._trim()
+        lane.q.put(job)
+
+    def finished(self) -> list[CopyJob]:
+        """Jobs whose tickets drained since the last call (ticket state done/failed is final)."""
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def get(self, req_id: int) -> CopyJob:
+        job = self.jobs.get(req_id)
+        if job is None:
+            raise UnknownRequestError(f"no request {req_id}")
+        return job
+
+    def running(self) -> int:
+        return sum(1 for j in self.jobs.values() if not j.terminal)
+
+    def check_released(self, tensor: torch.Tensor) -> None:
+        """BufferHeldError if any engine still holds bytes of tensor (the registry's last word before unmap)."""
+        for lane in self._lanes.values():
+            lane.engine.release(tensor)
+
+    def live_holds(self) -> int:
+        return sum(lane.engine.live_holds() for lane in self._lanes.values())
+
+    def _trim(self) -> None:
+        while len(self.jobs) > self.max_jobs:
+            oldest = next((k for k, j in self.jobs.items() if j.terminal), None)
+            if oldest is None:
+                return
+            del self.jobs[oldest]
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.q.put(None)
+            lane.thread.join(timeout=5)
+            lane.engine.close(timeout=5)
+        self._lanes.clear()
+        if self._gate is not None:
+            self._gate.close()
+        os.close(self.wake_r)
+        os.close(self._wake_w)

@@ -1,0 +1,143 @@
+"""Start, find and stop the service process (used by `kmesh service`, stages and tests).
+
+The runtime directory holds the socket (kmesh.sock, 0600) and the pid file; it defaults to
+$KMESH_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kmesh, else /tmp/kmesh-<uid> (created 0700).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kmesh.service.client import ServiceClient
+from kmesh.service.errors import ServiceError, ServiceUnavailableError
+
+SOCKET_NAME = "kmesh.sock"
+PID_NAME = "kmesh.pid"
+
+
+def default_runtime_dir() -> Path:
+    if os.environ.get("KMESH_RUNTIME_DIR"):
+        return Path(os.environ["KMESH_RUNTIME_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "kmesh"
+    return Path(f"/tmp/kmesh-{os.getuid()}")
+
+
+class ServiceStartError(ServiceError):
+    """The service process did not come up (its log tail is in the message)."""
+
+    code = "start"
+
+
+@dataclass
+class ServiceProcess:
+    runtime_dir: Path
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    pass_fds: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.runtime_dir / SOCKET_NAME
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.pid
+        try:
+            return int((self.runtime_dir / PID_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        pid = self.pid
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+    def client(self, instance: int = 0, name: str = "", heartbeat: bool = True) -> ServiceClient:
+        return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat)
+
+    def stop(self, timeout: float = 30.0, force: bool = True) -> int | None:
+        """Ask for shutdown (registrations close and drain first); SIGKILL after timeout if force."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        try:
+            with self.client(instance=(1 << 31) - 1, name="kmesh-stop", heartbeat=False) as c:
+                c.shutdown()
+        except ServiceError:
+            pid = self.pid
+            if pid:
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.alive() and force:
+            os.kill(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 5
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.proc is not None:
+            return self.proc.wait(timeout=5)
+        return None
+
+
+def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_timeout_s: float = 10.0,
+          chunk_bytes: int = 1 << 20, gate_fd: int | None = None, store_bytes: int = 1 << 30,
+          socket_mode: int = 0o600, allow_uids: list[int] | None = None, log_path: Path | None = None,
+          detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO") -> ServiceProcess:
+    """Spawn `python -m kmesh.service.server` and wait until it answers ping."""
+    rd = Path(runtime_dir or default_runtime_dir())
+    cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
+           "--heartbeat-timeout", str(heartbeat_timeout_s), "--chunk-bytes", str(chunk_bytes),
+           "--store-bytes", str(store_bytes), "--socket-mode", f"{socket_mode:o}", "--log-level", log_level]
+    for uid in allow_uids or ():
+        cmd += ["--allow-uid", str(uid)]
+    pass_fds: tuple[int, ...] = ()
+    if gate_fd is not None:
+        cmd += ["--gate-fd", str(gate_fd)]
+        pass_fds = (gate_fd,)
+    rd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = log_path or rd / "service.log"
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=pass_fds,
+                            start_new_session=detach)
+    logf.close()
+    sp = ServiceProcess(rd, proc, log_path, pass_fds)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServiceStartError(f"service exited with {proc.returncode} during start:\n{_tail(log_path)}")
+        try:
+            with ServiceClient.open(sp.socket_path, timeout=5) as c:
+                if c.ping()["server_pid"] == proc.pid:
+                    return sp
+        except (ServiceUnavailableError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ServiceStartError(f"service did not answer within {ready_timeout} s:\n{_tail(log_path)}")
+        time.sleep(0.02)
+
+
+def find(runtime_dir: Path | None = None) -> ServiceProcess:
+    """The service of a runtime dir, started elsewhere (by its pid file)."""
+    return ServiceProcess(Path(runtime_dir or default_runtime_dir()))
+
+
+def _tail(p: Path | None, n: int = 20) -> str:
+    try:
+        return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p else ""
+    except OSError:
+        return ""

@@ -1,0 +1,632 @@
+"""The cache-service process: one selector loop over a 0600 Unix socket; never dies of a client's mistake.
+
+Everything that changes the registry or the store runs on this one thread, so a request is handled start to
+finish without interleaving: validate (protocol), resolve (registry), accept (reservations + engine), reply.
+A malformed or unauthorised message gets a typed error reply and changes nothing; a frame that cannot be
+trusted (bad magic, oversized, truncated) also ends that connection. Copies run on kmesh.transfer engines;
+their completion comes back through CopyRunner's wake pipe.
+
+    python -m kmesh.service.server --runtime-dir DIR [--device cpu|cuda] [--heartbeat-timeout S] ...
+(normally started by `kmesh service start` or kmesh.service.process.start()).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kmesh.service import descriptor, identity
+from kmesh.service.errors import (AuthError, ClientLostError, HandleError, InternalError, LayoutMismatchError,
+                                  NotOwnerError, RangeError, RegistrationStateError, SequenceError, ServiceError,
+                                  ShuttingDownError, TruncatedFrameError, UnsupportedVersionError)
+from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
+from kmesh.service.jobs import CopyJob, CopyRunner
+from kmesh.service.process import PID_NAME, SOCKET_NAME
+from kmesh.service.protocol import (VERSION, Frame, FrameAssembler, Request, error_reply, ok_reply, pack_frame,
+                                    parse_request, peek_seq, unpack_body)
+from kmesh.service.registry import Client, Registration, Registry, State
+from kmesh.service.store import Store
+
+log = logging.getLogger("kmesh.service")
+_DEFERRED = object()  # a handler's "the reply comes later" (parked wait)
+
+
+@dataclass
+class ServiceOptions:
+    runtime_dir: Path
+    device: str = "cpu"                   # "cuda" also accepts CUDA IPC registrations
+    heartbeat_timeout_s: float = 10.0
+    store_capacity_bytes: int = 1 << 30
+    chunk_bytes: int = 1 << 20            # copy granularity when a gate is in use
+    gate_fd: int | None = None            # test/stage hook: a ChunkGate pipe that paces every copy chunk
+    socket_mode: int = 0o600
+    allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid()}))
+    max_regs_per_client: int = 64
+    max_connections: int = 256
+    max_out_bytes: int = 4 << 20          # a client that does not read its replies is disconnected
+
+
+@dataclass(eq=False)
+class Conn:
+    cid: int
+    sock: socket.socket
+    peer: identity.Peer
+    asm: FrameAssembler = field(default_factory=FrameAssembler)
+    out: bytearray = field(default_factory=bytearray)
+    client: Client | None = None
+    closing: bool = False                 # stop reading; close once `out` is flushed
+    parked: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (seq, deadline)
+
+
+class Service:
+    def __init__(self, opts: ServiceOptions) -> None:
+        self.opts = opts
+        self.sel = selectors.DefaultSelector()
+        self.registry = Registry(self._unmap, max_regs_per_client=opts.max_regs_per_client)
+        self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"))
+        self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd)
+        self.cuda = CudaIpcTable()
+        self.conns: dict[int, Conn] = {}
+        self._next_cid = 1
+        self.stopping = False
+        self.stats: dict[str, Any] = {"frames": 0, "errors": {}, "internal_errors": 0, "connections": 0,
+                                      "refused_connections": 0, "stale_uses": 0, "copies_done": 0,
+                                      "copies_failed": 0, "copies_cancelled": 0}
+        self.socket_path = opts.runtime_dir / SOCKET_NAME
+        self.pid_path = opts.runtime_dir / PID_NAME
+        self.listener: socket.socket | None = None
+        self._fd_baseline = 0
+
+    # -- setup --------------------------------------------------------------------------------------
+    def bind(self) -> None:
+        d = self.opts.runtime_dir
+        dir_mode = 0o700 if self.opts.socket_mode & 0o077 == 0 else 0o711
+        d.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        st = d.stat()
+        if st.st_uid != os.getuid():
+            raise ServiceError(f"runtime dir {d} belongs to uid {st.st_uid}, not us ({os.getuid()})")
+        os.chmod(d, dir_mode)
+        if self.socket_path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.socket_path))
+                raise ServiceError(f"a service already listens on {self.socket_path}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                self.socket_path.unlink()  # stale socket of a dead service
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        old = os.umask(0o777 & ~self.opts.socket_mode)  # no window where the socket is wider than asked
+        try:
+            s.bind(str(self.socket_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, self.opts.socket_mode)
+        s.listen(64)
+        self.listener = s
+        self.sel.register(s, selectors.EVENT_READ, ("listen", None))
+        self.sel.register(self.copies.wake_r, selectors.EVENT_READ, ("wake", None))
+        self.pid_path.write_text(f"{os.getpid()}\n")
+        self._fd_baseline = len(os.listdir("/proc/self/fd"))
+
+    def serve(self) -> None:
+        """Run until a shutdown request (or SIGTERM) and every registration has been released."""
+        signal.signal(signal.SIGTERM, lambda *_: self._begin_shutdown("SIGTERM"))
+        signal.signal(signal.SIGINT, lambda *_: self._begin_shutdown("SIGINT"))
+        log.info("kmesh service pid %d on %s (device %s)", os.getpid(), self.socket_path, self.opts.device)
+        try:
+            while not (self.stopping and not self.registry.regs and not self.copies.running()):
+                self._once()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        for conn in list(self.conns.values()):
+            self._flush(conn)
+            self._drop_conn(conn)
+        if self.listener is not None:
+            self.sel.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+        for p in (self.socket_path, self.pid_path):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        self.copies.close()
+        log.info("kmesh service stopped")
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _once(self) -> None:
+        now = time.monotonic()
+        for key, mask in self.sel.select(self._timeout(now)):
+            kind, obj = key.data
+            if kind in ("conn", "pidfd") and obj.cid not in self.conns:
+                continue  # dropped earlier in this batch
+            try:
+                if kind == "listen":
+                    self._accept()
+                elif kind == "conn":
+                    if mask & selectors.EVENT_READ and not obj.closing:
+                        self._read(obj)
+                    if obj.cid in self.conns and mask & selectors.EVENT_WRITE:
+                        self._flush(obj)
+                elif kind == "pidfd":
+                    self._client_died(obj)
+                elif kind == "wake":
+                    self._collect_copies()
+            except Exception:  # a bug must cost one connection at most, never the service
+                self.stats["internal_errors"] += 1
+                log.error("internal error handling %s:\n%s", kind, traceback.format_exc())
+                if kind == "conn" and obj.cid in self.conns:
+                    self._drop_conn(obj)
+        self._tick(time.monotonic())
+
+    def _timeout(self, now: float) -> float:
+        t = 0.2
+        for c in self.registry.clients.values():
+            if c.live:
+                t = min(t, c.last_seen + self.opts.heartbeat_timeout_s - now)
+        for conn in self.conns.values():
+            for _, deadline in conn.parked.values():
+                t = min(t, deadline - now)
+        return max(t, 0.0)
+
+    def _tick(self, now: float) -> None:
+        for c in list(self.registry.clients.values()):
+            if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
+                log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
+                self.registry.lose_client(c, "heartbeat lost")
+        for conn in list(self.conns.values()):
+            for req, (seq, deadline) in list(conn.parked.items()):
+                if now >= deadline:
+                    del conn.parked[req]
+                    self._send(conn, ok_reply(seq, self.copies.get(req).describe()))
+        self.registry.settle_all()
+
+    # -- connections --------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            peer = identity.peer_of(sock)
+            conn = Conn(self._next_cid, sock, peer)
+            self._next_cid += 1
+            try:
+                if len(self.conns) >= self.opts.max_connections:
+                    raise ServiceError(f"too many connections ({len(self.conns)})")
+                identity.check_allowed(peer, self.opts.allowed_uids)
+            except ServiceError as e:
+                self.stats["refused_connections"] += 1
+                log.warning("refused connection from pid %d uid %d: %s", peer.pid, peer.uid, e)
+                try:
+                    sock.send(pack_frame(error_reply(None, AuthError(str(e)) if not isinstance(e, AuthError)
+                                                      else e) | {"fatal": True}))
+                except OSError:
+                    pass
+                sock.close()
+                if peer.pidfd >= 0:
+                    os.close(peer.pidfd)
+                continue
+            self.conns[conn.cid] = conn
+            self.stats["connections"] += 1
+            self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
+
+    def _read(self, conn: Conn) -> None:
+        for _ in range(64):  # bounded work per wake-up: other clients get their turn
+            try:
+                data, fds, ctrunc = recv_some(conn.sock, min(conn.asm.want(), 65536))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.debug("conn %d: recv failed: %s", conn.cid, e)
+                self._drop_conn(conn)
+                return
+            if not data:
+                close_fds(fds)
+                if conn.asm.mid_frame:
+                    self._fail(conn, None, TruncatedFrameError("connection closed in the middle of a frame"))
+                self._drop_conn(conn)
+                return
+            if ctrunc:
+                close_fds(fds)
+                self._fail(conn, None, HandleError("more file descriptors than a frame may carry"), fatal=True)
+                return
+            try:
+                frame = conn.asm.feed(data, fds)
+            except ServiceError as e:
+                close_fds(conn.asm.fds)
+                self._fail(conn, None, e)
+                return
+            if frame is not None:
+                self._on_frame(conn, frame)
+                if conn.closing or conn.cid not in self.conns:
+                    return
+
+    def _fail(self, conn: Conn, seq: int | None, err: ServiceError, fatal: bool | None = None) -> None:
+        self.stats["errors"][err.code] = self.stats["errors"].get(err.code, 0) + 1
+        body = error_reply(seq, err)
+        if fatal:
+            body["fatal"] = True
+        self._send(conn, body)
+        if body["fatal"]:
+            conn.closing = True
+            self._flush(conn)
+
+    def _send(self, conn: Conn, body: dict[str, Any]) -> None:
+        if conn.cid not in self.conns:
+            return
+        conn.out += pack_frame(body)
+        self._flush(conn)
+
+    def _flush(self, conn: Conn) -> None:
+        if conn.cid not in self.conns:
+            return
+        try:
+            while conn.out:
+                n = conn.sock.send(conn.out)
+                del conn.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._drop_conn(conn)
+            return
+        if len(conn.out) > self.opts.max_out_bytes:
+            log.warning("conn %d: %d reply bytes unread; disconnecting", conn.cid, len(conn.out))
+            self._drop_conn(conn)
+            return
+        if not conn.out and conn.closing:
+            self._drop_conn(conn)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if self.sel.get_key(conn.sock).events != events:
+            self.sel.modify(conn.sock, events, ("conn", conn))
+
+    def _drop_conn(self, conn: Conn) -> None:
+        if self.conns.pop(conn.cid, None) is None:
+            return
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        close_fds(conn.asm.fds)
+        conn.parked.clear()
+        if conn.client is not None:
+            self._forget_pidfd(conn)
+            self.registry.detach_connection(conn.client)
+        elif conn.peer.pidfd >= 0:
+            os.close(conn.peer.pidfd)
+
+    def _forget_pidfd(self, conn: Conn) -> None:
+        if conn.peer.pidfd >= 0:
+            try:
+                self.sel.unregister(conn.peer.pidfd)
+            except (KeyError, ValueError):
+                pass
+            os.close(conn.peer.pidfd)
+            conn.peer = identity.Peer(conn.peer.pid, conn.peer.uid, conn.peer.gid, -1, conn.peer.pidfd_source)
+
+    def _client_died(self, conn: Conn) -> None:
+        c = conn.client
+        log.info("client %s (pid %d) exited", c.client_id if c else "?", conn.peer.pid)
+        if c is not None and c.live:
+            self.registry.lose_client(c, "client died")
+        self._drop_conn(conn)
+
+    # -- frames -------------------------------------------------------------------------------------
+    def _on_frame(self, conn: Conn, frame: Frame) -> None:
+        self.stats["frames"] += 1
+        seq = None
+        try:
+            if len(frame.fds) != frame.nfds:
+                raise HandleError(f"frame declares {frame.nfds} fd(s), {len(frame.fds)} arrived with it")
+            if frame.version != VERSION:
+                raise UnsupportedVersionError(f"protocol version {frame.version}; this service speaks {VERSION}")
+            body = unpack_body(frame.payload)
+            seq = peek_seq(body)
+            req = parse_request(body, frame.fds)
+            result = self._dispatch(conn, req)
+            if result is not _DEFERRED:
+                self._send(conn, ok_reply(seq, result))
+        except ServiceError as e:
+            self._fail(conn, seq, e)
+        except Exception as e:
+            self.stats["internal_errors"] += 1
+            log.error("internal error on conn %d:\n%s", conn.cid, traceback.format_exc())
+            self._fail(conn, seq, InternalError(f"{type(e).__name__}: {e}"))
+        finally:
+            close_fds(frame.fds)  # handlers take the fds they keep out of this list
+
+    def _dispatch(self, conn: Conn, req: Request) -> Any:
+        if req.op == "ping":
+            return {"pong": True, "protocol": VERSION, "server_pid": os.getpid()}
+        if req.op == "hello":
+            return self._op_hello(conn, req)
+        c = conn.client
+        if c is None:
+            raise SequenceError(f"op {req.op!r} before hello")
+        if not identity.token_ok(c.token, req.token):
+            raise AuthError("token does not match this connection's client")
+        c.last_seen = time.monotonic()
+        if req.op == "status":
+            return self._op_status(conn, req)
+        self.registry.require_live(c)
+        return getattr(self, f"_op_{req.op}")(conn, c, req)
+
+    # -- ops ------------------------------------------------------------------------------------------
+    def _op_hello(self, conn: Conn, req: Request) -> dict[str, Any]:
+        if conn.client is not None:
+            raise SequenceError("hello was already done on this connection")
+        if self.stopping:
+            raise ShuttingDownError("service is shutting down")
+        if identity.exited(conn.peer.pidfd):
+            raise ClientLostError("the connecting process has already exited")
+        c = self.registry.add_client(req.args["instance"], req.args["name"], conn.peer, identity.new_token(),
+                                     conn.cid, time.monotonic())
+        conn.client = c
+        if conn.peer.pidfd >= 0:
+            self.sel.register(conn.peer.pidfd, selectors.EVENT_READ, ("pidfd", conn))
+        p = conn.peer
+        return {"client": c.client_id, "token": c.token, "heartbeat_s": self.opts.heartbeat_timeout_s,
+                "protocol": VERSION, "server_pid": os.getpid(), "device": self.opts.device,
+                "peer": {"pid": p.pid, "uid": p.uid, "gid": p.gid, "pidfd": p.pidfd_source}}
+
+    def _op_heartbeat(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        return {"deadline_s": self.opts.heartbeat_timeout_s}
+
+    def _op_register(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        a = req.args
+        if self.stopping:
+            raise ShuttingDownError("service is shutting down")
+        layout = a["layout"]
+        want = descriptor.nbytes(layout)
+        if a["nbytes"] != want:
+            raise LayoutMismatchError(f"registration declares {a['nbytes']} bytes, its layout covers {want}")
+        if a["kind"] == "memfd":
+            if len(req.fds) != 1 or a["cuda"] is not None:
+                raise HandleError("a memfd registration carries exactly one fd and no cuda handle")
+            check_memfd(req.fds[0], a["nbytes"])
+            handle: Any = req.fds[0]
+        else:
+            if req.fds or a["cuda"] is None:
+                raise HandleError("a cuda_ipc registration carries a cuda handle and no fd")
+            if not self.opts.device.startswith("cuda"):
+                raise HandleError("this service runs without CUDA; register host memory (memfd)")
+            handle = a["cuda"]
+        reg = self.registry.register(c, a["alloc_id"], a["generation"], a["kind"], a["nbytes"], layout,
+                                     descriptor.digest(layout), descriptor.geometry_digest(layout), handle)
+        if a["kind"] == "memfd":
+            req.fds.remove(handle)  # the registration owns the fd now
+        return {"reg": reg.reg_id, "gen": reg.generation, "state": reg.state.value,
+                "layout_digest": reg.layout_digest}
+
+    def _op_activate(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        reg = self.registry.resolve(c, req.args["reg"], req.args["gen"])
+        if reg.state is not State.REGISTERED:
+            raise RegistrationStateError(f"registration {reg.reg_id} is {reg.state.value}, not registered")
+        try:
+            if reg.kind == "memfd":
+                memory: Any = MappedMemfd(os.dup(reg.handle), reg.nbytes)
+            else:
+                memory = self.cuda.open(reg.handle, reg.nbytes)
+        except ServiceError as e:
+            self.registry.close(reg, f"activate failed: {e}")
+            raise
+        except Exception as e:
+            self.registry.close(reg, f"activate failed: {e}")
+            raise HandleError(f"cannot map the registered memory: {type(e).__name__}: {e}") from None
+        self.registry.activate(reg, memory)
+        return {"state": reg.state.value}
+
+    def _op_close(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        reg = self.registry.resolve(c, req.args["reg"], req.args["gen"])
+        state = self.registry.close(reg, "closed by client")
+        return {"state": state.value, "in_flight": sorted(reg.in_flight)}
+
+    def _range(self, reg: Registration, offset: int, nbytes: int) -> None:
+        item = descriptor.itemsize(reg.layout)
+        if offset + nbytes > reg.nbytes:
+            raise RangeError(f"[{offset}, {offset + nbytes}) outside the {reg.nbytes}-byte registration")
+        if offset % item or nbytes % item:
+            raise RangeError(f"offset {offset} / size {nbytes} not multiples of the {item}-byte element")
+
+    def _work_reg(self, c: Client, req: Request) -> Registration:
+        if self.stopping:
+            raise ShuttingDownError("service is shutting down")
+        reg = self.registry.resolve(c, req.args["reg"], req.args["gen"])
+        self.registry.require_active(reg)
+        if req.args["layout_digest"] != reg.layout_digest:
+            raise LayoutMismatchError(f"request's layout digest differs from registration {reg.reg_id}'s")
+        return reg
+
+    def _op_save(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        a = req.args
+        reg = self._work_reg(c, req)
+        off, n = a["offset"], a["nbytes"]
+        self._range(reg, off, n)
+        self.copies.reservations.check(reg.reg_id, off, off + n, writes=False)
+        req_id = self.copies.new_id()
+        obj = self.store.begin_put(a["key"], n, reg.layout, reg.geometry)
+        job = CopyJob(req_id, c.client_id, "save", reg, obj, off, n)
+        return self._accept_job(job, src=reg.memory.tensor[off:off + n], dst=obj.tensor, writes=False,
+                                undo=lambda: self.store.abort(obj))
+
+    def _op_load(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        a = req.args
+        reg = self._work_reg(c, req)
+        obj = self.store.acquire(a["key"])
+        try:
+            if obj.geometry != reg.geometry:
+                raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
+            off, n = a["offset"], obj.nbytes
+            self._range(reg, off, n)
+            self.copies.reservations.check(reg.reg_id, off, off + n, writes=True)
+            req_id = self.copies.new_id()
+        except BaseException:
+            self.store.release(obj)
+            raise
+        job = CopyJob(req_id, c.client_id, "load", reg, obj, off, n)
+        return self._accept_job(job, src=obj.tensor, dst=reg.memory.tensor[off:off + n], writes=True,
+                                undo=lambda: self.store.release(obj))
+
+    def _accept_job(self, job: CopyJob, src: Any, dst: Any, writes: bool, undo: Any) -> dict[str, Any]:
+        reg = job.reg
+        if reg.state is not State.ACTIVE or reg.memory is None:
+            self.stats["stale_uses"] += 1  # unreachable by construction; counted, never silently used
+            undo()
+            raise InternalError(f"registration {reg.reg_id} not mapped at accept")
+        try:
+            self.copies.start(job, src, dst)
+        except Exception:
+            undo()
+            raise
+        self.copies.reservations.add(reg.reg_id, job.offset, job.offset + job.nbytes, writes, job.req_id)
+        self.registry.begin_work(reg, job.req_id)
+        return {"req": job.req_id, "state": job.state}
+
+    def _collect_copies(self) -> None:
+        for job in self.copies.finished():
+            reg = job.reg
+            if reg.memory is None:  # the mapping went away under a running copy: must never happen
+                self.stats["stale_uses"] += 1
+            failed = job.ticket.state == "failed" or job.error is not None
+            job.error = job.error or job.ticket.error
+            job.state = "cancelled" if job.cancel_requested else ("failed" if failed else "done")
+            job.finished_at = time.monotonic()
+            job.tensors = ()  # drop our views before the registry may unmap
+            if job.kind == "save":
+                (self.store.commit if job.state == "done" else self.store.abort)(job.obj)
+            else:
+                self.store.release(job.obj)
+            self.stats[f"copies_{job.state}"] += 1
+            self.copies.reservations.remove(reg.reg_id, job.req_id)
+            self.registry.end_work(reg, job.req_id)
+            for conn in self.conns.values():
+                parked = conn.parked.pop(job.req_id, None)
+                if parked is not None:
+                    self._send(conn, ok_reply(parked[0], job.describe()))
+
+    def _own_job(self, c: Client, req_id: int) -> CopyJob:
+        job = self.copies.get(req_id)
+        if job.client_id != c.client_id:
+            raise NotOwnerError(f"request {req_id} belongs to another client")
+        return job
+
+    def _op_wait(self, conn: Conn, c: Client, req: Request) -> Any:
+        job = self._own_job(c, req.args["req"])
+        if job.terminal or req.args["timeout_s"] == 0:
+            return job.describe()
+        if job.req_id in conn.parked:
+            raise SequenceError(f"a wait for request {job.req_id} is already pending")
+        conn.parked[job.req_id] = (req.seq, time.monotonic() + req.args["timeout_s"])
+        return _DEFERRED
+
+    def _op_cancel(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        job = self._own_job(c, req.args["req"])
+        if not job.terminal:
+            job.cancel_requested = True  # the copy runs on; its range stays reserved until it drained
+        return job.describe()
+
+    def _op_evict(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        out = self.store.evict(req.args["key"])
+        return {"evicted": len(out["evicted"]), "kept": out["kept"]}
+
+    def _is_admin(self, conn: Conn) -> bool:
+        return conn.peer.uid in (os.getuid(), 0)
+
+    def _op_status(self, conn: Conn, req: Request) -> dict[str, Any]:
+        c = conn.client
+        assert c is not None
+        if req.args["scope"] == "self":
+            snap = self.registry.snapshot(c.client_id)
+            snap["requests"] = [j.describe() for j in self.copies.jobs.values() if j.client_id == c.client_id]
+            return snap
+        if not self._is_admin(conn):
+            raise AuthError("status of all clients is for the service's own uid")
+        snap = self.registry.snapshot()
+        snap.update(self.health())
+        snap["store"] = self.store.snapshot(verify=True)
+        return snap
+
+    def health(self) -> dict[str, Any]:
+        from kmesh.shm import mapped_shm
+
+        return {"stats": self.stats, "violations": self.registry.violations(), "copies_running":
+                self.copies.running(), "reservations": self.copies.reservations.count(),
+                "engine_holds": self.copies.live_holds(), "cuda_handles_open": len(self.cuda),
+                "memfd_mappings": mapped_shm(), "open_fds": len(os.listdir("/proc/self/fd")),
+                "fd_baseline": self._fd_baseline, "connections_open": len(self.conns),
+                "stopping": self.stopping, "pid": os.getpid()}
+
+    def _op_shutdown(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        if not self._is_admin(conn):
+            raise AuthError("shutdown is for the service's own uid")
+        self._begin_shutdown(f"requested by client {c.client_id}")
+        return {"state": "stopping", "registrations": len(self.registry.regs)}
+
+    def _begin_shutdown(self, why: str) -> None:
+        if not self.stopping:
+            log.info("shutting down (%s): closing %d registration(s)", why, len(self.registry.regs))
+        self.stopping = True
+        for reg in list(self.registry.regs.values()):
+            self.registry.close(reg, "service shutdown")
+
+    # -- memory release (the registry's unmap callback) -----------------------------------------------
+    def _unmap(self, reg: Registration) -> None:
+        mem = reg.memory
+        if mem is not None:
+            if mem.tensor is not None:
+                self.copies.check_released(mem.tensor)  # BufferHeldError while the engine holds any byte
+            mem.close()  # SegmentBusyError / HandleError while views remain
+        if reg.kind == "memfd" and isinstance(reg.handle, int) and reg.handle >= 0:
+            os.close(reg.handle)
+            reg.handle = -1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kmesh.service.server", description=__doc__.splitlines()[0])
+    p.add_argument("--runtime-dir", required=True, type=Path)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--store-bytes", type=int, default=1 << 30)
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--gate-fd", type=int, default=None)
+    p.add_argument("--socket-mode", type=lambda s: int(s, 8), default=0o600)
+    p.add_argument("--allow-uid", type=int, action="append", default=None)
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level, stream=sys.stderr,
+                        format="%(asctime)s kmesh-service[%(process)d] %(levelname)s %(message)s")
+    if a.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.init()
+        torch.zeros(1, device=a.device)  # create the context before the first client arrives
+    uids = frozenset(a.allow_uid) if a.allow_uid else frozenset({os.getuid()})
+    svc = Service(ServiceOptions(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes,
+                                 a.gate_fd, a.socket_mode, uids))
+    try:
+        svc.bind()
+    except (ServiceError, OSError) as e:
+        print(f"kmesh service: cannot start: {e}", file=sys.stderr)
+        return 2
+    svc.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""Stage `synthetic` (§21): restore into every KV arrangement × dtype × shift and prove nothing else changed.
+
+Each case builds a cache of one arrangement (vLLM GPU orders, the CPU backend's planes, MLA latents),
+poisons every byte with random data, restores a random segment whose keys were rotated at their old
+positions (float64, then rounded to the cache dtype), and checks:
+  (a) values_bit_identical      V read back (through vLLM-style layer views) == the segment's V bytes
+  (b) keys_vs_float64           per (token, layer, head) rotary part: ‖k − k_ref‖/‖k_ref‖ ≤ 2u + 8u_f32,
+                                k_ref = fresh float64 rotation of the un-rotated key at the new position
+      keys_unmoved_bit_identical  tokens whose position does not change keep their key bytes (shift "none")
+  (c) canary_untouched          every byte outside the destination cells (other slots, other layers,
+                                padding, guard bytes before/after the layout) equals the poison
+  (d) unrotated_channels_identical  key channels outside the rotary range are the segment's bytes
+With `check_kernel` (cuda profile) the same plan also runs through kernels/restore_rope.cu — its 16-byte
+vector path and its element path — into identically poisoned buffers, and each must equal the torch
+path's buffer byte for byte.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from kmesh.config import Config
+from kmesh.errors import StageError
+from kmesh.layout import KVLayout, dequantize, quantize
+from kmesh.restore import KVSegment, plan_restore, restore
+from kmesh.result import Case, Result
+from kmesh.rope import RopeConfig, rotate
+
+ARRANGEMENTS = ("paged:LBHNC", "paged:LBNHC", "paged:LHBNC", "paged:BLHNC", "paged:BLNHC", "paged:BHLNC",
+                "cpu:LBHNC", "mla:LBNHC", "mla:BLHNC")
+DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+SHIFTS = ("none", "forward", "backward", "crossing", "partial")
+BLOCK_SIZES = (16, 32, 64)
+CPU_BLOCK_SIZES = (128, 32, 64)   # vLLM's CPU engine allocates 128-token blocks; its kernels take multiples of 32
+ROPES = ("neox", "gptj", "partial", "llama3", "yarn")
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "fp8_e4m3": 2.0**-4,
+                 "fp8_e5m2": 2.0**-3}
+HEADS, HEAD_DIM, KV_LORA_RANK, ROPE_DIM = 2, 64, 128, 64
+CACHE_LAYERS, SEGMENT_LAYERS = 4, 3
+GUARD = 256   # poisoned bytes before and after the layout's own bytes
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    arrangement: str
+    dtype: str
+    block_size: int
+    shift: str
+    rope: str
+    first_layer: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.arrangement.replace(':', '-')}-{self.dtype}-b{self.block_size}-{self.shift}-{self.rope}"
+
+
+def case_specs() -> list[CaseSpec]:
+    """Every arrangement × every shift; dtypes, block sizes and rope variants rotate so each arrangement
+    sees all five dtypes and all three block sizes (45 cases)."""
+    specs = []
+    for (i, arr), (j, shift) in itertools.product(enumerate(ARRANGEMENTS), enumerate(SHIFTS)):
+        blocks = CPU_BLOCK_SIZES if arr.startswith("cpu") else BLOCK_SIZES
+        specs.append(CaseSpec(arr, DTYPES[(i + j) % 5], blocks[(i + 2 * j) % 3], shift, ROPES[(2 * i + j) % 5],
+                              first_layer=(i + j) % 2))
+    return specs
+
+
+def rope_for(name: str, head_dim: int) -> RopeConfig:
+    if name == "neox":
+        return RopeConfig(head_dim, head_dim, 10000.0, "neox", None, 8192)
+    if name == "gptj":
+        return RopeConfig(head_dim, head_dim, 10000.0, "gptj", None, 8192)
+    if name == "partial":
+        return RopeConfig(head_dim, head_dim // 2, 1e6, "neox", None, 8192)
+    if name == "llama3":
+        return RopeConfig(head_dim, head_dim, 500000.0, "neox",
+                          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 1024}, 8192)
+    if name == "yarn":
+        return RopeConfig(head_dim, head_dim, 10000.0, "neox",
+                          {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192)
+    raise StageError(f"unknown rope variant {name!r}")
+
+
+def positions_for(shift: str, n: int) -> tuple[int, int, int, int]:
+    """(tokens, old start, new start, trailing padding tokens) of a shift kind for block size n."""
+    return {
+        "none": (2 * n + 7, 40, 40, 0),
+        "forward": (2 * n + 7, 5, 5 + 3 * n + 11, 0),
+        "backward": (2 * n + 7, 300, 17, 0),
+        "crossing": (n + 6, 100, n - 3, 0),            # starts 3 tokens before a block edge
+        "partial": (2 * n + 5, 64, 64 + n // 2 + 1, 3),  # last block partly filled, then 3 padding tokens
+    }[shift]
+
+
+@dataclass
+class CaseData:
+    spec: CaseSpec
+    layout: KVLayout
+    rope: RopeConfig
+    segment: KVSegment
+    x64: torch.Tensor          # un-rotated keys [T, L', H, Dk] (float64, exactly representable in dtype)
+    slots: torch.Tensor        # int64 [T], −1 for padding
+    new_pos: torch.Tensor
+    poison: torch.Tensor       # uint8 [nbytes + GUARD]; the layout starts GUARD bytes in
+
+
+def build_case(spec: CaseSpec, seed: int, device: str | torch.device) -> CaseData:
+    gen = torch.Generator().manual_seed(seed)
+    packing, order = spec.arrangement.split(":")
+    n = spec.block_size
+    T_real, old0, new0, pad = positions_for(spec.shift, n)
+    T = T_real + pad
+    num_blocks = (new0 + T_real + n - 1) // n + 3     # spare blocks stay untouched (canary area)
+    mla = packing == "mla"
+    H = 1 if mla else HEADS
+    Dk = KV_LORA_RANK + ROPE_DIM if mla else HEAD_DIM
+    rope = rope_for(spec.rope, ROPE_DIM if mla else HEAD_DIM)
+    fp8 = spec.dtype.startswith("fp8")
+    L = SEGMENT_LAYERS
+
+    # Un-rotated keys, exactly representable in the cache dtype, then rotated at the old positions in float64.
+    x = torch.randn(T, L, H, Dk, generator=gen, dtype=torch.float64)
+    vals = torch.randn(T, L, H, 0 if mla else HEAD_DIM, generator=gen, dtype=torch.float64)
+    top = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(spec.dtype)
+    k_scale = float(x.abs().max() / (top / 2)) if fp8 else 1.0
+    v_scale = float(vals.abs().max() / (top / 2)) if fp8 and vals.numel() else 1.0
+    tmp = KVLayout("mla" if mla else packing, order, CACHE_LAYERS, num_blocks, n, H, Dk, 0 if mla else HEAD_DIM,
+                   spec.dtype, rope_offset=KV_LORA_RANK if mla else 0, k_scale=k_scale, v_scale=v_scale,
+                   offset=GUARD)
+    x = _representable(x, tmp)
+    old = torch.arange(old0, old0 + T, dtype=torch.int64)
+    new = torch.arange(new0, new0 + T, dtype=torch.int64)
+    rs = tmp.rope_offset
+    rotated = x.clone()
+    rotated[..., rs:] = rotate(x[..., rs:].reshape(T, L * H, -1), old, rope).reshape(T, L, H, -1)
+    k = _store(rotated, tmp, tmp.k_scale)
+    v = _store(vals, tmp, tmp.v_scale) if not mla else None
+
+    # vLLM-style slot mapping: a request's logical block i sits in physical block table[i].
+    table = torch.randperm(num_blocks, generator=gen)
+    slots = table[new // n] * n + new % n
+    slots[T_real:] = -1
+    poison = torch.randint(0, 256, (tmp.nbytes + GUARD,), dtype=torch.uint8, generator=gen)
+    seg = KVSegment(k, v, old, spec.dtype, tmp.k_scale, tmp.v_scale)
+    return CaseData(spec, tmp, rope, seg.to(device), x, slots.to(device), new.to(device), poison.to(device))
+
+
+def _representable(x: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    if layout.fp8_dtype is not None:
+        return dequantize(quantize(x, layout.fp8_dtype, 1.0 / layout.k_scale), layout.fp8_dtype,
+                          layout.k_scale).double()
+    return x.to(layout.storage_dtype).double()
+
+
+def _store(x: torch.Tensor, layout: KVLayout, scale: float) -> torch.Tensor:
+    if layout.fp8_dtype is not None:
+        return quantize(x.float(), layout.fp8_dtype, float(1.0 / scale))
+    return x.to(layout.storage_dtype)
+
+
+RestoreFn = Callable[..., Any]
+
+
+def check_case(c: Case, d: CaseData, raw: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """Checks (a)–(d) on a restored buffer `raw` (GUARD-padded). Returns the measured key error."""
+    lay, seg, spec = d.layout, d.segment, d.spec
+    layers = list(range(spec.first_layer, spec.first_layer + SEGMENT_LAYERS))
+    keep = d.slots >= 0
+    real_slots = d.slots[keep]
+    k_got, v_got = lay.read_tokens(raw, real_slots, layers)
+    # (a) values
+    if seg.v is not None:
+        c.check(prefix + "values_bit_identical", torch.equal(v_got, seg.v[keep]))
+    # (b) keys against float64
+    rs, rd = lay.rope_offset, d.rope.rotary_dim
+    T = int(keep.sum())
+    H = lay.num_kv_heads
+    ref = rotate(d.x64[keep][..., rs:].reshape(T, SEGMENT_LAYERS * H, -1), d.new_pos[keep].cpu(), d.rope)
+    ref = ref.reshape(T, SEGMENT_LAYERS, H, -1)[..., :rd].to(raw.device)
+    got = k_got[..., rs:rs + rd]
+    got = dequantize(got, lay.fp8_dtype, lay.k_scale).double() if lay.fp8_dtype is not None else got.double()
+    err = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+    bound = 2 * UNIT_ROUNDOFF[spec.dtype] + 8 * UNIT_ROUNDOFF["float32"]
+    c.check(prefix + "keys_vs_float64", err <= bound, {"max_rel_l2": err, "bound": bound})
+    moved = (seg.positions != d.new_pos)[keep]
+    if bool((~moved).any()):
+        c.check(prefix + "keys_unmoved_bit_identical", torch.equal(k_got[~moved], seg.k[keep][~moved]))
+    # (d) channels the rope does not touch
+    other = torch.ones(lay.head_dim, dtype=torch.bool, device=raw.device)
+    other[rs:rs + rd] = False
+    if bool(other.any()):
+        c.check(prefix + "unrotated_channels_identical", torch.equal(k_got[..., other], seg.k[keep][..., other]),
+                int(other.sum()))
+    # (c) canary: everything outside the destination cells is still the poison
+    mask = lay.touched_bytes(raw, real_slots, layers)
+    untouched = torch.equal(raw[~mask], d.poison[~mask])
+    c.check(prefix + "canary_untouched", untouched,
+            {"outside_bytes": int((~mask).sum()), "changed": int((raw[~mask] != d.poison[~mask]).sum())})
+    c.check(prefix + "destination_bytes_expected", int(mask.sum()) == _expected_dest_bytes(d, T), int(mask.sum()))
+    return {"max_rel_l2": err, "bound": bound}
+
+
+def _expected_dest_bytes(d: CaseData, tokens: int) -> int:
+    lay = d.layout
+    return tokens * SEGMENT_LAYERS * lay.num_kv_heads * lay.cell_channels * lay.element_size
+
+
+def run_case(c: Case, d: CaseData, restore_fn: RestoreFn = restore, check_kernel: bool = False) -> None:
+    """Restore with `restore_fn` (torch path by default) into a poisoned buffer and check it."""
+    raw = d.poison.clone()
+    restore_fn(raw, d.layout, d.segment, d.slots, d.new_pos, d.rope, first_layer=d.spec.first_layer)
+    c.record("layout", {"order": d.layout.order, "packing": d.layout.packing, "num_blocks": d.layout.num_blocks,
+                        "nbytes": d.layout.nbytes, "tokens": d.segment.num_tokens,
+                        "padding_tokens": int((d.slots < 0).sum()), "rotary_dim": d.rope.rotary_dim,
+                        "style": d.rope.style, "scaling": d.rope.scaling_type})
+    err = check_case(c, d, raw)
+    c.record("key_error", err)
+    if not check_kernel:
+        return
+    from kmesh.cuda.restore_rope import launch_restore
+
+    for path, slow in (("kernel_vector_or_auto", False), ("kernel_element", True)):
+        out = d.poison.clone()
+        plan = plan_restore(out, d.layout, d.segment, d.slots, d.new_pos, d.rope, first_layer=d.spec.first_layer)
+        launch = launch_restore(plan, force_slow=slow)
+        torch.cuda.synchronize()
+        c.record(f"{path}_launch", launch)
+        same = torch.equal(out, raw)
+        c.check(f"{path}_equals_torch_bytes", same, {"differing_bytes": int((out != raw).sum())})
+        if not slow:
+            check_case(c, d, out, prefix="kernel_")
+
+
+def run(cfg: Config) -> Result:
+    res = Result.begin("synthetic", cfg)
+    sec = cfg.section("synthetic")
+    device = sec.get("device", "cpu")
+    check_kernel = bool(sec.get("check_kernel", False))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise StageError("synthetic: profile asks for device 'cuda' but torch sees no CUDA device")
+    if check_kernel:
+        if device != "cuda":
+            raise StageError("synthetic: check_kernel needs device 'cuda'")
+        from kmesh.cuda import configure, kernel_info
+
+        configure(cfg.results_dir / cfg.profile / "kernels")
+    specs = case_specs()
+    res.extra["device"] = device
+    res.extra["check_kernel"] = check_kernel
+    res.extra["design"] = ("each case: poison whole buffer (random bytes, guard regions both sides), restore "
+                           "(torch path), check values bit-identical, keys vs float64 within 2u+8u_f32, "
+                           "canary outside destination cells, unrotated channels identical"
+                           + ("; kernel vector and element paths must equal the torch buffer byte for byte"
+                              if check_kernel else ""))
+    worst: dict[str, float] = {}
+    for i, spec in enumerate(specs):
+        with res.case(spec.id, asdict(spec)) as c:
+            d = build_case(spec, cfg.seed + i, device)
+            run_case(c, d, check_kernel=check_kernel)
+            e = c.checks["key_error"]["value"]
+            worst[spec.dtype] = max(worst.get(spec.dtype, 0.0), e["max_rel_l2"] / e["bound"])
+    res.extra["worst_key_error_over_bound"] = worst
+    res.extra["arrangements"] = list(ARRANGEMENTS)
+    if check_kernel:
+        res.extra["kernel"] = kernel_info("restore_rope")
+    if len(specs) < 32:
+        raise StageError(f"synthetic needs at least 32 cases, has {len(specs)}")
+    return res

@@ -1,0 +1,418 @@
+"""kmesh.transfer: holds, drain, every typed error, fault points, and the cross-process ledger.
+
+Copies that must still be in flight are held by a ChunkGate (a token pipe), never by sleeps.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from kmesh import shm
+from kmesh.transfer import (BufferHeldError, ChunkGate, CompletionCheckError, DrainRefusedError,
+                            DrainTimeoutError, EngineClosedError, FaultPlan, HolderAliveError, SharedLedger,
+                            SubmitError, TransferArgumentError, TransferEngine, TransferError)
+from kmesh.transfer.ledger import exited
+
+CHUNK = 4096
+N = 16 * CHUNK  # 16 chunks
+POISON = 0xA5
+
+
+def pattern(n=N, seed=7):
+    return (torch.arange(n, dtype=torch.int64) * 2654435761 + seed).remainder(251).to(torch.uint8)
+
+
+def bufs(n=N):
+    return pattern(n), torch.full((n,), POISON, dtype=torch.uint8)
+
+
+def gated(**faults):
+    g = ChunkGate()
+    return TransferEngine("cpu", FaultPlan(chunk_bytes=CHUNK, **faults), gate=g), g
+
+
+def wait_chunks(t, k):
+    import time
+
+    t0 = time.monotonic()
+    while t.chunks_done < k:  # an observed state, with a failing deadline
+        assert time.monotonic() - t0 < 10, f"copy did not reach {k} chunks"
+        time.sleep(0.001)
+
+
+# -- holds, release, drain ----------------------------------------------------------------------------------
+def test_copy_completes_and_holds_drop_only_in_drain():
+    eng = TransferEngine("cpu")
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    assert t.state == "pending" and eng.holds(src) == 1 and eng.holds(dst) == 1
+    assert eng.pending("r1") == [t] and eng.pending("other") == []
+    r = eng.drain(owner="r1")
+    assert r.done == [t] and r.ok and r.holds_released == 2
+    assert t.state == "done" and torch.equal(dst, src)
+    assert eng.holds(dst) == 0 and eng.live_holds() == 0
+    eng.release(dst)  # allowed now
+    eng.close()
+
+
+def test_release_before_drain_raises_and_loses_nothing():
+    eng, gate = gated()
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    for victim in (dst, src, dst[100:200], src.view(-1, 64)[3]):  # views overlapping held bytes too
+        with pytest.raises(BufferHeldError) as ei:
+            eng.release(victim)
+        assert ei.value.pending == [t]
+    assert eng.holds(dst) == 1 and t.state == "pending"
+    other = torch.zeros(N, dtype=torch.uint8)
+    eng.release(other)  # unrelated memory: fine
+    gate.open()
+    eng.drain([t])
+    eng.release(dst)
+    assert torch.equal(dst, src)
+    eng.close()
+
+
+def test_holds_are_refcounted_per_ticket():
+    eng, gate = gated()
+    src, dst = bufs()
+    dst2 = torch.empty_like(dst)
+    t1 = eng.submit(src, dst, owner="a")
+    t2 = eng.submit(src, dst2, owner="b")
+    assert eng.holds(src) == 2
+    gate.open()
+    eng.drain([t1])
+    assert eng.holds(src) == 1 and eng.holds(dst) == 0
+    with pytest.raises(BufferHeldError):
+        eng.release(src)
+    eng.drain(owner="b")
+    assert eng.holds(src) == 0
+    eng.release(src)
+    assert torch.equal(dst2, src) and t2.state == "done"
+    eng.close()
+
+
+def test_non_overlapping_part_of_same_storage_is_not_held():
+    eng, gate = gated()
+    big = torch.zeros(2 * N, dtype=torch.uint8)
+    t = eng.submit(pattern(), big[:N], owner="a")
+    assert eng.holds(big[N:]) == 0 and eng.holds(big) == 1
+    eng.release(big[N:])
+    gate.open()
+    eng.drain([t])
+    eng.close()
+
+
+# -- typed errors and fault points --------------------------------------------------------------------------
+def test_fail_after_submit_raises_with_completable_pending_ticket():
+    eng, gate = gated(fail_after_submit=1)
+    src, dst = bufs()
+    with pytest.raises(SubmitError) as ei:
+        eng.submit(src, dst, owner="r1")
+    (t,) = ei.value.pending
+    assert isinstance(ei.value, TransferError) and t.state == "pending" and eng.holds(dst) == 1
+    with pytest.raises(BufferHeldError):
+        eng.release(dst)
+    gate.open()
+    r = eng.drain(ei.value.pending)
+    assert r.done == [t] and torch.equal(dst, src) and eng.holds(dst) == 0
+    t2 = eng.submit(src, torch.empty_like(dst), owner="r2")  # the fault fired once only
+    eng.drain([t2])
+    eng.close()
+
+
+def test_refused_first_drain_keeps_holds_then_later_drain_succeeds():
+    eng, gate = gated(refuse_first_drain=1)
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    gate.open()
+    wait_chunks(t, 16)  # the copy has physically finished; the refused drain must still keep the holds
+    with pytest.raises(DrainRefusedError) as ei:
+        eng.drain([t])
+    assert ei.value.pending == [t] and not isinstance(ei.value, DrainTimeoutError)
+    assert t.state == "pending" and eng.holds(src) == 1 and eng.holds(dst) == 1
+    with pytest.raises(BufferHeldError):
+        eng.release(src)
+    assert eng.drain([t]).done == [t] and eng.live_holds() == 0
+    eng.close()
+
+
+def test_drain_timeout_while_copy_in_flight_keeps_holds_and_never_resubmits():
+    eng, gate = gated()
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    gate.allow(3)
+    wait_chunks(t, 3)
+    with pytest.raises(DrainTimeoutError) as ei:
+        eng.drain([t], timeout=0.05)
+    assert isinstance(ei.value, DrainRefusedError) and ei.value.pending == [t]
+    assert t.chunks_done == 3 and eng.holds(dst) == 1
+    # the owner's view: exactly three chunks landed, the rest is still poison
+    assert torch.equal(dst[:3 * CHUNK], src[:3 * CHUNK]) and bool((dst[3 * CHUNK:] == POISON).all())
+    gate.open()
+    eng.drain([t])
+    assert torch.equal(dst, src) and t.chunks_done == 16
+    eng.close()
+
+
+def test_completion_check_failure_is_typed_and_keeps_holds():
+    eng, gate = gated(fail_completion_check=1)
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    gate.open()
+    with pytest.raises(CompletionCheckError) as ei:
+        eng.drain()
+    assert ei.value.pending == [t] and eng.holds(dst) == 1 and t.state == "pending"
+    assert eng.drain().done == [t] and eng.holds(dst) == 0
+    eng.close()
+
+
+def test_failed_copy_is_reported_after_it_stopped_and_never_resubmitted():
+    eng, gate = gated(fail_copy_at_chunk=5)
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="r1")
+    gate.open()
+    r = eng.drain([t])
+    assert r.failed == [t] and not r.ok and t.state == "failed" and "chunk 5" in t.error
+    assert eng.holds(dst) == 0  # the copy has stopped: its memory may be reused
+    assert torch.equal(dst[:5 * CHUNK], src[:5 * CHUNK]) and bool((dst[5 * CHUNK:] == POISON).all())
+    assert eng.drain([t]).done == [] and t.chunks_done == 5  # draining again does not copy again
+    assert bool((dst[5 * CHUNK:] == POISON).all())
+    eng.close()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: (torch.zeros(10, dtype=torch.uint8), torch.zeros(11, dtype=torch.uint8)), "equal byte counts"),
+    (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4)), "contiguous"),
+    (lambda: ("not a tensor", torch.zeros(4)), "torch.Tensor"),
+])
+def test_bad_arguments_are_rejected_before_anything_is_accepted(make, match):
+    eng = TransferEngine("cpu")
+    src, dst = make()
+    with pytest.raises(TransferArgumentError, match=match):
+        eng.submit(src, dst, owner="r")
+    assert eng.live_holds() == 0 and eng.pending() == []
+    eng.close()
+
+
+def test_more_argument_errors():
+    eng = TransferEngine("cpu")
+    buf = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(TransferArgumentError, match="overlap"):
+        eng.submit(buf[:60], buf[40:], owner="r")
+    with pytest.raises(TransferArgumentError, match="owner"):
+        eng.submit(buf[:50], buf[50:], owner="")
+    with pytest.raises(TransferArgumentError, match="after"):
+        eng.submit(buf[:50], buf[50:], owner="r", after=42)
+    with pytest.raises(TransferArgumentError, match="unknown fault"):
+        FaultPlan.from_dict({"fail_after_submitt": 1})
+    with pytest.raises(TransferArgumentError, match="device"):
+        TransferEngine("meta")
+    other = TransferEngine("cpu")
+    foreign = other.submit(buf[:50], buf[50:], owner="r")
+    with pytest.raises(TransferArgumentError, match="not a ticket of this engine"):
+        eng.drain([foreign])
+    other.close()
+    assert eng.live_holds() == 0
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        eng.submit(buf[:50], buf[50:], owner="r")
+
+
+def test_cpu_copy_waits_for_its_producer():
+    eng = TransferEngine("cpu")
+    src, dst = bufs()
+    src.zero_()
+    produced = threading.Event()
+    t = eng.submit(src, dst, owner="r", after=produced)
+    assert not t._stopped.wait(0.05)  # waiting on the producer, not reading yet
+    src.copy_(pattern())  # the producer's write, then its signal
+    produced.set()
+    eng.drain([t])
+    assert torch.equal(dst, pattern())
+    eng.close()
+
+
+def test_close_drains_and_refusal_keeps_engine_usable():
+    eng, gate = gated(refuse_first_drain=1)
+    src, dst = bufs()
+    eng.submit(src, dst, owner="r")
+    gate.open()
+    with pytest.raises(DrainRefusedError):
+        eng.close()
+    assert eng.live_holds() == 2
+    eng.close()
+    assert eng.live_holds() == 0 and torch.equal(dst, src)
+
+
+# -- shared memory and the cross-process ledger -------------------------------------------------------------
+def test_segment_views_pin_the_mapping_and_leaks_are_counted():
+    name = f"kmesh-test-{os.getpid()}-seg"
+    fds, live = shm.open_fds(), shm.live_segments()
+    seg = shm.Segment.create(8192, name=name)
+    assert shm.dev_shm_entries(name) == [name] and shm.live_segments() == live + 1
+    v = seg.tensor(torch.int32, (16, 16), offset=4096)
+    v.fill_(3)
+    other = shm.Segment.attach(name)
+    assert other.tag == seg.tag and int(other.tensor(torch.int32, offset=4096)[255]) == 3
+    assert shm.segment_at(v.data_ptr(), 1024) == (seg, 4096)
+    with pytest.raises(shm.SegmentBusyError):
+        seg.close()
+    del v
+    seg.close()
+    other.close()
+    seg.unlink()
+    assert shm.dev_shm_entries(name) == [] and shm.open_fds() == fds and shm.live_segments() == live
+    with pytest.raises(shm.SegmentNotFoundError):
+        shm.Segment.attach(name)
+    with pytest.raises(shm.ShmError, match="no slash"):
+        shm.Segment.create(10, name="a/b")
+    with pytest.raises(shm.ShmError, match="does not fit"):
+        shm.Segment.create(10).tensor(torch.int32, (100,))
+
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    from kmesh import shm
+    from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, TransferEngine
+    ledger = SharedLedger.attach(sys.argv[1])
+    seg = shm.Segment.attach(sys.argv[2])
+    src, dst = seg.tensor(torch.uint8, (%(n)d,)), seg.tensor(torch.uint8, (%(n)d,), %(n)d)
+    kill = None if sys.argv[4] == "none" else int(sys.argv[4])
+    eng = TransferEngine("cpu", FaultPlan(chunk_bytes=%(chunk)d, kill_after_chunks=kill),
+                         gate=ChunkGate.from_read_fd(int(sys.argv[3])), ledger=ledger)
+    t = eng.submit(src, dst, owner="child")
+    print("submitted", flush=True)
+    eng.drain([t])
+    print("drained", flush=True)
+""") % {"n": N, "chunk": CHUNK}
+
+
+def _spawn_child(tmp_name, kill):
+    ledger = SharedLedger.create(f"{tmp_name}-ledger", slots=16)
+    seg = shm.Segment.create(2 * N, name=f"{tmp_name}-buf")
+    seg.tensor(torch.uint8, (N,)).copy_(pattern())
+    seg.tensor(torch.uint8, (N,), N).fill_(POISON)
+    gate = ChunkGate()
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, ledger.name, seg.name, str(gate.read_fd), str(kill)],
+                         pass_fds=(gate.read_fd,), stdout=subprocess.PIPE, text=True)
+    os.close(gate.read_fd)
+    pidfd = os.pidfd_open(p.pid)
+    assert p.stdout.readline().strip() == "submitted"
+    return ledger, seg, gate, p, pidfd
+
+
+def _cleanup(ledger, seg, gate, p, pidfd):
+    gate.open()
+    p.wait(timeout=30)
+    p.stdout.close()
+    os.close(pidfd)
+    for x in (ledger, seg):
+        x.close()
+        x.unlink()
+
+
+def test_ledger_shows_other_process_holds_until_its_drain():
+    name = f"kmesh-test-{os.getpid()}-led"
+    ledger, seg, gate, p, pidfd = _spawn_child(name, "none")
+    try:
+        held = ledger.holds(pid=p.pid)
+        assert sorted(h.role for h in held) == ["dst", "src"] and all(h.tag == seg.tag for h in held)
+        assert ledger.holds(seg.tag, N, 2 * N)[0].role == "dst"  # by byte range inside the segment
+        with pytest.raises(HolderAliveError):
+            ledger.reap(p.pid, pidfd)
+        gate.open()
+        assert p.stdout.readline().strip() == "drained"
+        assert ledger.holds(pid=p.pid) == []
+        assert torch.equal(seg.tensor(torch.uint8, (N,), N), pattern())
+    finally:
+        _cleanup(ledger, seg, gate, p, pidfd)
+
+
+def test_kill_fault_sigkills_the_copy_owner_mid_copy_and_holds_are_reaped_only_after_exit():
+    name = f"kmesh-test-{os.getpid()}-kill"
+    ledger, seg, gate, p, pidfd = _spawn_child(name, 3)
+    try:
+        gate.allow(5)  # tokens for more than 3 chunks: the kill fault, not the gate, stops the copy
+        assert exited(pidfd, timeout=30)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+        assert len(ledger.holds(pid=p.pid)) == 2  # a dead holder's slots stay until reaped
+        assert ledger.reap(p.pid, pidfd) == 2 and ledger.live() == 0
+        dst = seg.tensor(torch.uint8, (N,), N)
+        assert torch.equal(dst[:3 * CHUNK], pattern()[:3 * CHUNK]) and bool((dst[3 * CHUNK:] == POISON).all())
+        del dst
+    finally:
+        _cleanup(ledger, seg, gate, p, pidfd)
+
+
+# -- CUDA -------------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_cuda_copy_is_physical_and_holds_drop_in_drain(direction):
+    eng = TransferEngine("cuda")
+    host = pattern(1 << 24).pin_memory()
+    dev = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+    if direction == "d2h":
+        dev.copy_(host)
+        host = torch.empty_like(host).pin_memory()
+        src, dst = dev, host
+    else:
+        src, dst = host, dev
+    t = eng.submit(src, dst, owner="g")
+    assert eng.holds(src) == 1 and eng.holds(dst) == 1
+    with pytest.raises(BufferHeldError):
+        eng.release(dst)
+    r = eng.drain([t])
+    assert r.done == [t] and t._event.query()
+    assert torch.equal(dst.cpu(), pattern(1 << 24)) and eng.live_holds() == 0
+    eng.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_copy_waits_for_producer_stream_and_a_control_does_not():
+    n = 1 << 22
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    host2 = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    eng = TransferEngine("cuda")
+    torch.cuda._sleep(200_000_000)  # the producer is slow...
+    dev.fill_(7)  # ...then writes the source
+    t = eng.submit(dev, host, owner="p")  # default: after the current (producer) stream
+    control = TransferEngine("cuda")
+    tc = control.submit(dev, host2, owner="c", after=torch.cuda.Stream())  # waits for an idle stream only
+    eng.drain([t])
+    control.drain([tc])
+    assert bool((host == 7).all())
+    assert bool((host2 == 0).all()), "control copy should have read the source before the producer wrote it"
+    eng.close()
+    control.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_gated_copy_drain_timeout_then_success():
+    g = ChunkGate()
+    eng = TransferEngine("cuda", FaultPlan(chunk_bytes=1 << 20), gate=g)
+    src = pattern(8 << 20).cuda()
+    dst = torch.full((8 << 20,), POISON, dtype=torch.uint8).pin_memory()
+    t = eng.submit(src, dst, owner="g")
+    g.allow(2)
+    wait_chunks(t, 2)
+    with pytest.raises(DrainTimeoutError):
+        eng.drain([t], timeout=0.1)
+    assert eng.holds(dst) == 1 and bool((dst[2 << 20:] == POISON).all())
+    g.open()
+    eng.drain([t])
+    assert torch.equal(dst, pattern(8 << 20))
+    eng.close()

@@ -1,0 +1,13 @@
+# §23: no memory is reused before accepted copies physically complete (copier and owner are separate processes).
+rule drain:
+    input:
+        sources=result("sources"),
+    output:
+        result=result("drain"),
+    log:
+        logfile("drain"),
+    resources:
+        gpu=GPU,
+        mem_mb=2000,
+    shell:
+        kmesh_run("drain")
