@@ -17,13 +17,14 @@
 //   paged [K|V] cells in any of the six orders (k_sC = 1), vLLM CPU planes (K transposed: k_sN = 1,
 //   k_sC = block_size) and MLA latents (rotary part at channels [rot_start, rot_start + rot)).
 //
-// Work split: one row = one (token, layer, head). A row has items: rotary items, plain-key items, value
-// items. Fast path (all channel strides 1, widths and offsets multiples of VEC = 16 / sizeof(S), 16-byte
-// aligned pointers): an item is VEC channels moved with 16-byte loads/stores (neox: VEC pairs = one
-// 16-byte chunk at c and one at c + rot/2; gptj: one chunk = VEC/2 adjacent pairs). Slow path: an item is
-// one pair or one element, any strides.
-// Launch: block (bx, by) with bx = min(items per row, 256) threads over a row's items and by = 256 / bx
-// rows per block; grid.x = ceil(rows / by). Rows = T·L·H must fit in int32 (checked by the host).
+// Work split: one row = one (token, layer, head); a row's channels are split into items: rotary items,
+// plain-key items, value items. Fast path (all channel strides 1, widths and offsets multiples of
+// VEC = 16 / sizeof(S), 16-byte aligned pointers): an item is VEC channels moved with 16-byte loads and
+// stores (neox: VEC pairs = one chunk at c and one at c + rot/2; gptj: one chunk = VEC/2 adjacent pairs).
+// Element path: an item is one pair or one element, any strides.
+// Launch: one block z-slice per token (its slot, flag and shift tables are read once per thread, not per
+// row); block (bx, by, bz): bx = items per row (<= 256), by threads walk the token's L·H rows (fast path:
+// U = 4 rows per step, all loads issued before the stores), bz tokens per block; grid.x = ceil(T / bz).
 //
 // Bytes: reads T·L·H·(Dk + Dv)·sizeof(S) of segment + T·rot/2·8 of tables + 9·T of slots/flags;
 // writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing).
@@ -61,7 +62,7 @@ struct FP8 {
     }
 };
 
-struct Args {
+struct Args {  // kernel parameters, in launch order
     void* dst;
     const void* src_k;
     const void* src_v;
@@ -80,128 +81,159 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
     o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
+template <class S>
+struct Chunk {
+    static constexpr int VEC = 16 / sizeof(S);
+    union { uint4 u; S e[VEC]; };
+};
+
+// Fast path: one CUDA block (z-slice) per token; thread x = one 16-byte item of every row, thread y walks the
+// token's L·H rows U at a time (U independent 16-byte loads in flight before the first store).
 template <class Tr>
-__device__ __forceinline__ void fast_row(const Args& a, int item, int t, long long src_row,
-                                         long long kdst, long long vdst, bool moved) {
+__device__ __forceinline__ void fast_token(const Args& a, int t, long long slot, bool moved) {
     using S = typename Tr::S;
-    constexpr int VEC = 16 / sizeof(S);
-    union Chunk { uint4 u; S e[VEC]; };
+    constexpr int VEC = Chunk<S>::VEC;
+    constexpr int U = 4;
     S* dst = static_cast<S*>(a.dst);
-    const S* sk = static_cast<const S*>(a.src_k) + src_row * a.dk;
+    const int LH = a.n_layers * a.n_heads;
     const int half = a.rot / 2;
     const int n_rot = a.neox ? half / VEC : a.rot / VEC;
     const int n_kp = (a.dk - a.rot) / VEC;
-    if (item < n_rot) {
-        if (a.neox) {
-            const int c1 = a.rot_start + item * VEC, c2 = c1 + half;
-            Chunk p, q;
-            p.u = __ldg(reinterpret_cast<const uint4*>(sk + c1));
-            q.u = __ldg(reinterpret_cast<const uint4*>(sk + c2));
-            if (moved) {
-                const float* cs = a.cos_t + (long long)t * half + item * VEC;
-                const float* sn = a.sin_t + (long long)t * half + item * VEC;
+    const int items = n_rot + n_kp + a.dv / VEC;
+    const unsigned s32 = (unsigned)slot;  // host checks num_slots < 2^31
+    const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
+    const long long kcell = a.k_off + b * a.k_sB + n * a.k_sN;
+    const long long vcell = a.v_off + b * a.v_sB + n * a.v_sN;
+    for (int item = threadIdx.x; item < items; item += blockDim.x) {
+        // what this item moves: 0 = rotary chunk(s), 1 = plain key chunk, 2 = value chunk
+        const int kind = item < n_rot ? 0 : (item < n_rot + n_kp ? 1 : 2);
+        int c1, c2 = 0, pair0 = 0;
+        if (kind == 0) {
+            c1 = a.rot_start + item * VEC;
+            if (a.neox) { c2 = c1 + half; pair0 = item * VEC; } else { pair0 = item * VEC / 2; }
+        } else if (kind == 1) {
+            const int pch = (item - n_rot) * VEC;
+            c1 = pch < a.rot_start ? pch : pch + a.rot;
+        } else {
+            c1 = (item - n_rot - n_kp) * VEC;
+        }
+        const bool pairs2 = kind == 0 && a.neox;          // two chunks (c1, c2) per row
+        const bool rotate = kind == 0 && moved;
+        float cs[VEC], sn[VEC];
+        if (rotate) {
+            const int np = a.neox ? VEC : VEC / 2;           // pairs in this item
 #pragma unroll
-                for (int j = 0; j < VEC; j += 4) {
-                    const float4 c4 = __ldg(reinterpret_cast<const float4*>(cs + j));
-                    const float4 s4 = __ldg(reinterpret_cast<const float4*>(sn + j));
-                    const float cc[4] = {c4.x, c4.y, c4.z, c4.w}, ss[4] = {s4.x, s4.y, s4.z, s4.w};
+            for (int j = 0; j < VEC; ++j) {
+                cs[j] = j < np ? __ldg(a.cos_t + (long long)t * half + pair0 + j) : 0.f;
+                sn[j] = j < np ? __ldg(a.sin_t + (long long)t * half + pair0 + j) : 0.f;
+            }
+        }
+        const S* src = kind == 2 ? static_cast<const S*>(a.src_v) : static_cast<const S*>(a.src_k);
+        const int sd = kind == 2 ? a.dv : a.dk;
+        for (int r0 = threadIdx.y; r0 < LH; r0 += blockDim.y * U) {
+            Chunk<S> p[U], q[U];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        float o1, o2;
-                        rotate_pair(Tr::load(p.e[j + u], a.scale), Tr::load(q.e[j + u], a.scale), cc[u], ss[u], o1, o2);
-                        p.e[j + u] = Tr::store(o1, a.inv_scale);
-                        q.e[j + u] = Tr::store(o2, a.inv_scale);
+            for (int u = 0; u < U; ++u) {
+                const int r = r0 + u * blockDim.y;
+                if (r < LH) {
+                    const S* row = src + ((long long)t * LH + r) * sd;
+                    p[u].u = __ldg(reinterpret_cast<const uint4*>(row + c1));
+                    if (pairs2) q[u].u = __ldg(reinterpret_cast<const uint4*>(row + c2));
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int r = r0 + u * blockDim.y;
+                if (r >= LH) continue;
+                const int l = r / a.n_heads, h = r - l * a.n_heads;
+                const long long lk = a.layer_base + l;
+                if (kind == 2) {
+                    *reinterpret_cast<uint4*>(dst + vcell + lk * a.v_sL + h * a.v_sH + c1) = p[u].u;
+                    continue;
+                }
+                if (rotate) {
+                    if (a.neox) {
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            float o1, o2;
+                            rotate_pair(Tr::load(p[u].e[j], a.scale), Tr::load(q[u].e[j], a.scale), cs[j], sn[j], o1, o2);
+                            p[u].e[j] = Tr::store(o1, a.inv_scale);
+                            q[u].e[j] = Tr::store(o2, a.inv_scale);
+                        }
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < VEC / 2; ++j) {
+                            float o1, o2;
+                            rotate_pair(Tr::load(p[u].e[2 * j], a.scale), Tr::load(p[u].e[2 * j + 1], a.scale), cs[j],
+                                        sn[j], o1, o2);
+                            p[u].e[2 * j] = Tr::store(o1, a.inv_scale);
+                            p[u].e[2 * j + 1] = Tr::store(o2, a.inv_scale);
+                        }
                     }
                 }
+                const long long kb = kcell + lk * a.k_sL + h * a.k_sH;
+                *reinterpret_cast<uint4*>(dst + kb + c1) = p[u].u;
+                if (pairs2) *reinterpret_cast<uint4*>(dst + kb + c2) = q[u].u;
             }
-            *reinterpret_cast<uint4*>(dst + kdst + c1) = p.u;
-            *reinterpret_cast<uint4*>(dst + kdst + c2) = q.u;
-        } else {
-            const int c = a.rot_start + item * VEC;
-            Chunk p;
-            p.u = __ldg(reinterpret_cast<const uint4*>(sk + c));
-            if (moved) {
-                const int pair0 = item * VEC / 2;
-#pragma unroll
-                for (int j = 0; j < VEC / 2; ++j) {
-                    const float cc = __ldg(a.cos_t + (long long)t * half + pair0 + j);
-                    const float ss = __ldg(a.sin_t + (long long)t * half + pair0 + j);
-                    float o1, o2;
-                    rotate_pair(Tr::load(p.e[2 * j], a.scale), Tr::load(p.e[2 * j + 1], a.scale), cc, ss, o1, o2);
-                    p.e[2 * j] = Tr::store(o1, a.inv_scale);
-                    p.e[2 * j + 1] = Tr::store(o2, a.inv_scale);
-                }
-            }
-            *reinterpret_cast<uint4*>(dst + kdst + c) = p.u;
         }
-    } else if (item < n_rot + n_kp) {
-        const int pch = (item - n_rot) * VEC;
-        const int c = pch < a.rot_start ? pch : pch + a.rot;
-        *reinterpret_cast<uint4*>(dst + kdst + c) = __ldg(reinterpret_cast<const uint4*>(sk + c));
-    } else {
-        const int c = (item - n_rot - n_kp) * VEC;
-        const S* sv = static_cast<const S*>(a.src_v) + src_row * a.dv;
-        *reinterpret_cast<uint4*>(dst + vdst + c) = __ldg(reinterpret_cast<const uint4*>(sv + c));
     }
 }
 
+// Element path (any strides, e.g. the CPU backend's transposed K plane): an item is one pair or one element.
 template <class Tr>
-__device__ __forceinline__ void slow_row(const Args& a, int item, int t, long long src_row,
-                                         long long kdst, long long vdst, bool moved) {
+__device__ __forceinline__ void slow_token(const Args& a, int t, long long slot, bool moved) {
     using S = typename Tr::S;
     S* dst = static_cast<S*>(a.dst);
-    const S* sk = static_cast<const S*>(a.src_k) + src_row * a.dk;
+    const S* sk = static_cast<const S*>(a.src_k);
+    const S* sv = static_cast<const S*>(a.src_v);
+    const int LH = a.n_layers * a.n_heads;
     const int half = a.rot / 2;
     const int n_kp = a.dk - a.rot;
-    if (item < half) {
-        const int c1 = a.neox ? a.rot_start + item : a.rot_start + 2 * item;
-        const int c2 = a.neox ? c1 + half : c1 + 1;
-        S p = sk[c1], q = sk[c2];
-        if (moved) {
-            float o1, o2;
-            rotate_pair(Tr::load(p, a.scale), Tr::load(q, a.scale), a.cos_t[(long long)t * half + item],
-                        a.sin_t[(long long)t * half + item], o1, o2);
-            p = Tr::store(o1, a.inv_scale);
-            q = Tr::store(o2, a.inv_scale);
+    const int items = half + n_kp + a.dv;
+    const unsigned s32 = (unsigned)slot;
+    const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
+    const long long kcell = a.k_off + b * a.k_sB + n * a.k_sN;
+    const long long vcell = a.v_off + b * a.v_sB + n * a.v_sN;
+    for (int item = threadIdx.x; item < items; item += blockDim.x) {
+        for (int r = threadIdx.y; r < LH; r += blockDim.y) {
+            const int l = r / a.n_heads, h = r - l * a.n_heads;
+            const long long lk = a.layer_base + l;
+            const long long srow = (long long)t * LH + r;
+            const long long kb = kcell + lk * a.k_sL + h * a.k_sH;
+            if (item < half) {
+                const int c1 = a.neox ? a.rot_start + item : a.rot_start + 2 * item;
+                const int c2 = a.neox ? c1 + half : c1 + 1;
+                S p = sk[srow * a.dk + c1], q = sk[srow * a.dk + c2];
+                if (moved) {
+                    float o1, o2;
+                    rotate_pair(Tr::load(p, a.scale), Tr::load(q, a.scale), a.cos_t[(long long)t * half + item],
+                                a.sin_t[(long long)t * half + item], o1, o2);
+                    p = Tr::store(o1, a.inv_scale);
+                    q = Tr::store(o2, a.inv_scale);
+                }
+                dst[kb + (long long)c1 * a.k_sC] = p;
+                dst[kb + (long long)c2 * a.k_sC] = q;
+            } else if (item < half + n_kp) {
+                const int pch = item - half;
+                const int c = pch < a.rot_start ? pch : pch + a.rot;
+                dst[kb + (long long)c * a.k_sC] = sk[srow * a.dk + c];
+            } else {
+                const int c = item - half - n_kp;
+                dst[vcell + lk * a.v_sL + h * a.v_sH + (long long)c * a.v_sC] = sv[srow * a.dv + c];
+            }
         }
-        dst[kdst + (long long)c1 * a.k_sC] = p;
-        dst[kdst + (long long)c2 * a.k_sC] = q;
-    } else if (item < half + n_kp) {
-        const int pch = item - half;
-        const int c = pch < a.rot_start ? pch : pch + a.rot;
-        dst[kdst + (long long)c * a.k_sC] = sk[c];
-    } else {
-        const int c = item - half - n_kp;
-        const S* sv = static_cast<const S*>(a.src_v) + src_row * a.dv;
-        dst[vdst + (long long)c * a.v_sC] = sv[c];
     }
 }
 
 template <class Tr>
 __device__ __forceinline__ void restore_rope_body(const Args& a) {
-    constexpr int VEC = 16 / sizeof(typename Tr::S);
-    const int items = a.fast ? (a.neox ? a.rot / 2 / VEC : a.rot / VEC) + (a.dk - a.rot) / VEC + a.dv / VEC
-                             : a.rot / 2 + (a.dk - a.rot) + a.dv;
-    const unsigned rows = (unsigned)a.n_tokens * a.n_layers * a.n_heads;
-    const unsigned row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
-    const unsigned lh = (unsigned)a.n_layers * a.n_heads;
-    const int t = row / lh;
-    const unsigned rem = row - (unsigned)t * lh;
-    const int l = rem / a.n_heads;
-    const int h = rem - (unsigned)l * a.n_heads;
+    const long long t = (long long)blockIdx.x * blockDim.z + threadIdx.z;
+    if (t >= a.n_tokens) return;
     const long long slot = __ldg(a.slots + t);
-    if (slot < 0) return;
-    const unsigned s32 = (unsigned)slot;  // host checks num_slots < 2^31
-    const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
-    const long long lk = a.layer_base + l;
-    const long long kdst = a.k_off + lk * a.k_sL + b * a.k_sB + h * a.k_sH + n * a.k_sN;
-    const long long vdst = a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN;
+    if (slot < 0) return;  // padding token: writes nothing (uniform over this token's threads)
     const bool moved = __ldg(a.moved + t) != 0;
-    for (int item = threadIdx.x; item < items; item += blockDim.x) {
-        if (a.fast) fast_row<Tr>(a, item, t, row, kdst, vdst, moved);
-        else slow_row<Tr>(a, item, t, row, kdst, vdst, moved);
-    }
+    if (a.fast) fast_token<Tr>(a, (int)t, slot, moved);
+    else slow_token<Tr>(a, (int)t, slot, moved);
 }
 
 }  // namespace

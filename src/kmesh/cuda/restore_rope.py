@@ -6,6 +6,7 @@ alignment allow it, else the element-wise path. Launches go on torch's current s
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +21,7 @@ KERNEL = "restore_rope"
 ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16": "restore_rope_bf16",
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
 THREADS = 256
+ROWS_PER_STEP = 4   # U in restore_rope.cu: rows whose loads one thread issues before storing
 _INT32 = 2**31 - 1
 _streams: dict[int, Any] = {}
 
@@ -48,7 +50,7 @@ def vector_path_ok(plan: "RestorePlan") -> bool:
 
 
 def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
-    """(grid, block, items per row) for a plan."""
+    """(grid, block, items per row): one block z-slice per token, x over a row's items, y over its L·H rows."""
     lay, rope = plan.layout, plan.rope
     vec = 16 // lay.element_size
     rot, dk, dv = rope.rotary_dim, lay.head_dim, lay.head_dim_v
@@ -57,10 +59,12 @@ def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int],
     else:
         items = rot // 2 + (dk - rot) + dv
     T, L, H, _ = plan.segment.k.shape
-    rows = T * L * H
+    rows = L * H
     bx = min(items, THREADS)
-    by = max(1, THREADS // bx)
-    return ((rows + by - 1) // by, 1, 1), (bx, by, 1), items
+    per_thread = ROWS_PER_STEP if fast else 1
+    by = max(1, min((rows + per_thread - 1) // per_thread, THREADS // bx))
+    bz = max(1, THREADS // (bx * by))
+    return ((T + bz - 1) // bz, 1, 1), (bx, by, bz), items
 
 
 def _stream(device: torch.device) -> Any:
@@ -68,7 +72,9 @@ def _stream(device: torch.device) -> Any:
 
     ptr = torch.cuda.current_stream(device).cuda_stream
     if ptr not in _streams:
-        _streams[ptr] = cupy.cuda.ExternalStream(ptr, device.index)
+        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; it still works and cupy 13 has no successor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _streams[ptr] = cupy.cuda.ExternalStream(ptr, device.index)
     return _streams[ptr]
 
 
@@ -88,7 +94,7 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
     T, L, H, _ = k.shape
     if T * L * H == 0:
         return {"rows": 0}
-    if T * L * H > _INT32 or lay.num_slots > _INT32:
+    if T > _INT32 or T * L * H > _INT32 or lay.num_slots > _INT32:
         raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
     slots = plan.slots.contiguous()
     moved = plan.moved.contiguous()  # bool: one byte 0/1 per token, read as unsigned char

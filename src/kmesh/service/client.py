@@ -239,8 +239,10 @@ class ServiceClient:
     def evict(self, key: bytes | None = None) -> dict[str, Any]:
         return self.call("evict", **({"key": key} if key is not None else {}))
 
-    def status(self, scope: str = "self") -> dict[str, Any]:
-        return self.call("status", scope=scope)
+    def status(self, scope: str = "self", verify: bool = False) -> dict[str, Any]:
+        """Own registrations and requests ("self"), or everything ("all", service uid only); verify=True
+        re-hashes every stored original (immutability check)."""
+        return self.call("status", scope=scope, verify=verify)
 
     def shutdown(self) -> dict[str, Any]:
         return self.call("shutdown")

@@ -44,6 +44,7 @@ class CopyJob:
     accepted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     tensors: tuple[Any, ...] = ()  # src, dst: alive until the engine drained the ticket
+    lane: Any = None
 
     @property
     def terminal(self) -> bool:
@@ -88,6 +89,7 @@ class _Lane:
 
     def __init__(self, engine: TransferEngine, done: "queue.SimpleQueue[CopyJob]", wake_w: int) -> None:
         self.engine = engine
+        self.outstanding = 0  # jobs handed to this lane and not yet collected (server thread only)
         self.q: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._done, self._wake_w = done, wake_w
         self.thread = threading.Thread(target=self._watch, name=f"kmesh-watch-{engine.device}", daemon=True)
@@ -121,14 +123,31 @@ class CopyRunner:
         self.max_jobs = max_jobs
         self.reservations = Reservations()
 
+    def _engine(self, name: str) -> TransferEngine:
+        faults = FaultPlan(chunk_bytes=self._chunk_bytes) if self._gate is not None else None
+        return TransferEngine(name, faults=faults, gate=self._gate)
+
     def _lane(self, device: torch.device) -> _Lane:
         name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
         lane = self._lanes.get(name)
         if lane is None:
-            faults = FaultPlan(chunk_bytes=self._chunk_bytes) if self._gate is not None else None
-            lane = self._lanes[name] = _Lane(TransferEngine(name, faults=faults, gate=self._gate), self._done,
-                                             self._wake_w)
+            lane = self._lanes[name] = _Lane(self._engine(name), self._done, self._wake_w)
         return lane
+
+    def recycle_idle(self) -> int:
+        """Replace every idle engine by a fresh one (returns how many).
+
+        Why: TransferEngine's CPU worker thread keeps a reference to the last job it copied (and so to views of
+        the registered memory) until its next job arrives, which keeps an mmap from closing although the copy
+        drained long ago. Closing an idle engine ends that thread and drops the reference. Only engines with
+        no accepted work are touched, so no copy is affected."""
+        n = 0
+        for name, lane in self._lanes.items():
+            if lane.outstanding == 0 and not lane.engine.pending():
+                old, lane.engine = lane.engine, self._engine(name)
+                old.close()
+                n += 1
+        return n
 
     def new_id(self) -> int:
         running = sum(1 for j in self.jobs.values() if not j.terminal)
@@ -146,6 +165,8 @@ class CopyRunner:
         except SubmitError as e:  # accepted, then failed: still drained like any accepted copy
             job.ticket, job.error = e.pending[0], str(e)
         job.tensors = (src, dst)
+        job.lane = lane
+        lane.outstanding += 1
         self.jobs[job.req_id] = job
         self._trim()
         lane.q.put(job)
@@ -160,9 +181,12 @@ class CopyRunner:
         out = []
         while True:
             try:
-                out.append(self._done.get_nowait())
+                job = self._done.get_nowait()
             except queue.Empty:
                 return out
+            job.lane.outstanding -= 1
+            job.lane = None
+            out.append(job)
 
     def get(self, req_id: int) -> CopyJob:
         job = self.jobs.get(req_id)

@@ -93,6 +93,13 @@ class OneOf:
         return v
 
 
+class Flag:
+    def check(self, name: str, v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise SchemaError(f"field {name!r}: expected a boolean, got {type(v).__name__}")
+        return v
+
+
 class Layout:
     def check(self, name: str, v: Any) -> dict[str, Any]:
         return descriptor.validate(v)
@@ -146,7 +153,7 @@ OPS: dict[str, OpSpec] = {
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
     "evict": OpSpec({}, {"key": (_KEY, None)}),
-    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self")}),
+    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "verify": (Flag(), False)}),
     "shutdown": OpSpec({}),
 }
 
@@ -227,7 +234,7 @@ def unpack_body(payload: bytes) -> dict[str, Any]:
     """One msgpack map with str keys, nothing after it; DecodeError otherwise."""
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
-                               max_buffer_size=MAX_PAYLOAD)
+                               max_bin_len=MAX_PAYLOAD, max_str_len=MAX_PAYLOAD)
     except DecodeError:
         raise
     except Exception as e:  # msgpack raises several unrelated types (ExtraData, ValueError, StackError, ...)

@@ -68,7 +68,7 @@ class Registration:
         return {"reg": self.reg_id, "client": self.client_id, "alloc_id": self.alloc_id, "gen": self.generation,
                 "kind": self.kind, "nbytes": self.nbytes, "state": self.state.value, "reason": self.reason,
                 "in_flight": sorted(self.in_flight), "mapped": self.memory is not None,
-                "history": [h[0] for h in self.history]}
+                "history": [[h[0], h[1]] for h in self.history]}
 
 
 @dataclass(eq=False)
@@ -92,10 +92,20 @@ class Client:
 
 @dataclass(frozen=True)
 class Tombstone:
+    """What stays of a released registration: enough to answer 'released' / 'not yours' and to show the
+    path it took."""
+
+    reg_id: int
     client_id: int
     alloc_id: int
     generation: int
     reason: str | None
+    history: tuple[tuple[str, str], ...]
+
+    def describe(self) -> dict[str, Any]:
+        return {"reg": self.reg_id, "client": self.client_id, "alloc_id": self.alloc_id, "gen": self.generation,
+                "state": State.RELEASED.value, "reason": self.reason, "in_flight": [], "mapped": False,
+                "history": [list(h) for h in self.history]}
 
 
 Unmap = Callable[[Registration], None]  # releases reg.memory / reg.handle; raises while still in use
@@ -231,7 +241,8 @@ class Registry:
                 self._unmap(reg)
             except Exception as e:  # still referenced (views/holds): stay drained, retry on a later tick
                 self.counters["release_deferred"] += 1
-                reg.history.append(("release-deferred", f"{type(e).__name__}: {e}"[:200], time.monotonic()))
+                if reg.history[-1][0] != "release-deferred":
+                    reg.history.append(("release-deferred", f"{type(e).__name__}: {e}"[:200], time.monotonic()))
                 return
             reg.memory = reg.handle = None
             self._move(reg, State.RELEASED, "unmapped")
@@ -243,7 +254,8 @@ class Registry:
 
     def _bury(self, reg: Registration) -> None:
         del self.regs[reg.reg_id]
-        self.tombstones[reg.reg_id] = Tombstone(reg.client_id, reg.alloc_id, reg.generation, reg.reason)
+        self.tombstones[reg.reg_id] = Tombstone(reg.reg_id, reg.client_id, reg.alloc_id, reg.generation,
+                                                reg.reason, tuple((h[0], h[1]) for h in reg.history))
         while len(self.tombstones) > self.max_tombstones:
             self.tombstones.popitem(last=False)
         self.counters["released"] += 1
@@ -266,7 +278,10 @@ class Registry:
         for r in self.regs.values():
             if client_id is None or r.client_id == client_id:
                 by_state[r.state.value] += 1
-        return {"clients": clients, "registrations": regs, "by_state": by_state, "counters": dict(self.counters)}
+        released = [t.describe() for t in list(self.tombstones.values())[-64:]
+                    if client_id is None or t.client_id == client_id]
+        return {"clients": clients, "registrations": regs, "released": released, "by_state": by_state,
+                "counters": dict(self.counters)}
 
     def violations(self) -> list[str]:
         """Invariants that must hold between any two events (checked by status and by tests)."""

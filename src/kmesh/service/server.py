@@ -35,6 +35,7 @@ from kmesh.service.protocol import (VERSION, Frame, FrameAssembler, Request, err
                                     parse_request, peek_seq, unpack_body)
 from kmesh.service.registry import Client, Registration, Registry, State
 from kmesh.service.store import Store
+from kmesh.shm import SegmentBusyError
 
 log = logging.getLogger("kmesh.service")
 _DEFERRED = object()  # a handler's "the reply comes later" (parked wait)
@@ -237,6 +238,8 @@ class Service:
                 return
             if not data:
                 close_fds(fds)
+                if conn.client is not None and identity.exited(conn.peer.pidfd):
+                    self.registry.lose_client(conn.client, "client died")  # EOF because the process is gone
                 if conn.asm.mid_frame:
                     self._fail(conn, None, TruncatedFrameError("connection closed in the middle of a frame"))
                 self._drop_conn(conn)
@@ -559,7 +562,8 @@ class Service:
             raise AuthError("status of all clients is for the service's own uid")
         snap = self.registry.snapshot()
         snap.update(self.health())
-        snap["store"] = self.store.snapshot(verify=True)
+        snap["requests_running"] = [j.describe() for j in self.copies.jobs.values() if not j.terminal]
+        snap["store"] = self.store.snapshot(verify=req.args["verify"])
         return snap
 
     def health(self) -> dict[str, Any]:
@@ -591,7 +595,12 @@ class Service:
         if mem is not None:
             if mem.tensor is not None:
                 self.copies.check_released(mem.tensor)  # BufferHeldError while the engine holds any byte
-            mem.close()  # SegmentBusyError / HandleError while views remain
+            try:
+                mem.close()  # SegmentBusyError / HandleError while views remain
+            except (SegmentBusyError, HandleError):
+                if not self.copies.recycle_idle():  # see CopyRunner.recycle_idle
+                    raise
+                mem.close()
         if reg.kind == "memfd" and isinstance(reg.handle, int) and reg.handle >= 0:
             os.close(reg.handle)
             reg.handle = -1

@@ -295,22 +295,25 @@ def run_transfer_case(c: Case, s: Setting, cp: CopierProcess, direction: str, mo
             # Data where the copy succeeded: compare with the independent reference.
             _check_data(c, "data_correct", cp, bufs, dst, expected)
             if mode == "success" and s.bench_reps:
-                b = cp.call("bench", src=src, dst=dst, reps=s.bench_reps, warmup=s.bench_warmup)
-                med = statistics.median(b["seconds"])
-                timings["copy_round_trip_s"] = {"median": med, "all": b["seconds"],
-                                                "gbps": b["nbytes"] / med / 1e9, "nbytes": b["nbytes"],
+                bm = cp.call("bench", src=src, dst=dst, reps=s.bench_reps, warmup=s.bench_warmup)
+                med = statistics.median(bm["seconds"])
+                timings["copy_round_trip_s"] = {"median": med, "all": bm["seconds"],
+                                                "gbps": bm["nbytes"] / med / 1e9, "nbytes": bm["nbytes"],
                                                 "warmup_excluded": s.bench_warmup}
                 _check_data(c, "data_correct_after_bench", cp, bufs, dst, expected)
 
             # Reuse is allowed now; then the copier's engine shuts down; sentinels must survive that.
-            for n, b in bufs.items():
-                c.check(f"reclaim_allowed_after_drain:{n}", reuser.try_reclaim(n, b), None)
+            for n, buf in bufs.items():
+                c.check(f"reclaim_allowed_after_drain:{n}", reuser.try_reclaim(n, buf), None)
             if gpu:
                 ru = cp.call("reuse_device", name="dev", sentinel=SENTINEL)
                 c.check("device_reuse_after_drain", ru["release_raised"] is None and ru["sentinel_intact"], ru)
             closed = cp.end_case()
-        finally:
-            cp.close_gate()  # a failing case must not leave the copier blocked on the gate
+        except BaseException:
+            cp.close_gate()  # a failing case must not leave the copier blocked on the gate...
+            with contextlib.suppress(Exception):
+                cp.end_case()  # ...nor its engine open for the next case
+            raise
         c.check("copier_case_closed_clean", closed["live_holds"] == 0 and closed["live_segments"] == 0
                 and closed["mapped_shm"] == 0 and closed["fds"] == closed["idle_fds"], closed)
         intact = reuser.sentinels_intact()

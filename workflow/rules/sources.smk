@@ -1,0 +1,14 @@
+# Pinned vLLM + LMCache: fetch the locked files, verify sha256, unpack the sources, compare the install.
+rule sources:
+    input:
+        lock=config["sources"]["lock"],
+    output:
+        result=result("sources"),
+        pins=f"{RESULTS}/sources/pins.json",
+    log:
+        logfile("sources"),
+    resources:
+        gpu=0,
+        mem_mb=1000,
+    shell:
+        kmesh_run("sources")

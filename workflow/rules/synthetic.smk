@@ -1,0 +1,13 @@
+# §21: restore into every KV arrangement × dtype × shift; values, keys, canary (cuda profile: kernel too).
+rule synthetic:
+    input:
+        kernels=result("kernels"),
+    output:
+        result=result("synthetic"),
+    log:
+        logfile("synthetic"),
+    resources:
+        gpu=GPU,
+        mem_mb=4000,
+    shell:
+        kmesh_run("synthetic")
