@@ -33,32 +33,76 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+// Tunables (compile-time; the defaults are what the kernels stage builds; kmesh.cuda reads the same -D
+// flags to size its launch): rows whose loads one thread issues before storing, the chunk size of fp8
+// caches in bytes (16 or 8), and packed two-at-a-time fp8 conversions (same results, fewer instructions).
+#ifndef RESTORE_U
+#define RESTORE_U 4
+#endif
+#ifndef RESTORE_FP8_CHUNK
+#define RESTORE_FP8_CHUNK 16
+#endif
+#ifndef RESTORE_FP8_X2
+#define RESTORE_FP8_X2 0
+#endif
+
 namespace {
 
-struct F32 {
+// Storage traits: element <-> float32 (fp8: ×scale after decoding, ×inv_scale before encoding), singly
+// and for two adjacent elements (packed instructions where the format has them).
+template <class Self, class S_>
+struct Scalar2 {
+    __device__ static float2 load2(S_ a, S_ b, float scale) { return make_float2(Self::load(a, scale), Self::load(b, scale)); }
+    __device__ static void store2(float x, float y, float inv, S_& a, S_& b) { a = Self::store(x, inv); b = Self::store(y, inv); }
+};
+struct F32 : Scalar2<F32, float> {
     using S = float;
+    static constexpr int CHUNK = 16;
     __device__ static float load(S v, float) { return v; }
     __device__ static S store(float x, float) { return x; }
 };
-struct F16 {
+struct F16 : Scalar2<F16, __half> {
     using S = __half;
+    static constexpr int CHUNK = 16;
     __device__ static float load(S v, float) { return __half2float(v); }
     __device__ static S store(float x, float) { return __float2half_rn(x); }
 };
-struct BF16 {
+struct BF16 : Scalar2<BF16, __nv_bfloat16> {
     using S = __nv_bfloat16;
+    static constexpr int CHUNK = 16;
     __device__ static float load(S v, float) { return __bfloat162float(v); }
     __device__ static S store(float x, float) { return __float2bfloat16_rn(x); }
 };
 template <__nv_fp8_interpretation_t KIND>
 struct FP8 {
     using S = unsigned char;
+    static constexpr int CHUNK = RESTORE_FP8_CHUNK;
     __device__ static float load(S v, float scale) {
         __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), KIND);
         return __fmul_rn(__half2float(__half(h)), scale);
     }
     __device__ static S store(float x, float inv_scale) {
         return static_cast<S>(__nv_cvt_float_to_fp8(__fmul_rn(x, inv_scale), __NV_SATFINITE, KIND));
+    }
+    __device__ static float2 load2(S a, S b, float scale) {
+#if RESTORE_FP8_X2
+        const __nv_fp8x2_storage_t v = (__nv_fp8x2_storage_t)(a | (b << 8));   // low byte = first element = .x
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(v, KIND)));
+        return make_float2(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale));
+#else
+        return make_float2(load(a, scale), load(b, scale));
+#endif
+    }
+    __device__ static void store2(float x, float y, float inv, S& a, S& b) {
+#if RESTORE_FP8_X2
+        const __nv_fp8x2_storage_t v =
+            __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(x, inv), __fmul_rn(y, inv)), __NV_SATFINITE, KIND);
+        a = (S)(v & 0xff);
+        b = (S)(v >> 8);
+#else
+        a = store(x, inv);
+        b = store(y, inv);
+#endif
     }
 };
 
@@ -81,36 +125,69 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
     o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
-template <class S>
+template <int BYTES> struct VecOf;
+template <> struct VecOf<16> { using T = uint4; };
+template <> struct VecOf<8> { using T = uint2; };
+template <class S, int BYTES>
 struct Chunk {
-    static constexpr int VEC = 16 / sizeof(S);
-    union { uint4 u; S e[VEC]; };
+    static constexpr int VEC = BYTES / sizeof(S);
+    using V = typename VecOf<BYTES>::T;
+    union { V u; S e[VEC]; };
 };
 
-// Fast path: one CUDA block (z-slice) per token; thread x = one 16-byte item of every row, thread y walks the
-// token's L·H rows U at a time (U independent 16-byte loads in flight before the first store).
+// Table loads: n consecutive floats at p (aligned to 4·n bytes when n is 2 or a multiple of 4).
+template <int N>
+__device__ __forceinline__ void load_table(const float* p, float* out) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(p + j));
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else if constexpr (N == 2) {
+        const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+        out[0] = v.x; out[1] = v.y;
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j) out[j] = __ldg(p + j);
+    }
+}
+
+// Fast path: one CUDA block z-slice per token; thread x = one chunk of every row, thread y walks the token's
+// L·H rows U at a time. Everything a thread loads (slot, flag, tables, its first U rows) is requested before
+// anything waits on the slot, so a thread pays about one memory latency, not three.
 template <class Tr>
-__device__ __forceinline__ void fast_token(const Args& a, int t, long long slot, bool moved) {
+__device__ __forceinline__ void fast_token(const Args& a, int t) {
     using S = typename Tr::S;
-    constexpr int VEC = Chunk<S>::VEC;
-    constexpr int U = 4;
+    using C = Chunk<S, Tr::CHUNK>;
+    using V = typename C::V;
+    constexpr int VEC = C::VEC;
+    constexpr int U = RESTORE_U;
     S* dst = static_cast<S*>(a.dst);
+    const long long slot = __ldg(a.slots + t);
+    const bool moved = __ldg(a.moved + t) != 0;
     const int LH = a.n_layers * a.n_heads;
     const int half = a.rot / 2;
     const int n_rot = a.neox ? half / VEC : a.rot / VEC;
     const int n_kp = (a.dk - a.rot) / VEC;
     const int items = n_rot + n_kp + a.dv / VEC;
-    const unsigned s32 = (unsigned)slot;  // host checks num_slots < 2^31
-    const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
-    const long long kcell = a.k_off + b * a.k_sB + n * a.k_sN;
-    const long long vcell = a.v_off + b * a.v_sB + n * a.v_sN;
     for (int item = threadIdx.x; item < items; item += blockDim.x) {
         // what this item moves: 0 = rotary chunk(s), 1 = plain key chunk, 2 = value chunk
         const int kind = item < n_rot ? 0 : (item < n_rot + n_kp ? 1 : 2);
-        int c1, c2 = 0, pair0 = 0;
+        int c1, c2 = 0;
+        float cs[VEC], sn[VEC];
         if (kind == 0) {
             c1 = a.rot_start + item * VEC;
-            if (a.neox) { c2 = c1 + half; pair0 = item * VEC; } else { pair0 = item * VEC / 2; }
+            const float* ct = a.cos_t + (long long)t * half;
+            const float* st = a.sin_t + (long long)t * half;
+            if (a.neox) {
+                c2 = c1 + half;
+                load_table<VEC>(ct + item * VEC, cs);
+                load_table<VEC>(st + item * VEC, sn);
+            } else {
+                load_table<VEC / 2>(ct + item * VEC / 2, cs);
+                load_table<VEC / 2>(st + item * VEC / 2, sn);
+            }
         } else if (kind == 1) {
             const int pch = (item - n_rot) * VEC;
             c1 = pch < a.rot_start ? pch : pch + a.rot;
@@ -118,29 +195,22 @@ __device__ __forceinline__ void fast_token(const Args& a, int t, long long slot,
             c1 = (item - n_rot - n_kp) * VEC;
         }
         const bool pairs2 = kind == 0 && a.neox;          // two chunks (c1, c2) per row
-        const bool rotate = kind == 0 && moved;
-        float cs[VEC], sn[VEC];
-        if (rotate) {
-            const int np = a.neox ? VEC : VEC / 2;           // pairs in this item
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                cs[j] = j < np ? __ldg(a.cos_t + (long long)t * half + pair0 + j) : 0.f;
-                sn[j] = j < np ? __ldg(a.sin_t + (long long)t * half + pair0 + j) : 0.f;
-            }
-        }
         const S* src = kind == 2 ? static_cast<const S*>(a.src_v) : static_cast<const S*>(a.src_k);
         const int sd = kind == 2 ? a.dv : a.dk;
         for (int r0 = threadIdx.y; r0 < LH; r0 += blockDim.y * U) {
-            Chunk<S> p[U], q[U];
+            C p[U], q[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int r = r0 + u * blockDim.y;
                 if (r < LH) {
                     const S* row = src + ((long long)t * LH + r) * sd;
-                    p[u].u = __ldg(reinterpret_cast<const uint4*>(row + c1));
-                    if (pairs2) q[u].u = __ldg(reinterpret_cast<const uint4*>(row + c2));
+                    p[u].u = __ldg(reinterpret_cast<const V*>(row + c1));
+                    if (pairs2) q[u].u = __ldg(reinterpret_cast<const V*>(row + c2));
                 }
             }
+            if (slot < 0) return;  // padding token: writes nothing
+            const unsigned s32 = (unsigned)slot;  // host checks num_slots < 2^31
+            const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int r = r0 + u * blockDim.y;
@@ -148,32 +218,35 @@ __device__ __forceinline__ void fast_token(const Args& a, int t, long long slot,
                 const int l = r / a.n_heads, h = r - l * a.n_heads;
                 const long long lk = a.layer_base + l;
                 if (kind == 2) {
-                    *reinterpret_cast<uint4*>(dst + vcell + lk * a.v_sL + h * a.v_sH + c1) = p[u].u;
+                    *reinterpret_cast<V*>(dst + a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN + c1) =
+                        p[u].u;
                     continue;
                 }
-                if (rotate) {
+                if (kind == 0 && moved) {
                     if (a.neox) {
 #pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            float o1, o2;
-                            rotate_pair(Tr::load(p[u].e[j], a.scale), Tr::load(q[u].e[j], a.scale), cs[j], sn[j], o1, o2);
-                            p[u].e[j] = Tr::store(o1, a.inv_scale);
-                            q[u].e[j] = Tr::store(o2, a.inv_scale);
+                        for (int j = 0; j < VEC; j += 2) {
+                            const float2 x1 = Tr::load2(p[u].e[j], p[u].e[j + 1], a.scale);
+                            const float2 x2 = Tr::load2(q[u].e[j], q[u].e[j + 1], a.scale);
+                            float o1a, o2a, o1b, o2b;
+                            rotate_pair(x1.x, x2.x, cs[j], sn[j], o1a, o2a);
+                            rotate_pair(x1.y, x2.y, cs[j + 1], sn[j + 1], o1b, o2b);
+                            Tr::store2(o1a, o1b, a.inv_scale, p[u].e[j], p[u].e[j + 1]);
+                            Tr::store2(o2a, o2b, a.inv_scale, q[u].e[j], q[u].e[j + 1]);
                         }
                     } else {
 #pragma unroll
                         for (int j = 0; j < VEC / 2; ++j) {
+                            const float2 x = Tr::load2(p[u].e[2 * j], p[u].e[2 * j + 1], a.scale);
                             float o1, o2;
-                            rotate_pair(Tr::load(p[u].e[2 * j], a.scale), Tr::load(p[u].e[2 * j + 1], a.scale), cs[j],
-                                        sn[j], o1, o2);
-                            p[u].e[2 * j] = Tr::store(o1, a.inv_scale);
-                            p[u].e[2 * j + 1] = Tr::store(o2, a.inv_scale);
+                            rotate_pair(x.x, x.y, cs[j], sn[j], o1, o2);
+                            Tr::store2(o1, o2, a.inv_scale, p[u].e[2 * j], p[u].e[2 * j + 1]);
                         }
                     }
                 }
-                const long long kb = kcell + lk * a.k_sL + h * a.k_sH;
-                *reinterpret_cast<uint4*>(dst + kb + c1) = p[u].u;
-                if (pairs2) *reinterpret_cast<uint4*>(dst + kb + c2) = q[u].u;
+                const long long kb = a.k_off + lk * a.k_sL + b * a.k_sB + h * a.k_sH + n * a.k_sN;
+                *reinterpret_cast<V*>(dst + kb + c1) = p[u].u;
+                if (pairs2) *reinterpret_cast<V*>(dst + kb + c2) = q[u].u;
             }
         }
     }
@@ -181,7 +254,10 @@ __device__ __forceinline__ void fast_token(const Args& a, int t, long long slot,
 
 // Element path (any strides, e.g. the CPU backend's transposed K plane): an item is one pair or one element.
 template <class Tr>
-__device__ __forceinline__ void slow_token(const Args& a, int t, long long slot, bool moved) {
+__device__ __forceinline__ void slow_token(const Args& a, int t) {
+    const long long slot = __ldg(a.slots + t);
+    if (slot < 0) return;  // padding token: writes nothing
+    const bool moved = __ldg(a.moved + t) != 0;
     using S = typename Tr::S;
     S* dst = static_cast<S*>(a.dst);
     const S* sk = static_cast<const S*>(a.src_k);
@@ -229,11 +305,8 @@ template <class Tr>
 __device__ __forceinline__ void restore_rope_body(const Args& a) {
     const long long t = (long long)blockIdx.x * blockDim.z + threadIdx.z;
     if (t >= a.n_tokens) return;
-    const long long slot = __ldg(a.slots + t);
-    if (slot < 0) return;  // padding token: writes nothing (uniform over this token's threads)
-    const bool moved = __ldg(a.moved + t) != 0;
-    if (a.fast) fast_token<Tr>(a, (int)t, slot, moved);
-    else slow_token<Tr>(a, (int)t, slot, moved);
+    if (a.fast) fast_token<Tr>(a, (int)t);
+    else slow_token<Tr>(a, (int)t);
 }
 
 }  // namespace

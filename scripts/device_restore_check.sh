@@ -23,4 +23,14 @@ if command -v cuobjdump >/dev/null && [ -f "$cub" ]; then
 fi
 python3 -m kmesh run synthetic --profile cuda --out "$out/synthetic.json" 2>&1 | tail -15
 python3 -m pytest -q -p no:cacheprovider tests/test_restore.py -k "kernel" 2>&1 | tail -8 | tee "$out/pytest_gpu.txt"
-python3 scripts/bench_restore.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tail -12
+# Tuning variants (compile-time tunables of restore_rope.cu, compiled on the fly): each must pass the same
+# synthetic stage and GPU tests before its timing means anything.
+VARIANTS=${VARIANTS:-",-DRESTORE_U=8,-DRESTORE_U=2,-DRESTORE_FP8_CHUNK=8 -DRESTORE_FP8_X2=1"}
+IFS=',' read -ra VS <<< "$VARIANTS"
+for v in "${VS[@]}"; do
+  [ -z "$v" ] && continue   # the default build ran above
+  echo "== variant: $v"
+  KMESH_KERNEL_FLAGS="$v" python3 -m kmesh run synthetic --profile cuda --out /tmp/synthetic_variant.json 2>&1 | tail -3
+  KMESH_KERNEL_FLAGS="$v" python3 -m pytest -q -p no:cacheprovider tests/test_restore.py -k kernel 2>&1 | tail -1
+done 2>&1 | tee "$out/variants.txt"
+python3 scripts/bench_restore.py --out "$out" --variants "$VARIANTS" ${BENCH_ARGS:-} 2>&1 | tail -24

@@ -260,7 +260,7 @@ def test_kernel_equals_torch_path(lay, style):
         torch.cuda.synchronize()
         paths.add(info["path"])
         assert torch.equal(out, ref), f"{info}: {(out != ref).sum().item()} bytes differ"
-    assert ("vector16" in paths) == (lay.packing != "cpu")
+    assert ("vector" in paths) == (lay.packing != "cpu")
 
 
 @pytest.mark.gpu

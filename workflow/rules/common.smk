@@ -22,7 +22,8 @@ def logfile(stage):
 
 def kmesh_run(stage):
     """The one call a stage rule makes (the stage writes its result even when cases fail)."""
-    return f"python -m kmesh run {stage} --profile {PROFILE} --out {{output.result}} > {{log}} 2>&1"
+    return (f"python -m kmesh run {stage} --profile {PROFILE} --set results_dir={RESULTS} "
+            f"--out {{output.result}} > {{log}} 2>&1")
 
 
 def all_outputs():

@@ -5,6 +5,8 @@ Where a cubin comes from, in order:
 2. <root>/results/cuda/kernels/<name>.cubin (what `python -m kmesh run kernels --profile cuda` writes),
 3. otherwise nvcc compiles kernels/<name>.cu on the fly into <root>/results/.kernel-cache/ (tests, scripts).
 A cubin older than its source is never used: it is rebuilt. `kernel_info(name)` says what was loaded.
+$KMESH_KERNEL_FLAGS (e.g. "-DRESTORE_U=8") adds nvcc flags for tuning experiments: then prebuilt cubins
+(built without them) are skipped and the source is compiled with the flags.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from kmesh.errors import KMeshError
 GENCODE = "-gencode=arch=compute_90,code=sm_90"
 _lock = threading.Lock()
 _dir: Path | None = None
-_modules: dict[tuple[str, int], Any] = {}
+_modules: dict[tuple[str, int, str], Any] = {}
 _info: dict[str, dict[str, Any]] = {}
 
 
@@ -59,18 +61,24 @@ def _fresh(cubin: Path, src: Path) -> bool:
     return cubin.is_file() and cubin.stat().st_size > 0 and cubin.stat().st_mtime >= src.stat().st_mtime
 
 
+def extra_flags() -> list[str]:
+    """Tuning flags from $KMESH_KERNEL_FLAGS (empty in normal runs)."""
+    return shlex.split(os.environ.get("KMESH_KERNEL_FLAGS", ""))
+
+
 def _compile(src: Path) -> Path:
     nvcc = shutil.which(os.environ.get("KMESH_NVCC", "nvcc"))
     if nvcc is None:
         raise KernelLoadError(f"no prebuilt cubin for {src.stem} and no nvcc to build one")
-    digest = hashlib.sha256(src.read_bytes() + GENCODE.encode()).hexdigest()[:16]
+    flags = extra_flags()
+    digest = hashlib.sha256(src.read_bytes() + GENCODE.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _root() / "results" / ".kernel-cache"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{src.stem}-{digest}.cubin"
     if out.is_file() and out.stat().st_size > 0:
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", "-lineinfo", *shlex.split(GENCODE), str(src), "-o", str(tmp)]
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", "-lineinfo", *flags, *shlex.split(GENCODE), str(src), "-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise KernelLoadError(f"nvcc failed for {src}:\n{proc.stderr[-3000:]}")
@@ -88,14 +96,14 @@ def cubin_for(name: str) -> tuple[Path, str]:
         if d is not None:
             candidates.append((d / f"{name}.cubin", how))
     for cubin, how in candidates:
-        if _fresh(cubin, src):
+        if not extra_flags() and _fresh(cubin, src):
             return cubin, how
     return _compile(src), "compiled"
 
 
 def load_module(name: str, device_index: int = 0) -> Any:
-    """The cupy.RawModule of kernels/<name>.cu on one device (cached)."""
-    key = (name, device_index)
+    """The cupy.RawModule of kernels/<name>.cu on one device (cached per flags)."""
+    key = (name, device_index, os.environ.get("KMESH_KERNEL_FLAGS", ""))
     with _lock:
         if key in _modules:
             return _modules[key]
@@ -110,7 +118,7 @@ def load_module(name: str, device_index: int = 0) -> Any:
         except Exception as e:  # cupy raises its own CUDA driver errors
             raise KernelLoadError(f"loading {cubin} failed: {type(e).__name__}: {e}") from e
         _modules[key] = module
-        _info[name] = {"cubin": str(cubin), "found": how,
+        _info[name] = {"cubin": str(cubin), "found": how, "flags": extra_flags(),
                        "sha256": hashlib.sha256(cubin.read_bytes()).hexdigest()}
         return module
 

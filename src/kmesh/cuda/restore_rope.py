@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kmesh.cuda.loader import KernelLoadError, get_function
+from kmesh.cuda.loader import KernelLoadError, extra_flags, get_function
 
 if TYPE_CHECKING:
     from kmesh.restore import RestorePlan
@@ -21,7 +21,23 @@ KERNEL = "restore_rope"
 ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16": "restore_rope_bf16",
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
 THREADS = 256
-ROWS_PER_STEP = 4   # U in restore_rope.cu: rows whose loads one thread issues before storing
+
+
+def tunables() -> dict[str, int]:
+    """The kernel's compile-time tunables as built (defaults of restore_rope.cu unless $KMESH_KERNEL_FLAGS
+    overrides them): U = rows whose loads one thread issues before storing, fp8 chunk bytes."""
+    out = {"RESTORE_U": 4, "RESTORE_FP8_CHUNK": 16, "RESTORE_FP8_X2": 0}
+    for f in extra_flags():
+        if f.startswith("-D") and "=" in f and f[2:].split("=")[0] in out:
+            k, v = f[2:].split("=", 1)
+            out[k] = int(v)
+    return out
+
+
+def chunk_elements(lay) -> int:
+    """Elements per vector chunk of the fast path for this layout's dtype."""
+    nbytes = tunables()["RESTORE_FP8_CHUNK"] if lay.fp8_dtype is not None else 16
+    return nbytes // lay.element_size
 _INT32 = 2**31 - 1
 _streams: dict[int, Any] = {}
 
@@ -29,7 +45,7 @@ _streams: dict[int, Any] = {}
 def vector_path_ok(plan: "RestorePlan") -> bool:
     """True when every K/V access can be a 16-byte load/store (channel stride 1, widths and offsets aligned)."""
     lay, rope = plan.layout, plan.rope
-    vec = 16 // lay.element_size
+    vec = chunk_elements(lay)
     ks = lay.k_strides()
     if ks.channel != 1:
         return False
@@ -46,13 +62,13 @@ def vector_path_ok(plan: "RestorePlan") -> bool:
     if plan.segment.v is not None:
         ptrs.append(plan.segment.v.data_ptr())
     return (all(w % vec == 0 for w in widths) and all(s % vec == 0 for s in st)
-            and all(p % 16 == 0 for p in ptrs))
+            and all(p % (vec * lay.element_size) == 0 for p in ptrs) and all(p % 16 == 0 for p in ptrs[2:4]))
 
 
 def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """(grid, block, items per row): one block z-slice per token, x over a row's items, y over its L·H rows."""
     lay, rope = plan.layout, plan.rope
-    vec = 16 // lay.element_size
+    vec = chunk_elements(lay)
     rot, dk, dv = rope.rotary_dim, lay.head_dim, lay.head_dim_v
     if fast:
         items = (rot // 2 // vec if rope.style == "neox" else rot // vec) + (dk - rot) // vec + dv // vec
@@ -61,7 +77,7 @@ def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int],
     T, L, H, _ = plan.segment.k.shape
     rows = L * H
     bx = min(items, THREADS)
-    per_thread = ROWS_PER_STEP if fast else 1
+    per_thread = tunables()["RESTORE_U"] if fast else 1
     by = max(1, min((rows + per_thread - 1) // per_thread, THREADS // bx))
     bz = max(1, THREADS // (bx * by))
     return ((T + bz - 1) // bz, 1, 1), (bx, by, bz), items
@@ -98,7 +114,8 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
         raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
     slots = plan.slots.contiguous()
     moved = plan.moved.contiguous()  # bool: one byte 0/1 per token, read as unsigned char
-    fast = (not force_slow) and vector_path_ok(plan) and k.data_ptr() % 16 == 0
+    fast = (not force_slow) and vector_path_ok(plan) and k.data_ptr() % 16 == 0 and \
+        (v is None or v.data_ptr() % 16 == 0)
     grid, block, items = launch_shape(plan, fast)
     fn = get_function(KERNEL, ENTRY[lay.dtype], dev.index or 0)
     ks, vs = lay.k_strides(), (lay.v_strides() if lay.head_dim_v else None)
@@ -119,5 +136,5 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
         raise
     except Exception as e:
         raise RestoreError(f"restore_rope launch failed: {type(e).__name__}: {e}") from e
-    return {"entry": ENTRY[lay.dtype], "path": "vector16" if fast else "element", "grid": grid, "block": block,
-            "items_per_row": items}
+    return {"entry": ENTRY[lay.dtype], "path": "vector" if fast else "element", "grid": grid, "block": block,
+            "items_per_row": items, "chunk_elements": chunk_elements(lay) if fast else 1, "tunables": tunables()}

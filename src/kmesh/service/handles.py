@@ -142,7 +142,7 @@ def check_memfd(fd: int, nbytes: int) -> tuple[int, int]:
 
 # -- GPU: CUDA IPC ------------------------------------------------------------------------------------
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # c_ubyte, not c_char: c_char fields stop at a NUL byte
 
 
 _cuda: Any = None
@@ -157,9 +157,14 @@ def _driver() -> Any:
             raise HandleError(f"CUDA driver not available: {e}") from None
         u64 = ctypes.c_uint64
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), u64]
-        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint]
+        # cuda.h maps cuIpcOpenMemHandle to the _v2 entry point; older drivers only have the plain one
+        lib.ipc_open = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+        lib.ipc_open.argtypes = [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [u64]
         lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_size_t), u64]
+        for f in ("cuIpcGetMemHandle", "cuIpcCloseMemHandle", "cuMemGetAddressRange_v2"):
+            getattr(lib, f).restype = ctypes.c_int
+        lib.ipc_open.restype = ctypes.c_int
         _cuda = lib
     return _cuda
 
@@ -187,8 +192,8 @@ def export_cuda(tensor: Any) -> dict[str, Any]:
     base, size = address_range(ptr)
     h = _IpcHandle()
     _check(_driver().cuIpcGetMemHandle(ctypes.byref(h), base), "cuIpcGetMemHandle")
-    return {"device": tensor.device.index, "ipc_handle": bytes(h.reserved).ljust(64, b"\0"),
-            "offset": ptr - base, "alloc_nbytes": size}
+    return {"device": tensor.device.index or 0, "ipc_handle": bytes(h.reserved), "offset": ptr - base,
+            "alloc_nbytes": size}
 
 
 class _CudaArray:
@@ -243,9 +248,8 @@ class CudaIpcTable:
         entry = self._open.get(key)
         if entry is None:
             ptr = ctypes.c_uint64()
-            h = _IpcHandle()
-            h.reserved = raw
-            _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, 1), "cuIpcOpenMemHandle")
+            h = _IpcHandle.from_buffer_copy(raw)
+            _check(_driver().ipc_open(ctypes.byref(ptr), h, 1), "cuIpcOpenMemHandle")  # 1: lazy peer access
             try:
                 base, size = address_range(ptr.value)
             except HandleError:

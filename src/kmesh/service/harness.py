@@ -33,7 +33,7 @@ class HarnessError(KMeshError):
 class Harness:
     def __init__(self, *, device: str = "cpu", heartbeat_timeout_s: float = 0.5, chunk_bytes: int = 16384,
                  log_dir: Path | None = None, store_bytes: int = 1 << 30, socket_mode: int = 0o600,
-                 allow_uids: list[int] | None = None) -> None:
+                 allow_uids: list[int] | None = None, faults: list[str] | None = None) -> None:
         self.device, self.chunk_bytes, self.heartbeat_timeout_s = device, chunk_bytes, heartbeat_timeout_s
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kmesh-svc-"))  # short: socket paths max 107 bytes
         self.log_dir = log_dir or self.runtime_dir
@@ -41,9 +41,13 @@ class Harness:
         self.service = process.start(self.runtime_dir / "rt", device=device, heartbeat_timeout_s=heartbeat_timeout_s,
                                      chunk_bytes=chunk_bytes, gate_fd=self.gate.read_fd, store_bytes=store_bytes,
                                      socket_mode=socket_mode, allow_uids=allow_uids,
-                                     log_path=self.log_dir / "service.log")
+                                     log_path=self.log_dir / "service.log", faults=faults)
         os.close(self.gate.read_fd)  # the service holds the read end; ours would only keep EOF away
         self.gate.read_fd = None  # type: ignore[assignment]
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.mem_get_info()  # our own CUDA context now, not mid-run (it holds the GIL for a while)
         self.owed = 0      # tokens all accepted copies will consume
         self.granted = 0   # tokens written
         self.admin = ServiceClient.connect(self.socket_path, instance=ADMIN_INSTANCE, name="harness-admin")
@@ -55,8 +59,9 @@ class Harness:
         return self.service.socket_path
 
     # -- workers ------------------------------------------------------------------------------------
-    def worker(self, instance: int, heartbeat: bool = True, name: str = "") -> Worker:
-        w = Worker.spawn(self.socket_path, log=self._worker_log)
+    def worker(self, instance: int, heartbeat: bool = True, name: str = "", cuda: bool = False) -> Worker:
+        """A client process, connected as `instance` (cuda: CUDA initialised before it connects)."""
+        w = Worker.spawn(self.socket_path, cuda=cuda, log=self._worker_log)
         self.workers.append(w)
         w.info = w.call("connect", instance=instance, heartbeat=heartbeat, name=name)
         return w

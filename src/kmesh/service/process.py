@@ -96,7 +96,8 @@ class ServiceProcess:
 def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_timeout_s: float = 10.0,
           chunk_bytes: int = 1 << 20, gate_fd: int | None = None, store_bytes: int = 1 << 30,
           socket_mode: int = 0o600, allow_uids: list[int] | None = None, log_path: Path | None = None,
-          detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO") -> ServiceProcess:
+          detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO",
+          faults: list[str] | None = None) -> ServiceProcess:
     """Spawn `python -m kmesh.service.server` and wait until it answers ping."""
     rd = Path(runtime_dir or default_runtime_dir())
     cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
@@ -104,6 +105,8 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
            "--store-bytes", str(store_bytes), "--socket-mode", f"{socket_mode:o}", "--log-level", log_level]
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
+    for f in faults or ():
+        cmd += ["--fault", f]
     pass_fds: tuple[int, ...] = ()
     if gate_fd is not None:
         cmd += ["--gate-fd", str(gate_fd)]

@@ -113,8 +113,11 @@ Unmap = Callable[[Registration], None]  # releases reg.memory / reg.handle; rais
 
 class Registry:
     def __init__(self, unmap: Unmap, max_regs_per_client: int = 64, max_regs: int = 4096,
-                 max_tombstones: int = 16384) -> None:
+                 max_tombstones: int = 16384, ignore_in_flight: bool = False) -> None:
         self._unmap = unmap
+        # Fault injection for negative controls only: treat closing as drained although copies run (the
+        # "no in-flight accounting on unregister" flaw); the stage's checks must catch it.
+        self.ignore_in_flight = ignore_in_flight
         self.max_regs_per_client, self.max_regs, self.max_tombstones = max_regs_per_client, max_regs, max_tombstones
         self.clients: dict[int, Client] = {}
         self.regs: dict[int, Registration] = {}
@@ -234,7 +237,7 @@ class Registry:
 
     def settle(self, reg: Registration) -> None:
         """Advance closing -> drained -> released as far as the facts allow."""
-        if reg.state is State.CLOSING and not reg.in_flight:
+        if reg.state is State.CLOSING and (not reg.in_flight or self.ignore_in_flight):
             self._move(reg, State.DRAINED, "no copies in flight")
         if reg.state is State.DRAINED:
             try:

@@ -39,6 +39,7 @@ from kmesh.shm import SegmentBusyError
 
 log = logging.getLogger("kmesh.service")
 _DEFERRED = object()  # a handler's "the reply comes later" (parked wait)
+FAULTS = ("ignore_in_flight",)  # deliberate flaws for negative controls (tests prove the checks can fail)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ServiceOptions:
     max_regs_per_client: int = 64
     max_connections: int = 256
     max_out_bytes: int = 4 << 20          # a client that does not read its replies is disconnected
+    faults: tuple[str, ...] = ()          # negative controls only (FAULTS)
 
 
 @dataclass(eq=False)
@@ -72,7 +74,8 @@ class Service:
     def __init__(self, opts: ServiceOptions) -> None:
         self.opts = opts
         self.sel = selectors.DefaultSelector()
-        self.registry = Registry(self._unmap, max_regs_per_client=opts.max_regs_per_client)
+        self.registry = Registry(self._unmap, max_regs_per_client=opts.max_regs_per_client,
+                                 ignore_in_flight="ignore_in_flight" in opts.faults)
         self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"))
         self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd)
         self.cuda = CudaIpcTable()
@@ -424,6 +427,8 @@ class Service:
         try:
             if reg.kind == "memfd":
                 memory: Any = MappedMemfd(os.dup(reg.handle), reg.nbytes)
+                os.close(reg.handle)  # the mapping owns its fd from here on
+                reg.handle = -1
             else:
                 memory = self.cuda.open(reg.handle, reg.nbytes)
         except ServiceError as e:
@@ -617,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), default=0o600)
     p.add_argument("--allow-uid", type=int, action="append", default=None)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level, stream=sys.stderr,
                         format="%(asctime)s kmesh-service[%(process)d] %(levelname)s %(message)s")
@@ -627,7 +633,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.zeros(1, device=a.device)  # create the context before the first client arrives
     uids = frozenset(a.allow_uid) if a.allow_uid else frozenset({os.getuid()})
     svc = Service(ServiceOptions(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes,
-                                 a.gate_fd, a.socket_mode, uids))
+                                 a.gate_fd, a.socket_mode, uids, faults=tuple(a.fault)))
+    if a.fault:
+        log.warning("FAULTS INJECTED (negative control): %s", a.fault)
     try:
         svc.bind()
     except (ServiceError, OSError) as e:

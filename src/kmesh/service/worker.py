@@ -200,9 +200,15 @@ class _CudaBuf:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python -m kmesh.service.worker SOCKET_PATH", file=sys.stderr)
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--cuda"):
+        print("usage: python -m kmesh.service.worker SOCKET_PATH [--cuda]", file=sys.stderr)
         return 2
+    if "--cuda" in sys.argv:
+        # Import torch and create the CUDA context BEFORE connecting: both hold the GIL for seconds, and a
+        # client whose heartbeat thread cannot run looks dead to the service.
+        import torch
+
+        torch.empty(1, device="cuda")
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but replies on the reply pipe
     s = _Session(sys.argv[1])
@@ -231,11 +237,11 @@ class Worker:
         self.info: dict[str, Any] = {}  # what "connect" answered (client id, pid, token)
 
     @classmethod
-    def spawn(cls, socket_path: str | Path, user: int | None = None, log: Any = None,
+    def spawn(cls, socket_path: str | Path, cuda: bool = False, log: Any = None,
               env: dict[str, str] | None = None) -> "Worker":
-        proc = subprocess.Popen([sys.executable, "-m", "kmesh.service.worker", str(socket_path)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL,
-                                user=user, env=env)
+        argv = [sys.executable, "-m", "kmesh.service.worker", str(socket_path)] + (["--cuda"] if cuda else [])
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log or subprocess.DEVNULL, env=env)
         return cls(proc)
 
     @property

