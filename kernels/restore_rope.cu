@@ -19,12 +19,14 @@
 //
 // Work split: one row = one (token, layer, head); a row's channels are split into items: rotary items,
 // plain-key items, value items. Fast path (all channel strides 1, widths and offsets multiples of
-// VEC = 16 / sizeof(S), 16-byte aligned pointers): an item is VEC channels moved with 16-byte loads and
-// stores (neox: VEC pairs = one chunk at c and one at c + rot/2; gptj: one chunk = VEC/2 adjacent pairs).
+// VEC = chunk / sizeof(S), chunk-aligned pointers; chunk = 16 bytes, fp8 RESTORE_FP8_CHUNK): an item is VEC
+// channels moved with one vector load and store per chunk (neox: VEC pairs = one chunk at c and one at
+// c + rot/2; gptj: one chunk = VEC/2 adjacent pairs).
 // Element path: an item is one pair or one element, any strides.
 // Launch: one block z-slice per token (its slot, flag and shift tables are read once per thread, not per
 // row); block (bx, by, bz): bx = items per row (<= 256), by threads walk the token's L·H rows (fast path:
-// U = 4 rows per step, all loads issued before the stores), bz tokens per block; grid.x = ceil(T / bz).
+// U = RESTORE_U rows per step, all their loads issued before the stores), bz tokens per block;
+// grid.x = ceil(T / bz). Threads per block <= 256. H200 measurements: docs/measurements/restore_h200.md.
 //
 // Bytes: reads T·L·H·(Dk + Dv)·sizeof(S) of segment + T·rot/2·8 of tables + 9·T of slots/flags;
 // writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing).

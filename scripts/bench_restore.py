@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             c.check("speedup_goal_20x_torch", summary["speedup_vs_torch"] >= 20, summary["speedup_vs_torch"])
             use_variant(variants[0])
             rows.append((shape, seg_bytes, summary, per_variant))
-            del raw, plan, seg, src, dst
+            raw = plan = seg = src = dst = None   # free this shape's buffers before the next one
             torch.cuda.empty_cache()
     res.extra["kernel"] = kernel_info("restore_rope")
     out = Path(args.out)

@@ -29,7 +29,8 @@ def test_ownership_stage_passes_across_processes(tmp_path):
     assert res["summary"]["service_pid"] != res["provenance"].get("pid")
     assert all(v == 0 for v in res["summary"]["final_leaks"].values()), res["summary"]["final_leaks"]
     checks = by_id["sigkill-mid-copy/memfd"]["checks"]
-    assert checks["closing_not_released"]["ok"] and checks["reason_client_died"]["value"] == "client died"
+    assert checks["closing_not_released"]["ok"]
+    assert by_id["death-seen-by-pidfd"]["checks"]["reason_client_died"]["value"] == "client died"
     assert by_id["close-in-flight/memfd"]["checks"]["lifecycle_path"]["value"] == \
         ["registered", "active", "closing", "drained", "released"]
     assert by_id["same-address-new-gen/memfd"]["checks"]["same_address"]["ok"]
@@ -52,3 +53,16 @@ def test_negative_control_release_without_drain_is_caught(tmp_path):
     # data still arrived intact; the lifecycle check alone would not have caught the flaw.
     assert case.checks["data_complete"]["ok"] is True
     assert st["counters"]["release_deferred"] >= 1
+
+
+@pytest.mark.gpu
+def test_ownership_stage_cuda_ipc_cases(tmp_path):
+    """On a GPU: every case also runs on device memory registered through CUDA IPC between processes."""
+    out = tmp_path / "ownership.json"
+    run = subprocess.run([sys.executable, "-m", "kmesh", "run", "ownership", "--profile", "cuda", "--out", str(out),
+                          "--set", f"results_dir={tmp_path}"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    res = json.loads(out.read_text())
+    cuda = [c for c in res["cases"] if c["id"].endswith("/cuda")]
+    assert len(cuda) == sum(per_mem for _, _, per_mem in ownership.CASES)
+    assert all(c["passed"] for c in cuda), [c["id"] for c in cuda if not c["passed"]]

@@ -112,22 +112,23 @@ def bad_layout(rng: random.Random) -> object:
     d = dict(LAYOUT)
     choice = rng.randrange(9)
     if choice == 0:
-        del d[rng.choice(list(d))]
+        del d[rng.choice(["packing", "order", "num_layers", "num_blocks", "block_size", "num_kv_heads",
+                          "head_dim", "head_dim_v", "dtype"])]
     elif choice == 1:
         d["dtype"] = rng.choice(["float64", "int8", "", 3])
     elif choice == 2:
         d[rng.choice(["num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"])] = rng.choice(
-            [0, -1, 1 << 25, 1.0, True, "8"])
+            [0, -1, 1.0, True, "8", None, 1 << 41])
     elif choice == 3:
         d["order"] = rng.choice(["LBHCN", "lbhnc", "", None])
     elif choice == 4:
-        d["kv_packing"], d["num_kv_heads"] = "mla", 2
+        d["packing"], d["num_kv_heads"] = "mla", 2
     elif choice == 5:
         d["extra"] = 1
     elif choice == 6:
-        d["version"] = rng.choice([0, 2, "1", True])
+        d[rng.choice(["k_scale", "v_scale"])] = rng.choice([0.0, -1.0, float("nan"), float("inf"), "1"])
     elif choice == 7:
-        d["dtype"] = "float8_e4m3fn"  # fp8 without a scale
+        d["offset"] = rng.choice([1, 3, -2])  # not element-aligned, or negative
     else:
         return rng.choice([[], "layout", 5, None, {1: 2}])
     return d

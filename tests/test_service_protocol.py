@@ -149,21 +149,34 @@ def test_error_codes_round_trip_to_their_classes() -> None:
 def test_descriptor_size_matches_an_independent_count() -> None:
     import numpy as np
 
-    for packing, heads, ch in (("kv_split_c", 2, 128), ("cpu_kt_planes", 3, 128), ("mla", 1, 64)):
-        d = descriptor.example(num_blocks=5, dtype="float16", kv_packing=packing, num_kv_heads=heads)
-        shape = (d["num_layers"], 5, heads, d["block_size"], ch)
+    for packing, heads, dv, extra in (("paged", 2, 64, {}), ("cpu", 3, 64, {}),
+                                      ("mla", 1, 0, {"rope_offset": 48})):
+        d = descriptor.validate(descriptor.example(num_blocks=5, dtype="float16", packing=packing,
+                                                   num_kv_heads=heads, head_dim_v=dv, **extra))
+        shape = (d["num_layers"], 5, heads, d["block_size"], 64 + dv)
         assert descriptor.nbytes(d) == np.zeros(shape, dtype=np.float16).nbytes
+        assert descriptor.example_nbytes(d) == descriptor.nbytes(d)
 
 
 @pytest.mark.parametrize("change,field", [
     ({"dtype": "float64"}, "dtype"), ({"order": "XYZ"}, "order"), ({"num_blocks": 0}, "num_blocks"),
-    ({"head_dim": True}, "head_dim"), ({"kv_packing": "mla", "num_kv_heads": 2}, "num_kv_heads"),
-    ({"dtype": "float8_e4m3fn"}, "fp8_scale"), ({"fp8_scale": 1.0}, "fp8_scale"), ({"extra": 1}, "unknown"),
-    ({"version": 2}, "version"),
+    ({"head_dim": True}, "head_dim"), ({"packing": "mla", "num_kv_heads": 2}, "mla"),
+    ({"k_scale": float("nan")}, "k_scale"), ({"k_scale": 0.0}, "k_scale"), ({"extra": 1}, "unknown"),
+    ({"layer_stride": "4"}, "layer_stride"), ({"packing": "cpu", "order": "LBNHC"}, "cpu"),
+    ({"offset": 3}, "offset"),
 ])
 def test_descriptor_refuses_bad_fields(change: dict, field: str) -> None:
     with pytest.raises(SchemaError, match=field):
         descriptor.validate({**descriptor.example(), **change})
+
+
+def test_descriptor_is_a_kvlayout() -> None:
+    from kmesh.layout import KVLayout
+
+    d = descriptor.validate(descriptor.example(num_blocks=3))
+    assert d == KVLayout.paged("LBHNC", 2, 3, 16, 2, 64, "bfloat16").to_dict()
+    with pytest.raises(SchemaError, match="missing"):
+        descriptor.validate({k: v for k, v in d.items() if k != "dtype"})
 
 
 def test_digests_name_the_exact_layout_and_the_geometry() -> None:

@@ -35,7 +35,11 @@ def _vllm():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, MLAAttentionSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    return SimpleNamespace(**locals())
+    return SimpleNamespace(VllmConfig=VllmConfig, STR_DTYPE_TO_TORCH_DTYPE=STR_DTYPE_TO_TORCH_DTYPE,
+                           get_kv_cache_config_from_groups=get_kv_cache_config_from_groups,
+                           FullAttentionSpec=FullAttentionSpec, KVCacheGroupSpec=KVCacheGroupSpec,
+                           KVCacheLayout=KVCacheLayout, MLAAttentionSpec=MLAAttentionSpec,
+                           allocate_kv_cache=allocate_kv_cache)
 
 
 def _allocate(order: str, spec, blocks: int = 6) -> tuple[list[torch.Tensor], object]:
@@ -157,8 +161,6 @@ def test_paged_arrangement_bit_for_bit(order, block_size, dtype):
 def test_padded_block_stride_from_vllm_config():
     """vLLM pads pages to an alignment in block-outermost layouts; KMesh reads the strides off the views."""
     v = _vllm()
-    from vllm.v1.attention.backend import MultipleOf  # noqa: F401  (alignment type used by the spec)
-
     spec = v.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                page_size_padded=2 * 16 * 128 * 2 + 512)
     views, cfg = _allocate("LBNHC", spec)
@@ -185,7 +187,10 @@ def _cpu_backend():
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.worker.utils import select_common_block_size
 
-    return SimpleNamespace(**locals())
+    return SimpleNamespace(AttentionType=AttentionType, CPUAttentionBackend=CPUAttentionBackend,
+                           CPUAttentionBackendImpl=CPUAttentionBackendImpl, _get_attn_isa=_get_attn_isa,
+                           get_supported_kv_cache_layouts=get_supported_kv_cache_layouts,
+                           select_common_block_size=select_common_block_size)
 
 
 def _cpu_write(cpu, views, k, val, slots, isa, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
@@ -306,10 +311,17 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
         pytest.skip(f"vLLM's CPU fp8 cache writer does not run on this CPU: {str(e)[:120]}")
     lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
     seg = capture(raw, lay, slots, torch.arange(T))
-    from kmesh.layout import quantize
+    from kmesh.layout import dequantize, quantize
 
-    assert torch.equal(seg.k, quantize(k.float(), lay.fp8_dtype, 1 / 0.05))
-    assert torch.equal(seg.v, quantize(val.float(), lay.fp8_dtype, 1 / 0.025))
+    for got, x, scale in ((seg.k, k, 0.05), (seg.v, val, 0.025)):
+        ours = quantize(x.float(), lay.fp8_dtype, 1 / scale)
+        # vLLM's bytes decode, with KMesh's scale semantics, to x within one fp8 rounding ...
+        back = dequantize(got, lay.fp8_dtype, scale)
+        u = 2.0**-4 if kv_cache_dtype == "fp8_e4m3" else 2.0**-3
+        assert float(((back - x.float()).abs() / x.float().abs().clamp(min=scale * 2.0**-6)).max()) <= u
+        # ... and are KMesh's own encoding, up to a tie broken the other way (adjacent codes)
+        assert int((got.int() - ours.int()).abs().max()) <= 1
+        assert float((got != ours).float().mean()) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The one client of the cache service. Stages, workers and tests all talk to the service through this.
 
     with ServiceClient.connect(socket_path, instance=3) as svc:
-        buf = HostBuffer(descriptor.nbytes(layout))
+        buf = HostBuffer(descriptor.nbytes(layout))      # a KVLayout.to_dict() descriptor
         reg = svc.register_host(buf, alloc_id=buf.address, generation=1, layout=layout)
         req = svc.save(reg, b"prefix-0", offset=0, nbytes=4096)
         svc.wait(req)                       # the copy has physically finished
@@ -9,7 +9,8 @@
 
 Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
 service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
-Host-memory use does not import torch; CUDA registrations do.
+Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
+the service validates them (kmesh.service.descriptor), so a client need not import kmesh.layout.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kmesh.service import descriptor
 from kmesh.service.errors import (ConnectionLostError, ServiceUnavailableError, WaitTimeoutError,
                                   error_from_reply)
 from kmesh.service.handles import HostBuffer, export_cuda, send_frame
@@ -176,7 +176,6 @@ class ServiceClient:
 
     def register_host(self, buf: HostBuffer, alloc_id: int, generation: int, layout: dict[str, Any],
                       activate: bool = True) -> RegRef:
-        layout = descriptor.validate(layout)
         r = self.call("register", _fds=[buf.fd], alloc_id=alloc_id, generation=generation, kind="memfd",
                       nbytes=buf.nbytes, layout=layout)
         ref = RegRef(r["reg"], r["gen"], r["layout_digest"], "memfd", buf.nbytes)
@@ -186,7 +185,6 @@ class ServiceClient:
 
     def register_cuda(self, tensor: Any, alloc_id: int, generation: int, layout: dict[str, Any],
                       activate: bool = True) -> RegRef:
-        layout = descriptor.validate(layout)
         nbytes = tensor.numel() * tensor.element_size()
         h = export_cuda(tensor)
         r = self.call("register", alloc_id=alloc_id, generation=generation, kind="cuda_ipc", nbytes=nbytes,

@@ -1,12 +1,15 @@
-"""The layout descriptor a client registers with its memory, until kmesh.layout.KVLayout takes its place.
+"""The layout a client registers with its memory: a kmesh.layout.KVLayout, carried as its to_dict() form.
 
-A descriptor is a small dict that says what the registered bytes hold: the KV cache geometry (layers, blocks,
-kv-heads, tokens per block, head dim), dtype, memory order and how K and V are packed. The service uses it
-for three things only, so KVLayout can replace it behind the same three functions:
-  - `validate(d)`  -> the canonical dict (every field checked; unknown fields refused),
-  - `nbytes(d)`    -> bytes the layout covers (the registration must map at least this much),
-  - `digest(d)` / `geometry_digest(d)` -> identity of the exact layout / of its per-block geometry
-    (num_blocks aside), checked against every request and against the layout an object was saved from.
+The service needs four things from a layout, all answered by KVLayout behind these functions:
+  - `validate(d)`  -> the canonical dict (every field type-checked here, then KVLayout's own checks; unknown
+    fields refused), so a malformed descriptor is a SchemaError reply, never a crash;
+  - `nbytes(d)` / `itemsize(d)` -> bytes the layout covers (the registration must be exactly that large) and
+    the element size every request offset/size must be a multiple of;
+  - `digest(d)` -> identity of this exact layout, presented by every request (a client whose cache was
+    re-created with another layout cannot use the old registration);
+  - `geometry_digest(d)` -> identity of the per-block geometry (everything but the number of blocks and the
+    strides that follow from it): an original saved under one layout loads only into the same geometry.
+kmesh.layout (and so torch) is imported lazily: clients build and send the dict without importing either.
 """
 from __future__ import annotations
 
@@ -18,63 +21,66 @@ import msgpack
 
 from kmesh.service.errors import SchemaError
 
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
-ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-# kv_split_c: each [.., C] row holds K = C[:D] then V = C[D:]   (vLLM >= 0.29 GPU layout)
-# cpu_kt_planes: per (block, head) a K plane N x D (stored transposed) then a V plane   (vLLM CPU backend)
-# mla: one latent per token (no separate V), H must be 1
-PACKINGS = ("kv_split_c", "cpu_kt_planes", "mla")
-VERSION = 1
-_INTS = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
-_LIMIT = 1 << 24  # per axis: far above any real cache, small enough that products stay exact
-FIELDS = ("version", "dtype", "order", "kv_packing", *_INTS, "fp8_scale")
+_INT, _FLOAT, _STR, _OPT_INT = "int", "float", "str", "int|None"
+FIELDS: dict[str, str] = {
+    "packing": _STR, "order": _STR, "num_layers": _INT, "num_blocks": _INT, "block_size": _INT,
+    "num_kv_heads": _INT, "head_dim": _INT, "head_dim_v": _INT, "dtype": _STR, "rope_offset": _INT,
+    "k_scale": _FLOAT, "v_scale": _FLOAT, "layer_stride": _OPT_INT, "block_stride": _OPT_INT, "offset": _INT,
+}
+REQUIRED = ("packing", "order", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
+            "head_dim_v", "dtype")
+# What depends on the cache's size rather than on its per-block geometry.
+_SIZE_FIELDS = ("num_blocks", "layer_stride", "block_stride", "offset")
+_LIMIT = 1 << 40
+MAX_BYTES = 1 << 46
+
+
+def _typed(name: str, kind: str, v: Any) -> None:
+    if kind == _OPT_INT and v is None:
+        return
+    if kind in (_INT, _OPT_INT):
+        ok = isinstance(v, int) and not isinstance(v, bool) and -_LIMIT <= v <= _LIMIT
+    elif kind == _FLOAT:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    else:
+        ok = isinstance(v, str) and len(v) <= 32
+    if not ok:
+        raise SchemaError(f"layout.{name}: {str(v)[:40]!r} is not a valid {kind}")
+
+
+def _layout(d: dict[str, Any]) -> Any:
+    from kmesh.layout import KVLayout, LayoutError
+
+    try:
+        return KVLayout.from_dict(d)
+    except LayoutError as e:
+        raise SchemaError(f"layout: {e}") from None
 
 
 def validate(d: Any) -> dict[str, Any]:
     """The canonical descriptor, or SchemaError naming the first bad field."""
     if not isinstance(d, dict):
         raise SchemaError(f"layout must be a map, got {type(d).__name__}")
-    unknown = sorted(str(k) for k in d if k not in FIELDS)
+    unknown = sorted(str(k)[:40] for k in d if k not in FIELDS)
     if unknown:
         raise SchemaError(f"layout: unknown field(s) {unknown}; known: {list(FIELDS)}")
-    for k in FIELDS[:-1]:
+    for k in REQUIRED:
         if k not in d:
             raise SchemaError(f"layout.{k}: missing")
-    if d["version"] != VERSION or isinstance(d["version"], bool):
-        raise SchemaError(f"layout.version: {d['version']!r} is not {VERSION}")
-    if d["dtype"] not in DTYPE_SIZES:
-        raise SchemaError(f"layout.dtype: {d['dtype']!r} not one of {sorted(DTYPE_SIZES)}")
-    if d["order"] not in ORDERS:
-        raise SchemaError(f"layout.order: {d['order']!r} not one of {list(ORDERS)}")
-    if d["kv_packing"] not in PACKINGS:
-        raise SchemaError(f"layout.kv_packing: {d['kv_packing']!r} not one of {list(PACKINGS)}")
-    for k in _INTS:
-        v = d[k]
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= _LIMIT:
-            raise SchemaError(f"layout.{k}: {v!r} is not an integer in [1, {_LIMIT}]")
-    if d["kv_packing"] == "mla" and d["num_kv_heads"] != 1:
-        raise SchemaError(f"layout.num_kv_heads: mla packing stores one latent head, got {d['num_kv_heads']}")
-    fp8 = d["dtype"].startswith("float8")
-    scale = d.get("fp8_scale")
-    if fp8 != (scale is not None):
-        raise SchemaError("layout.fp8_scale: required for fp8 dtypes, absent otherwise")
-    if scale is not None and (not isinstance(scale, float) or not math.isfinite(scale) or scale <= 0):
-        raise SchemaError(f"layout.fp8_scale: {scale!r} is not a positive finite float")
-    out = {k: d[k] for k in FIELDS if k in d}
-    if nbytes(out) > 1 << 46:
-        raise SchemaError(f"layout covers {nbytes(out)} bytes, more than 64 TiB")
-    return out
-
-
-def itemsize(d: dict[str, Any]) -> int:
-    return DTYPE_SIZES[d["dtype"]]
+    for k, v in d.items():
+        _typed(k, FIELDS[k], v)
+    lay = _layout(d)
+    if lay.nbytes > MAX_BYTES:
+        raise SchemaError(f"layout covers {lay.nbytes} bytes, more than {MAX_BYTES}")
+    return lay.to_dict()
 
 
 def nbytes(d: dict[str, Any]) -> int:
-    """Bytes of the whole cache this layout describes."""
-    channels = d["head_dim"] * (1 if d["kv_packing"] == "mla" else 2)
-    return (d["num_layers"] * d["num_blocks"] * d["num_kv_heads"] * d["block_size"] * channels
-            * DTYPE_SIZES[d["dtype"]])
+    return int(_layout(d).nbytes)
+
+
+def itemsize(d: dict[str, Any]) -> int:
+    return int(_layout(d).element_size)
 
 
 def _digest(obj: dict[str, Any]) -> bytes:
@@ -82,21 +88,24 @@ def _digest(obj: dict[str, Any]) -> bytes:
 
 
 def digest(d: dict[str, Any]) -> bytes:
-    """32 bytes naming this exact layout (a request must present the digest of its registration's layout)."""
     return _digest(d)
 
 
 def geometry_digest(d: dict[str, Any]) -> bytes:
-    """Identity of everything but num_blocks: an object saved under one layout loads into another of the same
-    geometry (a different cache size), never into a different dtype/heads/order/packing."""
-    return _digest({k: v for k, v in d.items() if k != "num_blocks"})
+    return _digest({k: v for k, v in d.items() if k not in _SIZE_FIELDS})
 
 
 def example(num_blocks: int = 16, dtype: str = "bfloat16", **over: Any) -> dict[str, Any]:
-    """A valid descriptor (tests and stages), Qwen2.5-0.5B-like per layer geometry by default."""
-    d = {"version": VERSION, "dtype": dtype, "order": "LBHNC", "kv_packing": "kv_split_c", "num_layers": 2,
-         "num_blocks": num_blocks, "block_size": 16, "num_kv_heads": 2, "head_dim": 64}
-    if dtype.startswith("float8"):
-        d["fp8_scale"] = 1.0
+    """A paged (GPU-style [K|V]) descriptor, Qwen2.5-0.5B-like per-layer geometry, 2 layers; torch-free."""
+    d = {"packing": "paged", "order": "LBHNC", "num_layers": 2, "num_blocks": num_blocks, "block_size": 16,
+         "num_kv_heads": 2, "head_dim": 64, "head_dim_v": 64, "dtype": dtype, "rope_offset": 0, "k_scale": 1.0,
+         "v_scale": 1.0, "layer_stride": None, "block_stride": None, "offset": 0}
     d.update(over)
-    return validate(d)
+    return d
+
+
+def example_nbytes(d: dict[str, Any]) -> int:
+    """Dense size of an `example` descriptor without importing torch (clients size their buffers with it)."""
+    item = {"float32": 4, "float16": 2, "bfloat16": 2}.get(d["dtype"], 1)
+    return (d["num_layers"] * d["num_blocks"] * d["num_kv_heads"] * d["block_size"]
+            * (d["head_dim"] + d["head_dim_v"]) * item)

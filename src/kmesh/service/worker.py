@@ -144,6 +144,12 @@ class _Session:
             if "token" in a:
                 fields["token"] = a["token"]
             return c.call(a["op"], **fields)
+        if cmd == "fork_holder":  # a child that keeps our service socket open after we die (it only sleeps)
+            pid = os.fork()
+            if pid == 0:
+                while True:
+                    signal.pause()
+            return pid
         if cmd == "disconnect":
             self._c().close_connection()
             self.client = None
