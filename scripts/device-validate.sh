@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The whole cuda profile on the GPU machine, without Snakemake (it is not installed there):
 # doctor, every stage in pipeline order, the report, and the GPU-marked tests. Results go to $OUT
-# (at most 8 files come back: a tarball of results/cuda plus the logs).
+# (at most 8 files come back: a tarball of results/cuda with the stage logs, doctor, a stage table, the GPU tests).
 #   run (device tool, carry [".whl"]): bash scripts/device-validate.sh
 source scripts/device-env.sh
 set -o pipefail
-out=${OUT:-/tmp/out}; mkdir -p "$out"
+out=${OUT:-/tmp/out}; logs=results/cuda/logs; mkdir -p "$out" "$logs"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m kmesh doctor --json > "$out/doctor.json" 2>&1; python3 -m kmesh doctor 2>&1 | tail -14
 for stage in sources kernels model synthetic drain ownership report; do
   start=$(date +%s.%N)
-  python3 -m kmesh run "$stage" --profile cuda > "$out/$stage.log" 2>&1; rc=$?
+  python3 -m kmesh run "$stage" --profile cuda > "$logs/$stage.log" 2>&1; rc=$?
   printf '%-10s rc=%s %6.1fs  %s\n' "$stage" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)" \
-    "$(grep -h '^\[kmesh\] '"$stage" "$out/$stage.log" | tail -1)" | tee -a "$out/stages.txt"
+    "$(grep -h '^\[kmesh\] '"$stage" "$logs/$stage.log" | tail -1)" | tee -a "$out/stages.txt"
 done
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/pytest_gpu.txt"
 tar czf "$out/results-cuda.tgz" results/cuda
