@@ -9,9 +9,9 @@ out=${OUT:-/tmp/out}; logs=results/cuda/logs; mkdir -p "$out" "$logs"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m kmesh doctor --json > "$out/doctor.json" 2>&1; python3 -m kmesh doctor 2>&1 | tail -14
 for stage in sources kernels model synthetic drain ownership report; do
-  start=$(date +%s.%N)
+  start=$EPOCHREALTIME
   python3 -m kmesh run "$stage" --profile cuda > "$logs/$stage.log" 2>&1; rc=$?
-  printf '%-10s rc=%s %6.1fs  %s\n' "$stage" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)" \
+  printf '%-10s rc=%s %6.1fs  %s\n' "$stage" "$rc" "$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN{print b-a}')" \
     "$(grep -h '^\[kmesh\] '"$stage" "$logs/$stage.log" | tail -1)" | tee -a "$out/stages.txt"
 done
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/pytest_gpu.txt"
