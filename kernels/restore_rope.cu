@@ -16,42 +16,64 @@
 //   b = slot / block_size, n = slot % block_size. This covers every arrangement kmesh.layout knows:
 //   paged [K|V] cells in any of the six orders (k_sC = 1), vLLM CPU planes (K transposed: k_sN = 1,
 //   k_sC = block_size) and MLA latents (rotary part at channels [rot_start, rot_start + rot)).
+//   In vLLM's default paged order (LBNHC) one (token, layer) is one contiguous run of H·(Dk + Dv) elements
+//   (256–512 B per head), so the 16-byte stores of neighbouring threads fill whole 32-byte sectors.
 //
-// Work split: one row = one (token, layer, head); a row's channels are split into items: rotary items,
-// plain-key items, value items. Fast path (all channel strides 1, widths and offsets multiples of
-// VEC = chunk / sizeof(S), chunk-aligned pointers; chunk = 16 bytes, fp8 RESTORE_FP8_CHUNK): an item is VEC
-// channels moved with one vector load and store per chunk (neox: VEC pairs = one chunk at c and one at
-// c + rot/2; gptj: one chunk = VEC/2 adjacent pairs).
-// Element path: an item is one pair or one element, any strides.
-// Launch: one block z-slice per token (its slot, flag and shift tables are read once per thread, not per
-// row); block (bx, by, bz): bx = items per row (<= 256), by threads walk the token's L·H rows (fast path:
-// U = RESTORE_U rows per step, all their loads issued before the stores), bz tokens per block;
-// grid.x = ceil(T / bz). Threads per block <= 256. H200 measurements: docs/measurements/restore_h200.md.
+// Vector path (all channel strides 1, widths/offsets multiples of a 16-byte chunk, aligned pointers):
+// a flat grid of units, one unit per thread (RESTORE_G units per thread as a tuning option). Units are
+// numbered token-major; within a token, first its L·H·n_rot rotary units (row-major), then its
+// L·H·n_cp copy units (row = (layer, head), layer-major), so that a warp mostly does one kind of work:
+//   rotary unit: neox = the rotary chunk at c and its partner at c + rot/2 (RVEC pairs);
+//                gptj = one rotary chunk of RVEC/2 adjacent pairs;  (chunk = 16 B; fp8: RESTORE_FP8_ROT_CHUNK)
+//   copy unit:   one 16-byte chunk of a non-rotary key channel range or of the values, copied as bits.
+// Unit id -> (token, unit-in-token) -> (row, chunk) -> (layer, head) by multiply-high divisions whose magic
+// numbers the launcher computes (FastDiv). A thread reads the token's slot/flag once, issues its data
+// loads before it waits on the slot, and reads shift tables only for rotary units of moved tokens.
+// Launch: grid.x = ceil(units / (RESTORE_THREADS·RESTORE_G)), block = RESTORE_THREADS (256) threads;
+// the launcher splits restores of ≥ 2^31 units into several launches by token range.
+// Element path (any strides, e.g. the CPU backend's transposed K plane): one block z-slice per token;
+// block (bx, by, bz): bx = items per row (one pair or element each, <= 256), by threads walk the
+// token's L·H rows, bz tokens per block; grid.x = ceil(T / bz).
+// H200 measurements: docs/measurements/restore_h200.md.
 //
 // Bytes: reads T·L·H·(Dk + Dv)·sizeof(S) of segment + T·rot/2·8 of tables + 9·T of slots/flags;
-// writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing).
+// writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing); read + write of
+// each byte once, as the copy baseline of scripts/bench_restore.py counts it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
 // Tunables (compile-time; the defaults are what the kernels stage builds; kmesh.cuda reads the same -D
-// flags to size its launch): rows whose loads one thread issues before storing, the chunk size of fp8
-// caches in bytes (16 or 8), and packed two-at-a-time fp8 conversions (same results, fewer instructions).
-#ifndef RESTORE_U
-#define RESTORE_U 4
+// flags to size its launch): threads per block, units per thread on the vector path (their loads all
+// issued before the first store), bytes per rotary chunk of fp8 caches (16 or 8; copy chunks are 16),
+// packed two-at-a-time fp8 conversions (same results, fewer instructions), shift tables loaded with
+// the data (1) or only once the token is known to move (0), and the minimum resident blocks per
+// multiprocessor asked of the compiler (1 = no register cap beyond 255).
+#ifndef RESTORE_THREADS
+#define RESTORE_THREADS 256
 #endif
-#ifndef RESTORE_FP8_CHUNK
-#define RESTORE_FP8_CHUNK 16
+#ifndef RESTORE_G
+#define RESTORE_G 1
+#endif
+#ifndef RESTORE_FP8_ROT_CHUNK
+#define RESTORE_FP8_ROT_CHUNK 16
 #endif
 #ifndef RESTORE_FP8_X2
 #define RESTORE_FP8_X2 0
+#endif
+#ifndef RESTORE_EARLY_TABLES
+#define RESTORE_EARLY_TABLES 1
+#endif
+#ifndef RESTORE_MIN_BLOCKS
+#define RESTORE_MIN_BLOCKS 1
 #endif
 
 namespace {
 
 // Storage traits: element <-> float32 (fp8: ×scale after decoding, ×inv_scale before encoding), singly
-// and for two adjacent elements (packed instructions where the format has them).
+// and for two adjacent elements (packed instructions where the format has them); ROT_CHUNK = bytes per
+// rotary chunk on the vector path.
 template <class Self, class S_>
 struct Scalar2 {
     __device__ static float2 load2(S_ a, S_ b, float scale) { return make_float2(Self::load(a, scale), Self::load(b, scale)); }
@@ -59,26 +81,26 @@ struct Scalar2 {
 };
 struct F32 : Scalar2<F32, float> {
     using S = float;
-    static constexpr int CHUNK = 16;
+    static constexpr int ROT_CHUNK = 16;
     __device__ static float load(S v, float) { return v; }
     __device__ static S store(float x, float) { return x; }
 };
 struct F16 : Scalar2<F16, __half> {
     using S = __half;
-    static constexpr int CHUNK = 16;
+    static constexpr int ROT_CHUNK = 16;
     __device__ static float load(S v, float) { return __half2float(v); }
     __device__ static S store(float x, float) { return __float2half_rn(x); }
 };
 struct BF16 : Scalar2<BF16, __nv_bfloat16> {
     using S = __nv_bfloat16;
-    static constexpr int CHUNK = 16;
+    static constexpr int ROT_CHUNK = 16;
     __device__ static float load(S v, float) { return __bfloat162float(v); }
     __device__ static S store(float x, float) { return __float2bfloat16_rn(x); }
 };
 template <__nv_fp8_interpretation_t KIND>
 struct FP8 {
     using S = unsigned char;
-    static constexpr int CHUNK = RESTORE_FP8_CHUNK;
+    static constexpr int ROT_CHUNK = RESTORE_FP8_ROT_CHUNK;
     __device__ static float load(S v, float scale) {
         __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), KIND);
         return __fmul_rn(__half2float(__half(h)), scale);
@@ -108,6 +130,15 @@ struct FP8 {
     }
 };
 
+// n / d for n < 2^31, d < 2^31 as ((n·m) >> 32 + n) >> s with m, s from the launcher (s = ceil(log2 d),
+// m = floor(2^32·(2^s − d)/d) + 1): two integer instructions instead of a division loop.
+struct FastDiv {
+    unsigned d, m, s;
+};
+__device__ __forceinline__ unsigned fdiv(unsigned n, const FastDiv& f) {
+    return ((unsigned)(((unsigned long long)n * f.m) >> 32) + n) >> f.s;
+}
+
 struct Args {  // kernel parameters, in launch order
     void* dst;
     const void* src_k;
@@ -118,8 +149,12 @@ struct Args {  // kernel parameters, in launch order
     const float* sin_t;
     long long k_off, k_sL, k_sB, k_sH, k_sN, k_sC;
     long long v_off, v_sL, v_sB, v_sH, v_sN, v_sC;
-    int n_tokens, n_layers, n_heads, dk, dv, block_size, layer_base, rot_start, rot, neox, fast;
+    int n_tokens, n_layers, n_heads, dk, dv, block_size, layer_base, rot_start, rot, neox;
     float scale, inv_scale;
+    // vector path: units of this launch, rotary units per token, plain-key copy units per row;
+    // divisors of units per token, rotary units per row, copy units per row, heads, block size
+    unsigned units, rot_units, kp_units;
+    FastDiv per_token, rot_row, cp_row, heads, bsz;
 };
 
 __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& o1, float& o2) {
@@ -127,14 +162,27 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
     o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
-template <int BYTES> struct VecOf;
-template <> struct VecOf<16> { using T = uint4; };
-template <> struct VecOf<8> { using T = uint2; };
-template <class S, int BYTES>
-struct Chunk {
-    static constexpr int VEC = BYTES / sizeof(S);
-    using V = typename VecOf<BYTES>::T;
-    union { V u; S e[VEC]; };
+// One 16-byte register chunk; a rotary chunk of 8 bytes (fp8 option) lives in its first half.
+template <class S>
+union Bits {
+    uint4 u;
+    S e[16 / sizeof(S)];
+};
+template <int BYTES>
+struct Io {
+    static_assert(BYTES == 16 || BYTES == 8, "chunks are 16 or 8 bytes");
+    __device__ static uint4 ld(const void* p) {
+        if constexpr (BYTES == 16) {
+            return __ldg(reinterpret_cast<const uint4*>(p));
+        } else {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+            return make_uint4(v.x, v.y, 0u, 0u);
+        }
+    }
+    __device__ static void st(void* p, const uint4& v) {
+        if constexpr (BYTES == 16) *reinterpret_cast<uint4*>(p) = v;
+        else *reinterpret_cast<uint2*>(p) = make_uint2(v.x, v.y);
+    }
 };
 
 // Table loads: n consecutive floats at p (aligned to 4·n bytes when n is 2 or a multiple of 4).
@@ -155,102 +203,137 @@ __device__ __forceinline__ void load_table(const float* p, float* out) {
     }
 }
 
-// Fast path: one CUDA block z-slice per token; thread x = one chunk of every row, thread y walks the token's
-// L·H rows U at a time. Everything a thread loads (slot, flag, tables, its first U rows) is requested before
-// anything waits on the slot, so a thread pays about one memory latency, not three.
+// Shift tables of rotary unit j of token t: neox RVEC entries (one per pair of chunks p, q), gptj RVEC/2.
+template <int RVEC>
+__device__ __forceinline__ void unit_tables(const Args& a, unsigned t, unsigned j, bool neox, float* cs, float* sn) {
+    const unsigned half = (unsigned)a.rot / 2;
+    const unsigned long long at = (unsigned long long)t * half;
+    if (neox) {
+        load_table<RVEC>(a.cos_t + at + j * RVEC, cs);
+        load_table<RVEC>(a.sin_t + at + j * RVEC, sn);
+    } else {
+        load_table<RVEC / 2>(a.cos_t + at + j * (RVEC / 2), cs);
+        load_table<RVEC / 2>(a.sin_t + at + j * (RVEC / 2), sn);
+    }
+}
+
+// Rotate one rotary unit in registers: neox = chunk p (first halves x1) with chunk q (x2);
+// gptj = chunk p of adjacent pairs.
+template <class Tr, int RVEC>
+__device__ __forceinline__ void rotate_unit(const Args& a, const float* cs, const float* sn,
+                                            Bits<typename Tr::S>& p, Bits<typename Tr::S>& q) {
+    if (a.neox) {
+#pragma unroll
+        for (int e = 0; e < RVEC; e += 2) {
+            const float2 x1 = Tr::load2(p.e[e], p.e[e + 1], a.scale);
+            const float2 x2 = Tr::load2(q.e[e], q.e[e + 1], a.scale);
+            float o1a, o2a, o1b, o2b;
+            rotate_pair(x1.x, x2.x, cs[e], sn[e], o1a, o2a);
+            rotate_pair(x1.y, x2.y, cs[e + 1], sn[e + 1], o1b, o2b);
+            Tr::store2(o1a, o1b, a.inv_scale, p.e[e], p.e[e + 1]);
+            Tr::store2(o2a, o2b, a.inv_scale, q.e[e], q.e[e + 1]);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < RVEC / 2; ++e) {
+            const float2 x = Tr::load2(p.e[2 * e], p.e[2 * e + 1], a.scale);
+            float o1, o2;
+            rotate_pair(x.x, x.y, cs[e], sn[e], o1, o2);
+            Tr::store2(o1, o2, a.inv_scale, p.e[2 * e], p.e[2 * e + 1]);
+        }
+    }
+}
+
+// Vector path: RESTORE_G units of a block's RESTORE_THREADS·RESTORE_G consecutive units per thread
+// (unit g of thread x = block·THREADS·G + g·THREADS + x, so a warp's accesses stay contiguous).
+// All loads of all its units (slot, flag, data and, with RESTORE_EARLY_TABLES, the shift tables) are
+// issued before anything waits on them.
 template <class Tr>
-__device__ __forceinline__ void fast_token(const Args& a, int t) {
+__device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsigned thread) {
     using S = typename Tr::S;
-    using C = Chunk<S, Tr::CHUNK>;
-    using V = typename C::V;
-    constexpr int VEC = C::VEC;
-    constexpr int U = RESTORE_U;
+    constexpr int VEC = 16 / sizeof(S);
+    constexpr int RC = Tr::ROT_CHUNK;
+    constexpr int RVEC = RC / sizeof(S);
+    constexpr int G = RESTORE_G;
     S* dst = static_cast<S*>(a.dst);
-    const long long slot = __ldg(a.slots + t);
-    const bool moved = __ldg(a.moved + t) != 0;
-    const int LH = a.n_layers * a.n_heads;
-    const int half = a.rot / 2;
-    const int n_rot = a.neox ? half / VEC : a.rot / VEC;
-    const int n_kp = (a.dk - a.rot) / VEC;
-    const int items = n_rot + n_kp + a.dv / VEC;
-    for (int item = threadIdx.x; item < items; item += blockDim.x) {
-        // what this item moves: 0 = rotary chunk(s), 1 = plain key chunk, 2 = value chunk
-        const int kind = item < n_rot ? 0 : (item < n_rot + n_kp ? 1 : 2);
-        int c1, c2 = 0;
-        float cs[VEC], sn[VEC];
-        if (kind == 0) {
-            c1 = a.rot_start + item * VEC;
-            const float* ct = a.cos_t + (long long)t * half;
-            const float* st = a.sin_t + (long long)t * half;
-            if (a.neox) {
-                c2 = c1 + half;
-                load_table<VEC>(ct + item * VEC, cs);
-                load_table<VEC>(st + item * VEC, sn);
-            } else {
-                load_table<VEC / 2>(ct + item * VEC / 2, cs);
-                load_table<VEC / 2>(st + item * VEC / 2, sn);
-            }
-        } else if (kind == 1) {
-            const int pch = (item - n_rot) * VEC;
-            c1 = pch < a.rot_start ? pch : pch + a.rot;
+    const unsigned LH = (unsigned)(a.n_layers * a.n_heads);
+    const unsigned half = (unsigned)a.rot / 2;
+    Bits<S> p[G], q[G];
+    long long slot[G];
+    unsigned tok[G], row[G], sub[G];
+    int kind[G], chan[G];
+    bool moved[G];
+    float cs[G][RVEC], sn[G][RVEC];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const unsigned id = block * (RESTORE_THREADS * G) + g * RESTORE_THREADS + thread;
+        kind[g] = -1;
+        if (id >= a.units) continue;
+        const unsigned t = fdiv(id, a.per_token);
+        unsigned u = id - t * a.per_token.d;
+        const bool rot = u < a.rot_units;
+        if (!rot) u -= a.rot_units;
+        const FastDiv& per_row = rot ? a.rot_row : a.cp_row;
+        const unsigned r = fdiv(u, per_row);
+        const unsigned j = u - r * per_row.d;
+        int k, c;
+        if (rot) {
+            k = 0;
+            c = a.rot_start + (int)j * RVEC;
+        } else if (j < a.kp_units) {
+            k = 1;
+            const int pch = (int)j * VEC;
+            c = pch < a.rot_start ? pch : pch + a.rot;
         } else {
-            c1 = (item - n_rot - n_kp) * VEC;
+            k = 2;
+            c = (int)(j - a.kp_units) * VEC;
         }
-        const bool pairs2 = kind == 0 && a.neox;          // two chunks (c1, c2) per row
-        const S* src = kind == 2 ? static_cast<const S*>(a.src_v) : static_cast<const S*>(a.src_k);
-        const int sd = kind == 2 ? a.dv : a.dk;
-        for (int r0 = threadIdx.y; r0 < LH; r0 += blockDim.y * U) {
-            C p[U], q[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int r = r0 + u * blockDim.y;
-                if (r < LH) {
-                    const S* row = src + ((long long)t * LH + r) * sd;
-                    p[u].u = __ldg(reinterpret_cast<const V*>(row + c1));
-                    if (pairs2) q[u].u = __ldg(reinterpret_cast<const V*>(row + c2));
-                }
-            }
-            if (slot < 0) return;  // padding token: writes nothing
-            const unsigned s32 = (unsigned)slot;  // host checks num_slots < 2^31
-            const long long b = s32 / (unsigned)a.block_size, n = s32 - (unsigned)b * a.block_size;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int r = r0 + u * blockDim.y;
-                if (r >= LH) continue;
-                const int l = r / a.n_heads, h = r - l * a.n_heads;
-                const long long lk = a.layer_base + l;
-                if (kind == 2) {
-                    *reinterpret_cast<V*>(dst + a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN + c1) =
-                        p[u].u;
-                    continue;
-                }
-                if (kind == 0 && moved) {
-                    if (a.neox) {
-#pragma unroll
-                        for (int j = 0; j < VEC; j += 2) {
-                            const float2 x1 = Tr::load2(p[u].e[j], p[u].e[j + 1], a.scale);
-                            const float2 x2 = Tr::load2(q[u].e[j], q[u].e[j + 1], a.scale);
-                            float o1a, o2a, o1b, o2b;
-                            rotate_pair(x1.x, x2.x, cs[j], sn[j], o1a, o2a);
-                            rotate_pair(x1.y, x2.y, cs[j + 1], sn[j + 1], o1b, o2b);
-                            Tr::store2(o1a, o1b, a.inv_scale, p[u].e[j], p[u].e[j + 1]);
-                            Tr::store2(o2a, o2b, a.inv_scale, q[u].e[j], q[u].e[j + 1]);
-                        }
-                    } else {
-#pragma unroll
-                        for (int j = 0; j < VEC / 2; ++j) {
-                            const float2 x = Tr::load2(p[u].e[2 * j], p[u].e[2 * j + 1], a.scale);
-                            float o1, o2;
-                            rotate_pair(x.x, x.y, cs[j], sn[j], o1, o2);
-                            Tr::store2(o1, o2, a.inv_scale, p[u].e[2 * j], p[u].e[2 * j + 1]);
-                        }
-                    }
-                }
-                const long long kb = a.k_off + lk * a.k_sL + b * a.k_sB + h * a.k_sH + n * a.k_sN;
-                *reinterpret_cast<V*>(dst + kb + c1) = p[u].u;
-                if (pairs2) *reinterpret_cast<V*>(dst + kb + c2) = q[u].u;
-            }
+        const unsigned srow = t * LH + r;
+        const S* src = k == 2 ? static_cast<const S*>(a.src_v) + (unsigned long long)srow * a.dv + c
+                              : static_cast<const S*>(a.src_k) + (unsigned long long)srow * a.dk + c;
+        slot[g] = __ldg(a.slots + t);
+        if (k == 0) {
+            p[g].u = Io<RC>::ld(src);
+            if (a.neox) q[g].u = Io<RC>::ld(src + half);
+            moved[g] = __ldg(a.moved + t) != 0;
+#if RESTORE_EARLY_TABLES
+            unit_tables<RVEC>(a, t, j, a.neox, cs[g], sn[g]);
+#endif
+        } else {
+            p[g].u = Io<16>::ld(src);
         }
+        kind[g] = k;
+        chan[g] = c;
+        tok[g] = t;
+        row[g] = r;
+        sub[g] = j;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (kind[g] < 0 || slot[g] < 0) continue;  // past the end, or a padding token: writes nothing
+        const unsigned s32 = (unsigned)slot[g];     // host checks num_slots < 2^31
+        const unsigned b32 = fdiv(s32, a.bsz);
+        const long long b = b32, n = s32 - b32 * a.bsz.d;
+        const unsigned l = fdiv(row[g], a.heads);
+        const long long h = row[g] - l * a.heads.d;
+        const long long lk = a.layer_base + (long long)l;
+        if (kind[g] == 2) {
+            Io<16>::st(dst + a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN + chan[g], p[g].u);
+            continue;
+        }
+        S* cell = dst + a.k_off + lk * a.k_sL + b * a.k_sB + h * a.k_sH + n * a.k_sN + chan[g];
+        if (kind[g] == 1) {
+            Io<16>::st(cell, p[g].u);
+            continue;
+        }
+        if (moved[g]) {
+#if !RESTORE_EARLY_TABLES
+            unit_tables<RVEC>(a, tok[g], sub[g], a.neox, cs[g], sn[g]);
+#endif
+            rotate_unit<Tr, RVEC>(a, cs[g], sn[g], p[g], q[g]);
+        }
+        Io<RC>::st(cell, p[g].u);
+        if (a.neox) Io<RC>::st(cell + half, q[g].u);
     }
 }
 
@@ -304,34 +387,62 @@ __device__ __forceinline__ void slow_token(const Args& a, int t) {
 }
 
 template <class Tr>
-__device__ __forceinline__ void restore_rope_body(const Args& a) {
+__device__ __forceinline__ void restore_rope_elements(const Args& a) {
     const long long t = (long long)blockIdx.x * blockDim.z + threadIdx.z;
-    if (t >= a.n_tokens) return;
-    if (a.fast) fast_token<Tr>(a, (int)t);
-    else slow_token<Tr>(a, (int)t);
+    if (t < a.n_tokens) slow_token<Tr>(a, (int)t);
 }
 
 }  // namespace
 
-// Parameters in the order the Python launcher (kmesh.cuda.restore_rope) passes them.
+// Parameters in the order the Python launcher (kmesh.cuda.restore_rope) passes them; each FastDiv is
+// three unsigned ints (divisor, magic, shift).
 #define RESTORE_ROPE_PARAMS                                                                                 \
     void *dst, const void *src_k, const void *src_v, const long long *slots, const unsigned char *moved,     \
         const float *cos_t, const float *sin_t, long long k_off, long long k_sL, long long k_sB,             \
         long long k_sH, long long k_sN, long long k_sC, long long v_off, long long v_sL, long long v_sB,     \
         long long v_sH, long long v_sN, long long v_sC, int n_tokens, int n_layers, int n_heads, int dk,     \
-        int dv, int block_size, int layer_base, int rot_start, int rot, int neox, int fast, float scale,     \
-        float inv_scale
+        int dv, int block_size, int layer_base, int rot_start, int rot, int neox, float scale,               \
+        float inv_scale, unsigned units, unsigned rot_units, unsigned kp_units, unsigned tok_d,              \
+        unsigned tok_m, unsigned tok_s, unsigned rr_d, unsigned rr_m, unsigned rr_s, unsigned cr_d,          \
+        unsigned cr_m, unsigned cr_s, unsigned h_d, unsigned h_m, unsigned h_s, unsigned bs_d, unsigned bs_m, \
+        unsigned bs_s
 #define RESTORE_ROPE_ARGS                                                                                   \
-    Args{dst,  src_k, src_v, slots, moved, cos_t, sin_t, k_off, k_sL, k_sB, k_sH, k_sN,                     \
-         k_sC, v_off, v_sL, v_sB, v_sH, v_sN, v_sC, n_tokens, n_layers, n_heads, dk, dv,                    \
-         block_size, layer_base, rot_start, rot, neox, fast, scale, inv_scale}
+    Args{dst,       src_k,     src_v,    slots,    moved,    cos_t,     sin_t,       k_off,     k_sL,         \
+         k_sB,      k_sH,      k_sN,     k_sC,     v_off,    v_sL,      v_sB,        v_sH,      v_sN,         \
+         v_sC,      n_tokens,  n_layers, n_heads,  dk,       dv,        block_size,  layer_base, rot_start,   \
+         rot,       neox,      scale,    inv_scale, units,    rot_units, kp_units,                             \
+         FastDiv{tok_d, tok_m, tok_s}, FastDiv{rr_d, rr_m, rr_s}, FastDiv{cr_d, cr_m, cr_s},                  \
+         FastDiv{h_d, h_m, h_s}, FastDiv{bs_d, bs_m, bs_s}}
 
-extern "C" __global__ void restore_rope_f32(RESTORE_ROPE_PARAMS) { restore_rope_body<F32>(RESTORE_ROPE_ARGS); }
-extern "C" __global__ void restore_rope_f16(RESTORE_ROPE_PARAMS) { restore_rope_body<F16>(RESTORE_ROPE_ARGS); }
-extern "C" __global__ void restore_rope_bf16(RESTORE_ROPE_PARAMS) { restore_rope_body<BF16>(RESTORE_ROPE_ARGS); }
-extern "C" __global__ void restore_rope_e4m3(RESTORE_ROPE_PARAMS) {
-    restore_rope_body<FP8<__NV_E4M3>>(RESTORE_ROPE_ARGS);
+// Entry points: restore_rope_<type> = vector path, restore_rope_<type>_elem = element path (separate
+// kernels so that each gets the registers it needs, not the larger of the two).
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f32(RESTORE_ROPE_PARAMS) {
+    fast_units<F32>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
-extern "C" __global__ void restore_rope_e5m2(RESTORE_ROPE_PARAMS) {
-    restore_rope_body<FP8<__NV_E5M2>>(RESTORE_ROPE_ARGS);
+extern "C" __global__ __launch_bounds__(256) void restore_rope_f32_elem(RESTORE_ROPE_PARAMS) {
+    restore_rope_elements<F32>(RESTORE_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f16(RESTORE_ROPE_PARAMS) {
+    fast_units<F16>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(256) void restore_rope_f16_elem(RESTORE_ROPE_PARAMS) {
+    restore_rope_elements<F16>(RESTORE_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_bf16(RESTORE_ROPE_PARAMS) {
+    fast_units<BF16>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(256) void restore_rope_bf16_elem(RESTORE_ROPE_PARAMS) {
+    restore_rope_elements<BF16>(RESTORE_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e4m3(RESTORE_ROPE_PARAMS) {
+    fast_units<FP8<__NV_E4M3>>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(256) void restore_rope_e4m3_elem(RESTORE_ROPE_PARAMS) {
+    restore_rope_elements<FP8<__NV_E4M3>>(RESTORE_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e5m2(RESTORE_ROPE_PARAMS) {
+    fast_units<FP8<__NV_E5M2>>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(256) void restore_rope_e5m2_elem(RESTORE_ROPE_PARAMS) {
+    restore_rope_elements<FP8<__NV_E5M2>>(RESTORE_ROPE_ARGS);
 }

@@ -66,3 +66,30 @@ def test_ownership_stage_cuda_ipc_cases(tmp_path):
     cuda = [c for c in res["cases"] if c["id"].endswith("/cuda")]
     assert len(cuda) == sum(per_mem for _, _, per_mem in ownership.CASES)
     assert all(c["passed"] for c in cuda), [c["id"] for c in cuda if not c["passed"]]
+
+
+def test_service_cli_start_status_stop(tmp_path):
+    """`kmesh service start|status|stop`: a detached service, 0600 socket, clean shutdown."""
+    import os
+
+    rd = tmp_path / "rt"
+    env = {**os.environ, "KMESH_RUNTIME_DIR": str(rd)}
+
+    def kmesh(*args):
+        return subprocess.run([sys.executable, "-m", "kmesh", "service", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    assert kmesh("status").returncode == 1  # not running yet
+    started = kmesh("start")
+    assert started.returncode == 0, started.stderr
+    try:
+        assert (rd / "kmesh.sock").stat().st_mode & 0o777 == 0o600
+        assert rd.stat().st_mode & 0o777 == 0o700
+        again = kmesh("start")
+        assert again.returncode != 0 and "already listens" in again.stderr
+        st = kmesh("status", "--json")
+        assert st.returncode == 0 and json.loads(st.stdout)["violations"] == []
+    finally:
+        stopped = kmesh("stop")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert not (rd / "kmesh.sock").exists()

@@ -11,6 +11,7 @@ in every process that maps it, whatever address it lands at.
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
@@ -67,7 +68,7 @@ class Segment:
         if size < 0:
             raise ShmError(f"segment size must be >= 0, got {size}")
         if name is None:
-            fd = os.memfd_create("kmesh-seg", os.MFD_CLOEXEC)
+            fd = os.memfd_create("kmesh-seg", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         else:
             _check_name(name)
             try:
@@ -76,6 +77,10 @@ class Segment:
                 raise ShmError(f"shm segment {name!r} already exists") from e
         try:
             os.ftruncate(fd, size)
+            if name is None:
+                # Fixed size from here on: a peer we pass this fd to (the cache service) must never see it
+                # shrink under its mapping (SIGBUS) — it refuses memfds without these seals.
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             return cls(fd, size, name, owner=True)
         except BaseException:
             os.close(fd)

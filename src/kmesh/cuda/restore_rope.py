@@ -1,8 +1,9 @@
 """Launch kernels/restore_rope.cu for a validated `kmesh.restore.RestorePlan` (same semantics as its torch path).
 
 The plan has already checked shapes, slots, positions and dtypes; this checks what only the kernel needs
-(CUDA tensors on one device, int32-sized grids) and picks the 16-byte vector path when strides and
-alignment allow it, else the element-wise path. Launches go on torch's current stream.
+(CUDA tensors on one device, int32-sized grids) and picks the 16-byte vector path (entry restore_rope_<type>,
+a flat grid of units) when strides and alignment allow it, else the element path (restore_rope_<type>_elem).
+Launches go on torch's current stream.
 """
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ if TYPE_CHECKING:
 KERNEL = "restore_rope"
 ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16": "restore_rope_bf16",
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
-THREADS = 256
+ELEMENT_SUFFIX = "_elem"
+ELEMENT_THREADS = 256
+CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: 16 bytes, fp8 RESTORE_FP8_ROT_CHUNK)
+DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_FP8_ROT_CHUNK": 16, "RESTORE_FP8_X2": 0,
+                    "RESTORE_EARLY_TABLES": 1, "RESTORE_MIN_BLOCKS": 1}
 
 
 def tunables() -> dict[str, int]:
     """The kernel's compile-time tunables as built (defaults of restore_rope.cu unless $KMESH_KERNEL_FLAGS
-    overrides them): U = rows whose loads one thread issues before storing, fp8 chunk bytes."""
-    out = {"RESTORE_U": 4, "RESTORE_FP8_CHUNK": 16, "RESTORE_FP8_X2": 0}
+    overrides them): threads per block and units per thread of the vector path, fp8 rotary chunk bytes, ..."""
+    out = dict(DEFAULT_TUNABLES)
     for f in extra_flags():
         if f.startswith("-D") and "=" in f and f[2:].split("=")[0] in out:
             k, v = f[2:].split("=", 1)
@@ -35,9 +40,23 @@ def tunables() -> dict[str, int]:
 
 
 def chunk_elements(lay) -> int:
-    """Elements per vector chunk of the fast path for this layout's dtype."""
-    nbytes = tunables()["RESTORE_FP8_CHUNK"] if lay.fp8_dtype is not None else 16
+    """Elements per 16-byte copy chunk of the vector path for this layout's dtype."""
+    return CHUNK_BYTES // lay.element_size
+
+
+def rot_chunk_elements(lay) -> int:
+    """Elements per rotary chunk of the vector path (fp8: RESTORE_FP8_ROT_CHUNK bytes)."""
+    nbytes = tunables()["RESTORE_FP8_ROT_CHUNK"] if lay.fp8_dtype is not None else CHUNK_BYTES
     return nbytes // lay.element_size
+
+
+def fast_div(d: int) -> tuple[int, int, int]:
+    """(d, m, s) for the kernel's n / d = ((n·m) >> 32 + n) >> s, exact for 0 <= n, d < 2^31."""
+    if not 0 < d < 2**31:
+        raise ValueError(f"divisor {d} outside (0, 2^31)")
+    s = (d - 1).bit_length()
+    m = (2**32 * (2**s - d)) // d + 1
+    return d, m, s
 _INT32 = 2**31 - 1
 _streams: dict[int, Any] = {}
 
@@ -65,21 +84,31 @@ def vector_path_ok(plan: "RestorePlan") -> bool:
             and all(p % (vec * lay.element_size) == 0 for p in ptrs) and all(p % 16 == 0 for p in ptrs[2:4]))
 
 
-def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
-    """(grid, block, items per row): one block z-slice per token, x over a row's items, y over its L·H rows."""
+def units_per_row(plan: "RestorePlan") -> tuple[int, int, int]:
+    """Vector path, per (token, layer, head) row: (rotary units, plain-key copy units, value copy units)."""
     lay, rope = plan.layout, plan.rope
-    vec = chunk_elements(lay)
-    rot, dk, dv = rope.rotary_dim, lay.head_dim, lay.head_dim_v
-    if fast:
-        items = (rot // 2 // vec if rope.style == "neox" else rot // vec) + (dk - rot) // vec + dv // vec
-    else:
-        items = rot // 2 + (dk - rot) + dv
+    vec, rvec = chunk_elements(lay), rot_chunk_elements(lay)
+    rot = rope.rotary_dim
+    n_rot = rot // 2 // rvec if rope.style == "neox" else rot // rvec
+    return n_rot, (lay.head_dim - rot) // vec, lay.head_dim_v // vec
+
+
+def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+    """(grid, block, items per row) for all tokens. Vector path: a flat grid, `items` = units per row
+    (RESTORE_THREADS·RESTORE_G units per block); element path: one block z-slice per token, x over a row's
+    items (one pair or element each), y over its L·H rows."""
+    lay, rope = plan.layout, plan.rope
     T, L, H, _ = plan.segment.k.shape
     rows = L * H
-    bx = min(items, THREADS)
-    per_thread = tunables()["RESTORE_U"] if fast else 1
-    by = max(1, min((rows + per_thread - 1) // per_thread, THREADS // bx))
-    bz = max(1, THREADS // (bx * by))
+    if fast:
+        items = sum(units_per_row(plan))
+        tun = tunables()
+        per_block = tun["RESTORE_THREADS"] * tun["RESTORE_G"]
+        return ((T * rows * items + per_block - 1) // per_block, 1, 1), (tun["RESTORE_THREADS"], 1, 1), items
+    items = rope.rotary_dim // 2 + (lay.head_dim - rope.rotary_dim) + lay.head_dim_v
+    bx = min(items, ELEMENT_THREADS)
+    by = max(1, min(rows, ELEMENT_THREADS // bx))
+    bz = max(1, ELEMENT_THREADS // (bx * by))
     return ((T + bz - 1) // bz, 1, 1), (bx, by, bz), items
 
 
@@ -94,11 +123,62 @@ def _stream(device: torch.device) -> Any:
     return _streams[ptr]
 
 
+def token_ranges(plan: "RestorePlan", fast: bool) -> list[tuple[int, int, tuple[int, int, int]]]:
+    """(first token, tokens, grid) of each launch. The vector path numbers its units with 32-bit ints, so a
+    restore of >= 2^31 units runs as several launches over token ranges; the element path is one launch."""
+    from kmesh.restore import RestoreError
+
+    grid, _, items = launch_shape(plan, fast)
+    T, L, H, _ = plan.segment.k.shape
+    if not fast:
+        return [(0, T, grid)]
+    per_token = L * H * items
+    if per_token > _INT32:
+        raise RestoreError(f"{per_token} vector units per token exceed the kernel's int32 indexing")
+    step = _INT32 // per_token
+    tun = tunables()
+    per_block = tun["RESTORE_THREADS"] * tun["RESTORE_G"]
+    return [(t0, min(step, T - t0), ((min(step, T - t0) * per_token + per_block - 1) // per_block, 1, 1))
+            for t0 in range(0, T, step)]
+
+
+def kernel_args(plan: "RestorePlan", k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
+                moved: torch.Tensor, fast: bool, t0: int, nt: int) -> tuple:
+    """The kernel's parameters (RESTORE_ROPE_PARAMS order) for tokens [t0, t0 + nt) of `plan`; k, v, slots,
+    moved: contiguous tensors the caller keeps alive until the launch (moved: bool, one byte 0/1 per token).
+    Pointers into the segment, slots, flags and tables start at token t0."""
+    lay, rope = plan.layout, plan.rope
+    T, L, H, _ = k.shape
+    half = rope.rotary_dim // 2
+    ks, vs = lay.k_strides(), (lay.v_strides() if lay.head_dim_v else None)
+    if not (k.is_contiguous() and slots.is_contiguous() and moved.is_contiguous() and plan.cos.is_contiguous()
+            and plan.sin.is_contiguous() and (v is None or v.is_contiguous())):
+        raise ValueError("kernel_args needs contiguous segment, slot, flag and table tensors")
+
+    def ptr(t: torch.Tensor | None, per_token: int) -> np.uint64:
+        return np.uint64(0 if t is None else t.data_ptr() + t0 * per_token * t.element_size())
+
+    n_rot, n_kp, n_v = units_per_row(plan) if fast else (0, 0, 0)
+    per_token = L * H * (n_rot + n_kp + n_v)
+    divisors = (per_token, n_rot, n_kp + n_v, H) if fast else (1, 1, 1, 1)
+    return (np.uint64(plan.flat.data_ptr()), ptr(k, L * H * lay.head_dim), ptr(v, L * H * lay.head_dim_v),
+            ptr(slots, 1), ptr(moved, 1), ptr(plan.cos, half), ptr(plan.sin, half),
+            *(np.int64(x) for x in ks.as_tuple()),
+            *(np.int64(x) for x in (vs.as_tuple() if vs else (0,) * 6)),
+            *(np.int32(x) for x in (nt, L, H, lay.head_dim, lay.head_dim_v, lay.block_size, plan.first_layer,
+                                    lay.rope_offset, rope.rotary_dim, rope.style == "neox")),
+            # the same float32 numbers as plan.k_scale / plan.k_inv_scale (double -> float32, nearest even)
+            np.float32(float(lay.k_scale)), np.float32(float(1.0 / lay.k_scale)),
+            *(np.uint32(x) for x in (nt * per_token, L * H * n_rot, n_kp)),
+            *(np.uint32(x) for d in divisors for x in fast_div(max(d, 1))),   # a 0 divisor is never used
+            *(np.uint32(x) for x in fast_div(lay.block_size)))
+
+
 def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, Any]:
     """Run the kernel for `plan`; returns the launch it made (entry point, path, grid, block)."""
     from kmesh.restore import DeviceMismatchError, RestoreError
 
-    lay, seg, rope = plan.layout, plan.segment, plan.rope
+    lay, seg = plan.layout, plan.segment
     dev = plan.flat.device
     if dev.type != "cuda":
         raise DeviceMismatchError(f"the cuda backend needs a CUDA cache, got {dev}")
@@ -112,29 +192,23 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
         return {"rows": 0}
     if T > _INT32 or T * L * H > _INT32 or lay.num_slots > _INT32:
         raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
-    slots = plan.slots.contiguous()
-    moved = plan.moved.contiguous()  # bool: one byte 0/1 per token, read as unsigned char
     fast = (not force_slow) and vector_path_ok(plan) and k.data_ptr() % 16 == 0 and \
         (v is None or v.data_ptr() % 16 == 0)
-    grid, block, items = launch_shape(plan, fast)
-    fn = get_function(KERNEL, ENTRY[lay.dtype], dev.index or 0)
-    ks, vs = lay.k_strides(), (lay.v_strides() if lay.head_dim_v else None)
-    ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    args = (ptr(plan.flat), ptr(k), ptr(v), ptr(slots), ptr(moved), ptr(plan.cos), ptr(plan.sin),
-            *(np.int64(x) for x in ks.as_tuple()),
-            *(np.int64(x) for x in (vs.as_tuple() if vs else (0,) * 6)),
-            *(np.int32(x) for x in (T, L, H, lay.head_dim, lay.head_dim_v, lay.block_size, plan.first_layer,
-                                    lay.rope_offset, rope.rotary_dim, rope.style == "neox", fast)),
-            # the same float32 numbers as plan.k_scale / plan.k_inv_scale (double -> float32, nearest even)
-            np.float32(float(lay.k_scale)), np.float32(float(1.0 / lay.k_scale)))
+    _, block, items = launch_shape(plan, fast)
+    entry = ENTRY[lay.dtype] + ("" if fast else ELEMENT_SUFFIX)
+    fn = get_function(KERNEL, entry, dev.index or 0)
+    ranges = token_ranges(plan, fast)
+    slots, moved = plan.slots.contiguous(), plan.moved.contiguous()
     import cupy
 
     try:
         with cupy.cuda.Device(dev.index or 0), _stream(dev):
-            fn(grid, block, args)
+            for t0, nt, grid in ranges:
+                fn(grid, block, kernel_args(plan, k, v, slots, moved, fast, t0, nt))
     except KernelLoadError:
         raise
     except Exception as e:
         raise RestoreError(f"restore_rope launch failed: {type(e).__name__}: {e}") from e
-    return {"entry": ENTRY[lay.dtype], "path": "vector" if fast else "element", "grid": grid, "block": block,
-            "items_per_row": items, "chunk_elements": chunk_elements(lay) if fast else 1, "tunables": tunables()}
+    return {"entry": entry, "path": "vector" if fast else "element", "grid": ranges[0][2], "launches": len(ranges),
+            "block": block, "items_per_row": items, "chunk_elements": chunk_elements(lay) if fast else 1,
+            "rot_chunk_elements": rot_chunk_elements(lay) if fast else 1, "tunables": tunables()}

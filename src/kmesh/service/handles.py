@@ -283,8 +283,12 @@ class MappedMemfd:
     def __init__(self, fd: int, nbytes: int) -> None:
         from kmesh.shm import Segment
 
-        self.tag = check_memfd(fd, nbytes)
-        self.segment = Segment.from_fd(fd)  # takes ownership of fd
+        try:
+            self.tag = check_memfd(fd, nbytes)
+            self.segment = Segment.from_fd(fd)  # owns fd from here on (closes it in close())
+        except BaseException:
+            os.close(fd)
+            raise
         self.tensor: Any = self.segment.tensor()[:nbytes]
 
     def close(self) -> None:

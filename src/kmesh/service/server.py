@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (AuthError, ClientLostError, HandleError, InternalError, LayoutMismatchError,
-                                  NotOwnerError, RangeError, RegistrationStateError, SequenceError, ServiceError,
-                                  ShuttingDownError, TruncatedFrameError, UnsupportedVersionError)
+from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, HandleError, InternalError,
+                                  LayoutMismatchError, NotOwnerError, RangeError, RegistrationStateError,
+                                  SequenceError, ServiceError, ShuttingDownError, TruncatedFrameError,
+                                  UnsupportedVersionError)
 from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
 from kmesh.service.jobs import CopyJob, CopyRunner
 from kmesh.service.process import PID_NAME, SOCKET_NAME
@@ -210,15 +211,14 @@ class Service:
             conn = Conn(self._next_cid, sock, peer)
             self._next_cid += 1
             try:
-                if len(self.conns) >= self.opts.max_connections:
-                    raise ServiceError(f"too many connections ({len(self.conns)})")
                 identity.check_allowed(peer, self.opts.allowed_uids)
+                if len(self.conns) >= self.opts.max_connections:
+                    raise CapacityError(f"too many connections ({len(self.conns)})")
             except ServiceError as e:
                 self.stats["refused_connections"] += 1
                 log.warning("refused connection from pid %d uid %d: %s", peer.pid, peer.uid, e)
                 try:
-                    sock.send(pack_frame(error_reply(None, AuthError(str(e)) if not isinstance(e, AuthError)
-                                                      else e) | {"fatal": True}))
+                    sock.send(pack_frame(error_reply(None, e) | {"fatal": True}))
                 except OSError:
                     pass
                 sock.close()

@@ -145,7 +145,11 @@ class _Session:
                 fields["token"] = a["token"]
             return c.call(a["op"], **fields)
         if cmd == "fork_holder":  # a child that keeps our service socket open after we die (it only sleeps)
-            pid = os.fork()
+            import warnings
+
+            with warnings.catch_warnings():  # the child only sleeps: the multi-threaded-fork caveat does not apply
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:
                 while True:
                     signal.pause()

@@ -208,6 +208,9 @@ class TransferEngine:
                     ev.record(self._stream)  # after every chunk that was issued
                     t._event = ev
                 t._stopped.set()
+            # Drop this job's buffer views now, not when the next copy arrives: a view kept alive here
+            # would stop the owner from unmapping memory whose copies have already drained.
+            job = t = None
 
     def _copy_chunks(self, job: _Job) -> None:
         t, f = job.ticket, self.faults
