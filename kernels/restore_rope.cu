@@ -24,7 +24,8 @@
 // numbered token-major; within a token, first its L·H·n_rot rotary units (row-major), then its
 // L·H·n_cp copy units (row = (layer, head), layer-major), so that a warp mostly does one kind of work:
 //   rotary unit: neox = the rotary chunk at c and its partner at c + rot/2 (RVEC pairs);
-//                gptj = one rotary chunk of RVEC/2 adjacent pairs;  (chunk = 16 B; fp8: RESTORE_FP8_ROT_CHUNK)
+//                gptj = one rotary chunk of RVEC/2 adjacent pairs;  (RESTORE_ROT_CHUNK = 16 B; fp8:
+//                RESTORE_FP8_ROT_CHUNK; RVEC = chunk / sizeof(S))
 //   copy unit:   one 16-byte chunk of a non-rotary key channel range or of the values, copied as bits.
 // Unit id -> (token, unit-in-token) -> (row, chunk) -> (layer, head) by multiply-high divisions whose magic
 // numbers the launcher computes (FastDiv). A thread reads the token's slot/flag once, issues its data
@@ -46,15 +47,20 @@
 
 // Tunables (compile-time; the defaults are what the kernels stage builds; kmesh.cuda reads the same -D
 // flags to size its launch): threads per block, units per thread on the vector path (their loads all
-// issued before the first store), bytes per rotary chunk of fp8 caches (16 or 8; copy chunks are 16),
+// issued before the first store), bytes per rotary chunk (16, 8 or 4; fp8 caches: RESTORE_FP8_ROT_CHUNK;
+// copy chunks are always 16),
 // packed two-at-a-time fp8 conversions (same results, fewer instructions), shift tables loaded with
-// the data (1) or only once the token is known to move (0), and the minimum resident blocks per
-// multiprocessor asked of the compiler (1 = no register cap beyond 255).
+// the data (1) or only once the token is known to move (0), streaming cache hints on segment loads and
+// cache stores (see Io), and the minimum resident blocks per multiprocessor asked of the compiler
+// (1 = no register cap beyond 255).
 #ifndef RESTORE_THREADS
 #define RESTORE_THREADS 256
 #endif
 #ifndef RESTORE_G
 #define RESTORE_G 1
+#endif
+#ifndef RESTORE_ROT_CHUNK
+#define RESTORE_ROT_CHUNK 16
 #endif
 #ifndef RESTORE_FP8_ROT_CHUNK
 #define RESTORE_FP8_ROT_CHUNK 16
@@ -64,6 +70,9 @@
 #endif
 #ifndef RESTORE_EARLY_TABLES
 #define RESTORE_EARLY_TABLES 1
+#endif
+#ifndef RESTORE_STREAMING
+#define RESTORE_STREAMING 0
 #endif
 #ifndef RESTORE_MIN_BLOCKS
 #define RESTORE_MIN_BLOCKS 1
@@ -81,19 +90,19 @@ struct Scalar2 {
 };
 struct F32 : Scalar2<F32, float> {
     using S = float;
-    static constexpr int ROT_CHUNK = 16;
+    static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK < 8 ? 8 : RESTORE_ROT_CHUNK;   // at least one neox pair
     __device__ static float load(S v, float) { return v; }
     __device__ static S store(float x, float) { return x; }
 };
 struct F16 : Scalar2<F16, __half> {
     using S = __half;
-    static constexpr int ROT_CHUNK = 16;
+    static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK;
     __device__ static float load(S v, float) { return __half2float(v); }
     __device__ static S store(float x, float) { return __float2half_rn(x); }
 };
 struct BF16 : Scalar2<BF16, __nv_bfloat16> {
     using S = __nv_bfloat16;
-    static constexpr int ROT_CHUNK = 16;
+    static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK;
     __device__ static float load(S v, float) { return __bfloat162float(v); }
     __device__ static S store(float x, float) { return __float2bfloat16_rn(x); }
 };
@@ -162,26 +171,38 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
     o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
-// One 16-byte register chunk; a rotary chunk of 8 bytes (fp8 option) lives in its first half.
+// One 16-byte register chunk; a smaller rotary chunk (8 or 4 bytes, tuning options) lives in its first bytes.
 template <class S>
 union Bits {
     uint4 u;
     S e[16 / sizeof(S)];
 };
+// Segment loads and cache stores of one chunk. RESTORE_STREAMING=1 marks both as used once (ld/st .cs:
+// evict first) instead of the read-only path for loads and default caching for stores.
+#if RESTORE_STREAMING
+#define RESTORE_LD __ldcs
+#define RESTORE_ST(p, v) __stcs(p, v)
+#else
+#define RESTORE_LD __ldg
+#define RESTORE_ST(p, v) (*(p) = (v))
+#endif
 template <int BYTES>
 struct Io {
-    static_assert(BYTES == 16 || BYTES == 8, "chunks are 16 or 8 bytes");
+    static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "chunks are 16, 8 or 4 bytes");
     __device__ static uint4 ld(const void* p) {
         if constexpr (BYTES == 16) {
-            return __ldg(reinterpret_cast<const uint4*>(p));
-        } else {
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+            return RESTORE_LD(reinterpret_cast<const uint4*>(p));
+        } else if constexpr (BYTES == 8) {
+            const uint2 v = RESTORE_LD(reinterpret_cast<const uint2*>(p));
             return make_uint4(v.x, v.y, 0u, 0u);
+        } else {
+            return make_uint4(RESTORE_LD(reinterpret_cast<const unsigned*>(p)), 0u, 0u, 0u);
         }
     }
     __device__ static void st(void* p, const uint4& v) {
-        if constexpr (BYTES == 16) *reinterpret_cast<uint4*>(p) = v;
-        else *reinterpret_cast<uint2*>(p) = make_uint2(v.x, v.y);
+        if constexpr (BYTES == 16) RESTORE_ST(reinterpret_cast<uint4*>(p), v);
+        else if constexpr (BYTES == 8) RESTORE_ST(reinterpret_cast<uint2*>(p), make_uint2(v.x, v.y));
+        else RESTORE_ST(reinterpret_cast<unsigned*>(p), v.x);
     }
 };
 
@@ -254,6 +275,7 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
     constexpr int VEC = 16 / sizeof(S);
     constexpr int RC = Tr::ROT_CHUNK;
     constexpr int RVEC = RC / sizeof(S);
+    static_assert(RVEC % 2 == 0 && VEC % RVEC == 0, "a rotary chunk holds an even number of elements");
     constexpr int G = RESTORE_G;
     S* dst = static_cast<S*>(a.dst);
     const unsigned LH = (unsigned)(a.n_layers * a.n_heads);

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call for §21 (issue 3): build kernels, run the cuda-profile synthetic stage, the GPU tests of
-# kmesh.restore, and the restore benchmark. Everything it keeps goes to $OUT (at most 8 files).
-#   run: bash scripts/device_restore_check.sh
+# kmesh.restore, and the restore benchmark. Everything it keeps goes to $OUT (6 files).
+#   run: bash scripts/device_restore_check.sh          (carry .whl, and .whl-test for pytest)
+#   VARIANTS=",-DRESTORE_ROT_CHUNK=8" bash scripts/device_restore_check.sh   # first entry = default build
+# Tuning variants are compiled on the fly (or taken from a carried results/.kernel-cache); each must pass
+# the same synthetic stage and GPU tests as the default build before the benchmark times it.
 source scripts/device-env.sh
 set -o pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -18,19 +21,32 @@ python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" 2>&1 | tai
 cub=results/cuda/kernels/restore_rope.cubin
 if command -v cuobjdump >/dev/null && [ -f "$cub" ]; then
   for f in restore_rope_bf16 restore_rope_e4m3; do
-    echo "$f: 128-bit global loads/stores: $(cuobjdump --dump-sass -fun $f $cub | grep -cE '(LDG|STG)\.E\.(EL\.)?128|\.128 ')"
+    echo "$f: 128-bit global loads/stores: $(cuobjdump --dump-sass -fun $f $cub | grep -cE '(LDG|STG)\.E\.(EL\.)?128|\.128 ')," \
+         "local memory ops: $(cuobjdump --dump-sass -fun $f $cub | grep -cE '(LDL|STL)')"
   done | tee -a "$out/gpu.txt"
 fi
-python3 -m kmesh run synthetic --profile cuda --out "$out/synthetic.json" 2>&1 | tail -15
-python3 -m pytest -q -p no:cacheprovider tests/test_restore.py -k "kernel" 2>&1 | tail -8 | tee "$out/pytest_gpu.txt"
-# Tuning variants (compile-time tunables of restore_rope.cu, compiled on the fly): each must pass the same
-# synthetic stage and GPU tests before its timing means anything.
-VARIANTS=${VARIANTS:-",-DRESTORE_U=8,-DRESTORE_U=2,-DRESTORE_FP8_CHUNK=8 -DRESTORE_FP8_X2=1"}
+VARIANTS=${VARIANTS:-",-DRESTORE_ROT_CHUNK=8 -DRESTORE_FP8_ROT_CHUNK=8 -DRESTORE_FP8_X2=1"}
 IFS=',' read -ra VS <<< "$VARIANTS"
-for v in "${VS[@]}"; do
-  [ -z "$v" ] && continue   # the default build ran above
-  echo "== variant: $v"
-  KMESH_KERNEL_FLAGS="$v" python3 -m kmesh run synthetic --profile cuda --out /tmp/synthetic_variant.json 2>&1 | tail -3
-  KMESH_KERNEL_FLAGS="$v" python3 -m pytest -q -p no:cacheprovider tests/test_restore.py -k kernel 2>&1 | tail -1
-done 2>&1 | tee "$out/variants.txt"
-python3 scripts/bench_restore.py --out "$out" --variants "$VARIANTS" ${BENCH_ARGS:-} 2>&1 | tail -24
+[ -n "${VS[0]}" ] && { echo "the first variant must be the default build (empty flags)"; exit 2; }
+# One Python process validates every variant (synthetic stage + GPU tests, each with the variant's flags):
+# saves an interpreter and torch start per check. Writes the validated variants, one per line.
+VARIANTS="$VARIANTS" OUTDIR="$out" python3 - <<'PY' 2>&1 | tee "$out/variants.txt"
+import os, pytest
+from kmesh.cli import main as kmesh
+with open("/tmp/validated.txt", "w") as ok:
+    for v in os.environ["VARIANTS"].split(","):
+        os.environ["KMESH_KERNEL_FLAGS"] = v
+        print(f"== variant: {v or 'default'}", flush=True)
+        s = kmesh(["run", "synthetic", "--profile", "cuda", "--out",
+                   os.environ["OUTDIR"] + "/synthetic.json" if not v else "/tmp/synthetic_variant.json"])
+        p = pytest.main(["-q", "-p", "no:cacheprovider", "--no-header", "tests/test_restore.py", "-k", "kernel"])
+        if s == 0 and p == 0:
+            ok.write(v + "\n")
+            print("   validated", flush=True)
+        else:
+            print(f"   FAILED (synthetic rc={s}, pytest rc={int(p)}): not timed", flush=True)
+PY
+[ -s /tmp/validated.txt ] && [ -z "$(head -1 /tmp/validated.txt)" ] || { echo "default build failed validation: no timing"; exit 1; }
+ok=$(paste -sd, /tmp/validated.txt)
+echo "timing validated variants: [$ok]"
+python3 scripts/bench_restore.py --out "$out" --variants "$ok" ${BENCH_ARGS:-} 2>&1 | tail -40

@@ -224,6 +224,9 @@ GPU_LAYOUTS = [KVLayout.paged(o, 3, 9, 16, 2, 64, dt, k_scale=0.02, v_scale=0.03
 GPU_LAYOUTS += [KVLayout.cpu(3, 3, 32, 2, 64, "bfloat16"), KVLayout.cpu(3, 3, 32, 2, 64, "fp8_e4m3", k_scale=0.02),
                 KVLayout.mla("BLHNC", 3, 9, 16, 128, 64, "bfloat16"), KVLayout.mla("LBNHC", 3, 9, 16, 128, 64, "fp8_e5m2"),
                 KVLayout.cpu(3, 3, 32, 1, 256, "float32")]   # element path with more items than threads
+# divisors that are not powers of two (heads, block size, units per row) for the vector path's fast division
+GPU_LAYOUTS += [KVLayout.paged("LBNHC", 3, 13, 7, 3, 96, "bfloat16"), KVLayout.paged("BHLNC", 3, 11, 5, 5, 32, "float32"),
+                KVLayout.mla("LBNHC", 3, 9, 16, 512, 64, "fp8_e4m3", k_scale=0.05)]
 
 
 @pytest.mark.gpu
@@ -261,6 +264,37 @@ def test_kernel_equals_torch_path(lay, style):
         paths.add(info["path"])
         assert torch.equal(out, ref), f"{info}: {(out != ref).sum().item()} bytes differ"
     assert ("vector" in paths) == (lay.packing != "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_kernel_split_into_token_ranges(monkeypatch, dtype):
+    """With a tiny unit limit the vector path runs as several launches over token ranges: same bytes."""
+    import kmesh.cuda.restore_rope as rr
+
+    lay = KVLayout.paged("LBNHC", 3, 9, 16, 2, 64, dtype, k_scale=0.02, v_scale=0.03)
+    rope = RopeConfig(64, 64, 1e4, "neox", None, 4096)
+    g = torch.Generator().manual_seed(5)
+    T = 50
+    if lay.fp8_dtype is not None:
+        k, v = (torch.randint(0, 0x7E, (T, 3, 2, 64), generator=g, dtype=torch.uint8) for _ in range(2))
+    else:
+        k, v = (torch.randn(T, 3, 2, 64, generator=g).to(lay.storage_dtype) for _ in range(2))
+    old, new = torch.randint(0, 4000, (T,), generator=g), torch.randint(0, 4000, (T,), generator=g)
+    slots = torch.randperm(lay.num_slots, generator=g)[:T]
+    slots[3] = -1
+    seg = KVSegment(k, v, old, lay.dtype, lay.k_scale, lay.v_scale).to("cuda")
+    ref = _poisoned(lay, "cuda")
+    restore(ref, lay, seg, slots.cuda(), new.cuda(), rope)
+    out = _poisoned(lay, "cuda")
+    plan = plan_restore(out, lay, seg, slots.cuda(), new.cuda(), rope)
+    per_token = 3 * 2 * sum(rr.units_per_row(plan))
+    monkeypatch.setattr(rr, "_INT32", 7 * per_token + 5)   # 7 tokens per launch (T·L·H = 300 stays below)
+    info = rr.launch_restore(plan)
+    torch.cuda.synchronize()
+    assert info["path"] == "vector" and info["launches"] == 8, info
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} bytes differ"
 
 
 @pytest.mark.gpu

@@ -23,14 +23,14 @@ ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
 ELEMENT_SUFFIX = "_elem"
 ELEMENT_THREADS = 256
-CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: 16 bytes, fp8 RESTORE_FP8_ROT_CHUNK)
-DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_FP8_ROT_CHUNK": 16, "RESTORE_FP8_X2": 0,
-                    "RESTORE_EARLY_TABLES": 1, "RESTORE_MIN_BLOCKS": 1}
+CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: RESTORE_ROT_CHUNK / RESTORE_FP8_ROT_CHUNK)
+DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_ROT_CHUNK": 16, "RESTORE_FP8_ROT_CHUNK": 16,
+                    "RESTORE_FP8_X2": 0, "RESTORE_EARLY_TABLES": 1, "RESTORE_STREAMING": 0, "RESTORE_MIN_BLOCKS": 1}
 
 
 def tunables() -> dict[str, int]:
     """The kernel's compile-time tunables as built (defaults of restore_rope.cu unless $KMESH_KERNEL_FLAGS
-    overrides them): threads per block and units per thread of the vector path, fp8 rotary chunk bytes, ..."""
+    overrides them; names and meanings in the header of kernels/restore_rope.cu)."""
     out = dict(DEFAULT_TUNABLES)
     for f in extra_flags():
         if f.startswith("-D") and "=" in f and f[2:].split("=")[0] in out:
@@ -45,9 +45,12 @@ def chunk_elements(lay) -> int:
 
 
 def rot_chunk_elements(lay) -> int:
-    """Elements per rotary chunk of the vector path (fp8: RESTORE_FP8_ROT_CHUNK bytes)."""
-    nbytes = tunables()["RESTORE_FP8_ROT_CHUNK"] if lay.fp8_dtype is not None else CHUNK_BYTES
-    return nbytes // lay.element_size
+    """Elements per rotary chunk of the vector path (RESTORE_ROT_CHUNK bytes; fp8: RESTORE_FP8_ROT_CHUNK)."""
+    tun = tunables()
+    if lay.fp8_dtype is not None:
+        return tun["RESTORE_FP8_ROT_CHUNK"]
+    nbytes = tun["RESTORE_ROT_CHUNK"]
+    return max(nbytes, 8) // 4 if lay.element_size == 4 else nbytes // lay.element_size  # f32: >= one neox pair
 
 
 def fast_div(d: int) -> tuple[int, int, int]:
