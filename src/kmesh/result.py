@@ -12,10 +12,8 @@ neither passed nor failed and says why; a stage with skips is not "all passed".
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from typing import Any, Iterator
 
 from kmesh.config import Config
 from kmesh.errors import ResultError
+from kmesh.jsonfile import read_json_schema, write_json_atomic
 
 SCHEMA = "kmesh.result/1"
 
@@ -146,29 +145,13 @@ class Result:
         from kmesh.provenance import now
 
         self.provenance["end"] = now()
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, p)
-        return p
+        return write_json_atomic(path, self.to_dict())
 
 
 def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a result file and check its schema id and required keys."""
-    p = Path(path)
-    if not p.is_file():
-        raise ResultError(f"result file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ResultError(f"result file {p} is not JSON: {e}") from e
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ResultError(f"result file {p} has schema {data.get('schema') if isinstance(data, dict) else None!r}, "
-                          f"expected {SCHEMA!r}")
+    data = read_json_schema(path, SCHEMA, ResultError, "result file")
     for key in ("stage", "profile", "provenance", "cases", "timings", "summary"):
         if key not in data:
-            raise ResultError(f"result file {p} lacks {key!r}")
+            raise ResultError(f"result file {path} lacks {key!r}")
     return data
