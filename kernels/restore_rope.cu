@@ -1,7 +1,9 @@
 // restore_rope: write a saved KV segment into paged-cache slots, rotating keys to their new positions.
 //
-// One kernel (restore_rope_body) instantiated for five storage types; the extern "C" entry points are
-// restore_rope_{f32,f16,bf16,e4m3,e5m2}. Semantics are kmesh.restore's torch path, bit for bit:
+// One body per path, instantiated for five storage types; extern "C" entry points restore_rope_<type>
+// (vector path) and restore_rope_<type>_elem (element path), <type> in {f32, f16, bf16, e4m3, e5m2}: two
+// kernels so that each gets the registers it needs, not the larger of the two. Semantics are
+// kmesh.restore's torch path, bit for bit:
 //   moved token, rotary channel pair (x1, x2) with tables (c, s) of (new - old)·ω (float32, from float64):
 //     o1 = x1·c − x2·s,  o2 = x2·c + x1·s   (float32, each product and sum rounded: no FMA contraction)
 //     result cast to the storage type by round-to-nearest-even (fp8: x = fp8·scale before, fp8(o·inv_scale)
@@ -16,43 +18,50 @@
 //   b = slot / block_size, n = slot % block_size. This covers every arrangement kmesh.layout knows:
 //   paged [K|V] cells in any of the six orders (k_sC = 1), vLLM CPU planes (K transposed: k_sN = 1,
 //   k_sC = block_size) and MLA latents (rotary part at channels [rot_start, rot_start + rot)).
-//   In vLLM's default paged order (LBNHC) one (token, layer) is one contiguous run of H·(Dk + Dv) elements
-//   (256–512 B per head), so the 16-byte stores of neighbouring threads fill whole 32-byte sectors.
+//   In vLLM's default paged order (LBNHC) one (token, layer) is one contiguous run of H·(Dk + Dv)
+//   elements (H × 256–512 B for the benchmark shapes); K and V halves of a head cell are separate
+//   128/256-byte pieces, each written whole by neighbouring threads.
 //
-// Vector path (all channel strides 1, widths/offsets multiples of a 16-byte chunk, aligned pointers):
-// a flat grid of units, one unit per thread (RESTORE_G units per thread as a tuning option). Units are
-// numbered token-major; within a token, first its L·H·n_rot rotary units (row-major), then its
-// L·H·n_cp copy units (row = (layer, head), layer-major), so that a warp mostly does one kind of work:
-//   rotary unit: neox = the rotary chunk at c and its partner at c + rot/2 (RVEC pairs);
-//                gptj = one rotary chunk of RVEC/2 adjacent pairs;  (RESTORE_ROT_CHUNK = 16 B; fp8:
-//                RESTORE_FP8_ROT_CHUNK; RVEC = chunk / sizeof(S))
+// Vector path (restore_rope_<type>; all channel strides 1, widths/offsets multiples of a 16-byte chunk,
+// aligned pointers): a flat grid of units, one unit per thread (RESTORE_G per thread as an option).
+// Units are numbered token-major; within a token first its L·H·n_rot rotary units, then its L·H·n_cp
+// copy units (both row-major, row = (layer, head), layer-major), so that a warp mostly does one kind of
+// work (rotation or plain copy) and consecutive threads touch consecutive chunks:
+//   rotary unit: neox = a rotary chunk at c and its partner at c + rot/2 (RVEC pairs);
+//                gptj = one rotary chunk of RVEC/2 adjacent pairs. Rotary chunk = RESTORE_ROT_CHUNK bytes
+//                (8 by default: 4 bf16/f16 pairs), fp8: RESTORE_FP8_ROT_CHUNK (8: 8 pairs);
+//                RVEC = chunk / sizeof(S).
 //   copy unit:   one 16-byte chunk of a non-rotary key channel range or of the values, copied as bits.
-// Unit id -> (token, unit-in-token) -> (row, chunk) -> (layer, head) by multiply-high divisions whose magic
-// numbers the launcher computes (FastDiv). A thread reads the token's slot/flag once, issues its data
-// loads before it waits on the slot, and reads shift tables only for rotary units of moved tokens.
-// Launch: grid.x = ceil(units / (RESTORE_THREADS·RESTORE_G)), block = RESTORE_THREADS (256) threads;
-// the launcher splits restores of ≥ 2^31 units into several launches by token range.
-// Element path (any strides, e.g. the CPU backend's transposed K plane): one block z-slice per token;
-// block (bx, by, bz): bx = items per row (one pair or element each, <= 256), by threads walk the
-// token's L·H rows, bz tokens per block; grid.x = ceil(T / bz).
-// H200 measurements: docs/measurements/restore_h200.md.
+// Unit id -> (token, unit-in-token) -> (row, chunk) -> (layer, head), and slot -> (block, offset), by
+// multiply-high divisions whose magic numbers the launcher computes (FastDiv). A thread issues its
+// slot, flag, data and (rotary units) shift-table loads before it waits on any of them, then rotates
+// and stores. Launch: grid.x = ceil(units / (RESTORE_THREADS·RESTORE_G)), block = RESTORE_THREADS = 256
+// threads, one launch per restore (restores of >= 2^31 units: several launches over token ranges).
+// Registers (nvcc 13.0, sm_90, defaults): 32 bf16/f16, 30 f32, 40 e4m3/e5m2, no spills — up to
+// 2048 / 1536 resident threads per SM.
+// Element path (restore_rope_<type>_elem; any strides, e.g. the CPU backend's transposed K plane):
+// one block z-slice per token; block (bx, by, bz): bx = items per row (one pair or element each,
+// <= 256), by threads walk the token's L·H rows, bz tokens per block; grid.x = ceil(T / bz).
+// H200 measurements (both paths validated, vector path timed): docs/measurements/restore_h200.md.
 //
 // Bytes: reads T·L·H·(Dk + Dv)·sizeof(S) of segment + T·rot/2·8 of tables + 9·T of slots/flags;
-// writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing); read + write of
-// each byte once, as the copy baseline of scripts/bench_restore.py counts it.
+// writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing). Every segment
+// byte is read once and every destination byte written once (16-byte loads/stores; tables and slots
+// are re-read per unit from L1/L2), as the copy baseline of scripts/bench_restore.py counts read + write.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-// Tunables (compile-time; the defaults are what the kernels stage builds; kmesh.cuda reads the same -D
-// flags to size its launch): threads per block, units per thread on the vector path (their loads all
-// issued before the first store), bytes per rotary chunk (16, 8 or 4; fp8 caches: RESTORE_FP8_ROT_CHUNK;
-// copy chunks are always 16),
-// packed two-at-a-time fp8 conversions (same results, fewer instructions), shift tables loaded with
-// the data (1) or only once the token is known to move (0), streaming cache hints on segment loads and
-// cache stores (see Io), and the minimum resident blocks per multiprocessor asked of the compiler
-// (1 = no register cap beyond 255).
+// Tunables (compile-time; the defaults are what the kernels stage builds: the best configuration measured
+// on the H200, bf16 and e4m3 timed, f16/f32 sharing the bf16 settings and e5m2 the e4m3 ones; kmesh.cuda
+// reads the same -D flags to size its launch): threads per block,
+// units per thread on the vector path (their loads all issued before the first store), bytes per
+// rotary chunk (16, 8 or 4; fp8 caches: RESTORE_FP8_ROT_CHUNK; copy chunks are always 16), packed
+// two-at-a-time fp8 conversions (same results, fewer instructions), shift tables loaded with the data
+// (1) or only once the token is known to move (0), streaming cache hints on segment loads and cache
+// stores (see Io; per type family), and the minimum resident blocks per multiprocessor asked of the
+// compiler (1 = no register cap beyond 255).
 #ifndef RESTORE_THREADS
 #define RESTORE_THREADS 256
 #endif
@@ -60,19 +69,22 @@
 #define RESTORE_G 1
 #endif
 #ifndef RESTORE_ROT_CHUNK
-#define RESTORE_ROT_CHUNK 16
+#define RESTORE_ROT_CHUNK 8
 #endif
 #ifndef RESTORE_FP8_ROT_CHUNK
-#define RESTORE_FP8_ROT_CHUNK 16
+#define RESTORE_FP8_ROT_CHUNK 8
 #endif
 #ifndef RESTORE_FP8_X2
-#define RESTORE_FP8_X2 0
+#define RESTORE_FP8_X2 1
 #endif
 #ifndef RESTORE_EARLY_TABLES
 #define RESTORE_EARLY_TABLES 1
 #endif
 #ifndef RESTORE_STREAMING
-#define RESTORE_STREAMING 0
+#define RESTORE_STREAMING 1
+#endif
+#ifndef RESTORE_FP8_STREAMING
+#define RESTORE_FP8_STREAMING 0
 #endif
 #ifndef RESTORE_MIN_BLOCKS
 #define RESTORE_MIN_BLOCKS 1
@@ -91,18 +103,21 @@ struct Scalar2 {
 struct F32 : Scalar2<F32, float> {
     using S = float;
     static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK < 8 ? 8 : RESTORE_ROT_CHUNK;   // at least one neox pair
+    static constexpr bool STREAM = RESTORE_STREAMING;
     __device__ static float load(S v, float) { return v; }
     __device__ static S store(float x, float) { return x; }
 };
 struct F16 : Scalar2<F16, __half> {
     using S = __half;
     static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK;
+    static constexpr bool STREAM = RESTORE_STREAMING;
     __device__ static float load(S v, float) { return __half2float(v); }
     __device__ static S store(float x, float) { return __float2half_rn(x); }
 };
 struct BF16 : Scalar2<BF16, __nv_bfloat16> {
     using S = __nv_bfloat16;
     static constexpr int ROT_CHUNK = RESTORE_ROT_CHUNK;
+    static constexpr bool STREAM = RESTORE_STREAMING;
     __device__ static float load(S v, float) { return __bfloat162float(v); }
     __device__ static S store(float x, float) { return __float2bfloat16_rn(x); }
 };
@@ -110,6 +125,7 @@ template <__nv_fp8_interpretation_t KIND>
 struct FP8 {
     using S = unsigned char;
     static constexpr int ROT_CHUNK = RESTORE_FP8_ROT_CHUNK;
+    static constexpr bool STREAM = RESTORE_FP8_STREAMING;
     __device__ static float load(S v, float scale) {
         __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), KIND);
         return __fmul_rn(__half2float(__half(h)), scale);
@@ -177,32 +193,36 @@ union Bits {
     uint4 u;
     S e[16 / sizeof(S)];
 };
-// Segment loads and cache stores of one chunk. RESTORE_STREAMING=1 marks both as used once (ld/st .cs:
-// evict first) instead of the read-only path for loads and default caching for stores.
-#if RESTORE_STREAMING
-#define RESTORE_LD __ldcs
-#define RESTORE_ST(p, v) __stcs(p, v)
-#else
-#define RESTORE_LD __ldg
-#define RESTORE_ST(p, v) (*(p) = (v))
-#endif
-template <int BYTES>
+// Segment loads and cache stores of one chunk. STREAM (the type's RESTORE_STREAMING /
+// RESTORE_FP8_STREAMING) marks both as used once (ld/st .cs, evict first) instead of the read-only path
+// for loads and default caching for stores.
+template <int BYTES, bool STREAM>
 struct Io {
     static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "chunks are 16, 8 or 4 bytes");
+    template <class V>
+    __device__ static V load(const V* p) {
+        if constexpr (STREAM) return __ldcs(p);
+        else return __ldg(p);
+    }
+    template <class V>
+    __device__ static void store(V* p, const V& v) {
+        if constexpr (STREAM) __stcs(p, v);
+        else *p = v;
+    }
     __device__ static uint4 ld(const void* p) {
         if constexpr (BYTES == 16) {
-            return RESTORE_LD(reinterpret_cast<const uint4*>(p));
+            return load(reinterpret_cast<const uint4*>(p));
         } else if constexpr (BYTES == 8) {
-            const uint2 v = RESTORE_LD(reinterpret_cast<const uint2*>(p));
+            const uint2 v = load(reinterpret_cast<const uint2*>(p));
             return make_uint4(v.x, v.y, 0u, 0u);
         } else {
-            return make_uint4(RESTORE_LD(reinterpret_cast<const unsigned*>(p)), 0u, 0u, 0u);
+            return make_uint4(load(reinterpret_cast<const unsigned*>(p)), 0u, 0u, 0u);
         }
     }
     __device__ static void st(void* p, const uint4& v) {
-        if constexpr (BYTES == 16) RESTORE_ST(reinterpret_cast<uint4*>(p), v);
-        else if constexpr (BYTES == 8) RESTORE_ST(reinterpret_cast<uint2*>(p), make_uint2(v.x, v.y));
-        else RESTORE_ST(reinterpret_cast<unsigned*>(p), v.x);
+        if constexpr (BYTES == 16) store(reinterpret_cast<uint4*>(p), v);
+        else if constexpr (BYTES == 8) store(reinterpret_cast<uint2*>(p), make_uint2(v.x, v.y));
+        else store(reinterpret_cast<unsigned*>(p), v.x);
     }
 };
 
@@ -277,6 +297,8 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
     constexpr int RVEC = RC / sizeof(S);
     static_assert(RVEC % 2 == 0 && VEC % RVEC == 0, "a rotary chunk holds an even number of elements");
     constexpr int G = RESTORE_G;
+    using IoR = Io<RC, Tr::STREAM>;   // rotary chunks
+    using IoC = Io<16, Tr::STREAM>;   // copy chunks
     S* dst = static_cast<S*>(a.dst);
     const unsigned LH = (unsigned)(a.n_layers * a.n_heads);
     const unsigned half = (unsigned)a.rot / 2;
@@ -315,14 +337,14 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
                               : static_cast<const S*>(a.src_k) + (unsigned long long)srow * a.dk + c;
         slot[g] = __ldg(a.slots + t);
         if (k == 0) {
-            p[g].u = Io<RC>::ld(src);
-            if (a.neox) q[g].u = Io<RC>::ld(src + half);
+            p[g].u = IoR::ld(src);
+            if (a.neox) q[g].u = IoR::ld(src + half);
             moved[g] = __ldg(a.moved + t) != 0;
 #if RESTORE_EARLY_TABLES
             unit_tables<RVEC>(a, t, j, a.neox, cs[g], sn[g]);
 #endif
         } else {
-            p[g].u = Io<16>::ld(src);
+            p[g].u = IoC::ld(src);
         }
         kind[g] = k;
         chan[g] = c;
@@ -340,12 +362,12 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
         const long long h = row[g] - l * a.heads.d;
         const long long lk = a.layer_base + (long long)l;
         if (kind[g] == 2) {
-            Io<16>::st(dst + a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN + chan[g], p[g].u);
+            IoC::st(dst + a.v_off + lk * a.v_sL + b * a.v_sB + h * a.v_sH + n * a.v_sN + chan[g], p[g].u);
             continue;
         }
         S* cell = dst + a.k_off + lk * a.k_sL + b * a.k_sB + h * a.k_sH + n * a.k_sN + chan[g];
         if (kind[g] == 1) {
-            Io<16>::st(cell, p[g].u);
+            IoC::st(cell, p[g].u);
             continue;
         }
         if (moved[g]) {
@@ -354,8 +376,8 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
 #endif
             rotate_unit<Tr, RVEC>(a, cs[g], sn[g], p[g], q[g]);
         }
-        Io<RC>::st(cell, p[g].u);
-        if (a.neox) Io<RC>::st(cell + half, q[g].u);
+        IoR::st(cell, p[g].u);
+        if (a.neox) IoR::st(cell + half, q[g].u);
     }
 }
 

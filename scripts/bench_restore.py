@@ -1,7 +1,7 @@
 """GPU benchmark of restore: the restore_rope kernel vs a plain device copy of the same bytes, and vs the torch path.
 
     python scripts/bench_restore.py --out results/cuda/bench_restore [--pairs 7] [--shapes qwen05b,mha-large]
-        [--variants ",-DRESTORE_U=8"]   # tuning: extra nvcc flags per kernel variant; "" = as the kernels stage builds
+        [--variants ",-DRESTORE_ROT_CHUNK=16"]   # tuning: extra nvcc flags per kernel variant; "" = as the kernels stage builds
 
 Design (kmesh.bench, DESIGN §5): per shape, two comparisons of matched pairs, arm order alternating,
 one warm-up pair excluded:

@@ -2,7 +2,7 @@
 # One device call for §21 (issue 3): build kernels, run the cuda-profile synthetic stage, the GPU tests of
 # kmesh.restore, and the restore benchmark. Everything it keeps goes to $OUT (6 files).
 #   run: bash scripts/device_restore_check.sh          (carry .whl, and .whl-test for pytest)
-#   VARIANTS=",-DRESTORE_ROT_CHUNK=8" bash scripts/device_restore_check.sh   # first entry = default build
+#   VARIANTS=",-DRESTORE_ROT_CHUNK=16" bash scripts/device_restore_check.sh   # first entry = default build
 # Tuning variants are compiled on the fly (or taken from a carried results/.kernel-cache); each must pass
 # the same synthetic stage and GPU tests as the default build before the benchmark times it.
 source scripts/device-env.sh
@@ -25,7 +25,8 @@ if command -v cuobjdump >/dev/null && [ -f "$cub" ]; then
          "local memory ops: $(cuobjdump --dump-sass -fun $f $cub | grep -cE '(LDL|STL)')"
   done | tee -a "$out/gpu.txt"
 fi
-VARIANTS=${VARIANTS:-",-DRESTORE_ROT_CHUNK=8 -DRESTORE_FP8_ROT_CHUNK=8 -DRESTORE_FP8_X2=1"}
+# default list: the two combinations not yet timed (docs/measurements/restore_h200.md, "What the variants say")
+VARIANTS=${VARIANTS:-",-DRESTORE_ROT_CHUNK=16,-DRESTORE_FP8_STREAMING=1"}
 IFS=',' read -ra VS <<< "$VARIANTS"
 [ -n "${VS[0]}" ] && { echo "the first variant must be the default build (empty flags)"; exit 2; }
 # One Python process validates every variant (synthetic stage + GPU tests, each with the variant's flags):

@@ -290,10 +290,12 @@ def test_kernel_split_into_token_ranges(monkeypatch, dtype):
     out = _poisoned(lay, "cuda")
     plan = plan_restore(out, lay, seg, slots.cuda(), new.cuda(), rope)
     per_token = 3 * 2 * sum(rr.units_per_row(plan))
-    monkeypatch.setattr(rr, "_INT32", 7 * per_token + 5)   # 7 tokens per launch (T·L·H = 300 stays below)
+    limit = max(7 * per_token + 5, T * 3 * 2)   # the row count T·L·H must still fit
+    monkeypatch.setattr(rr, "_INT32", limit)
     info = rr.launch_restore(plan)
     torch.cuda.synchronize()
-    assert info["path"] == "vector" and info["launches"] == 8, info
+    step = limit // per_token
+    assert info["path"] == "vector" and info["launches"] == -(-T // step) > 1, info
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} bytes differ"
 
 

@@ -5,7 +5,7 @@ Where a cubin comes from, in order:
 2. <root>/results/cuda/kernels/<name>.cubin (what `python -m kmesh run kernels --profile cuda` writes),
 3. otherwise nvcc compiles kernels/<name>.cu on the fly into <root>/results/.kernel-cache/ (tests, scripts).
 A cubin older than its source is never used: it is rebuilt. `kernel_info(name)` says what was loaded.
-$KMESH_KERNEL_FLAGS (e.g. "-DRESTORE_U=8") adds nvcc flags for tuning experiments: then prebuilt cubins
+$KMESH_KERNEL_FLAGS (e.g. "-DRESTORE_ROT_CHUNK=16") adds nvcc flags for tuning experiments: then prebuilt cubins
 (built without them) are skipped and the source is compiled with the flags.
 """
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from kmesh.cuda.loader import KernelLoadError, extra_flags, get_function
 
 if TYPE_CHECKING:
+    from kmesh.layout import KVLayout
     from kmesh.restore import RestorePlan
 
 KERNEL = "restore_rope"
@@ -24,8 +25,9 @@ ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16
 ELEMENT_SUFFIX = "_elem"
 ELEMENT_THREADS = 256
 CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: RESTORE_ROT_CHUNK / RESTORE_FP8_ROT_CHUNK)
-DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_ROT_CHUNK": 16, "RESTORE_FP8_ROT_CHUNK": 16,
-                    "RESTORE_FP8_X2": 0, "RESTORE_EARLY_TABLES": 1, "RESTORE_STREAMING": 0, "RESTORE_MIN_BLOCKS": 1}
+DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_ROT_CHUNK": 8, "RESTORE_FP8_ROT_CHUNK": 8,
+                    "RESTORE_FP8_X2": 1, "RESTORE_EARLY_TABLES": 1, "RESTORE_STREAMING": 1, "RESTORE_FP8_STREAMING": 0,
+                    "RESTORE_MIN_BLOCKS": 1}
 
 
 def tunables() -> dict[str, int]:
@@ -39,12 +41,12 @@ def tunables() -> dict[str, int]:
     return out
 
 
-def chunk_elements(lay) -> int:
+def chunk_elements(lay: "KVLayout") -> int:
     """Elements per 16-byte copy chunk of the vector path for this layout's dtype."""
     return CHUNK_BYTES // lay.element_size
 
 
-def rot_chunk_elements(lay) -> int:
+def rot_chunk_elements(lay: "KVLayout") -> int:
     """Elements per rotary chunk of the vector path (RESTORE_ROT_CHUNK bytes; fp8: RESTORE_FP8_ROT_CHUNK)."""
     tun = tunables()
     if lay.fp8_dtype is not None:
@@ -60,6 +62,8 @@ def fast_div(d: int) -> tuple[int, int, int]:
     s = (d - 1).bit_length()
     m = (2**32 * (2**s - d)) // d + 1
     return d, m, s
+
+
 _INT32 = 2**31 - 1
 _streams: dict[int, Any] = {}
 
