@@ -98,3 +98,13 @@ def test_intervals_cuda_events():
         y = x.clone()
     assert iv.seconds()["copy"] > 0
     del y
+
+
+def test_parts_timed_in_one_arm_only_are_refused():
+    def fn(arm, child, iv):
+        with iv.part("read" if arm == "A" else "load"):
+            pass
+
+    t = run_pairs(fn, ("A", "B"), children=[0], pairs=3, warmup=0, progress=False)
+    with pytest.raises(TimingError, match="not timed in arm"):
+        t.summary()

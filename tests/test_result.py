@@ -71,3 +71,33 @@ def test_duplicate_ids_and_checks_rejected(cfg):
     with pytest.raises(ValueError):
         with res.case("a"):
             pass
+
+
+def test_record_cannot_hide_a_failed_check_and_records_alone_do_not_pass(cfg, tmp_path):
+    import os
+    import stat
+
+    res = Result.begin("unit", cfg)
+    with res.case("hide") as c:
+        c.check("x", False)
+        with pytest.raises(ValueError):
+            c.record("x", 1)
+    with res.case("records-only") as c:
+        c.record("y", 2)
+    assert [c.passed for c in res.cases] == [False, False]
+    p = res.write(tmp_path / "r.json")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o644 & ~umask  # readable by the report and by colleagues
+
+
+def test_provenance_tree_digest_tracks_file_contents(tmp_path):
+    from kmesh.provenance import tree_digest
+
+    (tmp_path / "src" / "kmesh").mkdir(parents=True)
+    f = tmp_path / "src" / "kmesh" / "a.py"
+    f.write_text("x = 1\n")
+    d1 = tree_digest(tmp_path)
+    assert d1["tree_files"] == 1 and tree_digest(tmp_path) == d1
+    f.write_text("x = 2\n")
+    assert tree_digest(tmp_path)["tree_sha256"] != d1["tree_sha256"]

@@ -115,6 +115,10 @@ class PairedTiming:
 
     def per_pair(self, arm: str, part: str) -> list[float]:
         """Median over children of one arm's part, one value per pair."""
+        missing = [i for i, p in enumerate(self.pairs) if part not in p.get(arm, {})]
+        if missing:
+            raise TimingError(f"part {part!r} was not timed in arm {arm!r} in pairs {missing}: "
+                              "both arms must time the same parts to be compared")
         return [statistics.median(p[arm][part]) for p in self.pairs]
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,10 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, *, sort_keys: boo
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     try:
+        # mkstemp creates 0600; results are meant to be read by others (the report, a web server, a colleague).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o644 & ~umask)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, allow_nan=False, sort_keys=sort_keys)
             f.write("\n")

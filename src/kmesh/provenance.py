@@ -6,6 +6,7 @@ provenance is gathered on machines as different as CI and the GPU host (which ha
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import subprocess
@@ -25,14 +26,36 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# What the results depend on: hashed from the files themselves, so a machine without .git (the GPU host gets a
+# copy of the working tree) still records exactly which code ran; compare with `kmesh.provenance.tree_digest`
+# of a checkout to find the commit.
+TREE_PARTS = ("pyproject.toml", "Snakefile", "requirements", "config", "workflow", "kernels", "src/kmesh", "scripts")
+
+
+def tree_digest(root: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    n = 0
+    for part in TREE_PARTS:
+        base = root / part
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix in (".pyc", ".cubin"):
+                continue
+            rel = f.relative_to(root).as_posix()
+            h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+            n += 1
+    return {"tree_sha256": h.hexdigest(), "tree_files": n}
+
+
 def git_revision(root: Path) -> dict[str, Any]:
-    """HEAD and whether the tree differs from it. $KMESH_GIT_REV stands in where no .git travels."""
+    """HEAD and whether the tree differs from it (untracked, not ignored files count: they may be code that ran).
+    $KMESH_GIT_REV stands in where no .git travels; the tree digest says whether that tree was modified."""
     rev = _run(["git", "rev-parse", "HEAD"], root)
     if rev is None:
         env = os.environ.get("KMESH_GIT_REV")
-        return {"rev": env or "unknown", "dirty": None, "source": "env" if env else "none"}
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
-    return {"rev": rev, "dirty": bool(status), "source": "git"}
+        return {"rev": env or "unknown", "dirty": None, "source": "env" if env else "none", **tree_digest(root)}
+    status = _run(["git", "status", "--porcelain", "--untracked-files=normal"], root)
+    return {"rev": rev, "dirty": bool(status), "source": "git", **tree_digest(root)}
 
 
 def dist_version(name: str) -> str | None:

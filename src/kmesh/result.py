@@ -63,7 +63,9 @@ class Case:
     def passed(self) -> bool | None:
         if self.skipped is not None:
             return None
-        return self.error is None and all(c["ok"] is not False for c in self.checks.values()) and bool(self.checks)
+        # At least one real check, none failed: a case that only recorded values has proven nothing.
+        real = [c["ok"] for c in self.checks.values() if c["ok"] is not None]
+        return self.error is None and bool(real) and all(real)
 
     def check(self, name: str, ok: bool, value: Any = None) -> bool:
         """Record a pass/fail check. Returns ok so callers can branch on it."""
@@ -74,6 +76,8 @@ class Case:
 
     def record(self, name: str, value: Any) -> None:
         """Record an informational value (no pass/fail)."""
+        if name in self.checks:  # never let a value overwrite (and so hide) a failed check
+            raise ValueError(f"case {self.id}: {name!r} recorded twice")
         self.checks[name] = {"ok": None, "value": to_jsonable(value)}
 
     def skip(self, reason: str) -> None:
