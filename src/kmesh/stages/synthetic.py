@@ -236,6 +236,39 @@ def run_case(c: Case, d: CaseData, restore_fn: RestoreFn = restore, check_kernel
             check_case(c, d, out, prefix="kernel_")
 
 
+# The models KMesh serves (SmolLM2-135M: theta 1e5; Qwen2.5: theta 1e6), head_dim 64, positions up to 32k.
+ACCURACY_ROPES = {"smollm2": 1e5, "qwen2.5": 1e6}
+ACCURACY_MAX_POS = 32768
+
+
+def rope_accuracy_cases(res: Result, seed: int, device: str) -> None:
+    """Shift accuracy against float64 (issue §21, recorded): fp32 ≤ 1e-5 relative up to 32k; bf16 no worse than
+    a fresh bf16 rotation (vLLM's own where vLLM is installed, else KMesh's) + one bf16 rounding."""
+    from kmesh.rope import measure_accuracy
+    from kmesh.vllm import available as vllm_available
+
+    for k, (name, theta) in enumerate(ACCURACY_ROPES.items()):
+        rope = RopeConfig(64, 64, theta, "neox", None, ACCURACY_MAX_POS)
+        with res.case(f"rope-accuracy-{name}", {"theta": theta, "max_pos": ACCURACY_MAX_POS, "tokens": 1024}) as c:
+            r32 = measure_accuracy(rope, torch.float32, ACCURACY_MAX_POS, 1024, seed + 1000 + k, device=device)
+            c.check("fp32_shift_max_rel_le_1e-5", r32["shift_exact_max_rel_l2"] <= 1e-5, r32)
+            if vllm_available() and device == "cpu":
+                from kmesh.vllm.rope_reference import vllm_fresh_rotation
+
+                comparator, fresh = "vllm", vllm_fresh_rotation(rope, torch.bfloat16)
+            else:  # the GPU machine has no vLLM: compare with KMesh's own fresh rotation, and say so
+                comparator, fresh = "kmesh-rotate", None
+            r16 = measure_accuracy(rope, torch.bfloat16, ACCURACY_MAX_POS, 1024, seed + 2000 + k, device=device,
+                                   fresh=fresh)
+            c.record("bf16_comparator", comparator)
+            u = r16["unit_roundoff"]
+            c.check("bf16_shift_of_fresh_keys_no_worse_than_fresh_plus_1_rounding",
+                    r16["shift_fresh_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u, r16)
+            c.check("bf16_shift_of_exact_keys_no_worse_than_fresh_plus_1_rounding",
+                    r16["shift_exact_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u,
+                    {k: r16[k] for k in ("shift_exact_max_rel_l2", "fresh_max_rel_l2", "unit_roundoff")})
+
+
 def run(cfg: Config) -> Result:
     res = Result.begin("synthetic", cfg)
     sec = cfg.section("synthetic")
@@ -265,6 +298,7 @@ def run(cfg: Config) -> Result:
             e = c.checks["key_error"]["value"]
             worst[spec.dtype] = max(worst.get(spec.dtype, 0.0), e["max_rel_l2"] / e["bound"])
     res.extra["worst_key_error_over_bound"] = worst
+    rope_accuracy_cases(res, cfg.seed, device)
     res.extra["arrangements"] = list(ARRANGEMENTS)
     if check_kernel:
         res.extra["kernel"] = kernel_info("restore_rope")
