@@ -69,7 +69,8 @@ def test_ownership_stage_cuda_ipc_cases(tmp_path):
 
 
 def test_service_cli_start_status_stop(tmp_path):
-    """`kmesh service start|status|stop`: a detached service, 0600 socket, clean shutdown."""
+    """`kmesh service start|status|stop`: a detached service, 0600 socket and admin token, clean shutdown;
+    status (an admin op) is refused when the admin token file cannot be read."""
     import os
 
     rd = tmp_path / "rt"
@@ -84,12 +85,21 @@ def test_service_cli_start_status_stop(tmp_path):
     assert started.returncode == 0, started.stderr
     try:
         assert (rd / "kmesh.sock").stat().st_mode & 0o777 == 0o600
+        assert (rd / "kmesh.admin").stat().st_mode & 0o777 == 0o600
         assert rd.stat().st_mode & 0o777 == 0o700
+        token = (rd / "kmesh.admin").read_bytes()
         again = kmesh("start")
         assert again.returncode != 0 and "already listens" in again.stderr
+        assert (rd / "kmesh.admin").read_bytes() == token, "a refused second start must not replace the token"
         st = kmesh("status", "--json")
         assert st.returncode == 0 and json.loads(st.stdout)["violations"] == []
+        (rd / "kmesh.admin").rename(rd / "hidden")
+        try:
+            refused = kmesh("status")
+        finally:
+            (rd / "hidden").rename(rd / "kmesh.admin")
+        assert refused.returncode == 1 and "refused" in refused.stdout, refused.stdout + refused.stderr
     finally:
         stopped = kmesh("stop")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
-    assert not (rd / "kmesh.sock").exists()
+    assert not (rd / "kmesh.sock").exists() and not (rd / "kmesh.admin").exists()

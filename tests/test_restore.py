@@ -1,13 +1,14 @@
 """kmesh.restore: round trips against float64 references, every bad-input error (and that it writes nothing),
 and — on a GPU — the restore_rope kernel against the torch path, byte for byte."""
+import numpy as np
 import pytest
 import torch
 
 from kmesh.layout import KVLayout, quantize
 from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
                            HeadCountError, HeadDimError, KVSegment, LayerRangeError, MisalignedDestinationError,
-                           NonContiguousDestinationError, RestoreError, ScaleMismatchError, SegmentError,
-                           SlotError, SlotRangeError, capture, plan_restore, restore)
+                           NonContiguousDestinationError, PositionError, RestoreError, ScaleMismatchError,
+                           SegmentError, SlotError, SlotRangeError, capture, plan_restore, restore)
 from kmesh.rope import RopeConfig, RopeRangeError, rotate
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)
@@ -173,11 +174,100 @@ def test_positions_beyond_rope_table():
 def test_slot_and_position_shapes():
     _refused(SlotError, slots=torch.tensor([0, 1, 2]))
     _refused(SlotError, slots=torch.tensor([0.0, 1.0, 2.0, 3.0]))
-    _refused(SlotError, new=torch.tensor([1, 2]))
+    _refused(SlotError, slots=torch.tensor([[0, 1], [2, 3]]))
+    _refused(PositionError, new=torch.tensor([1, 2]))
+    _refused(PositionError, new=torch.tensor([7.0, 8.0, 9.0, 10.0]))
+
+
+BAD_INDEX_LISTS = [
+    [0.5, 1.7, 2.2, 3.0],            # floats: torch.as_tensor(..., dtype=int64) would truncate them to 0, 1, 2, 3
+    [0, 1, 2, 3.0],                  # one float among ints
+    [0, 1, 2, 2**70],                # beyond int64
+    [0, 1, 2, -(2**63) - 1],
+    ["0", "1", "2", "3"],            # strings
+    "0123",                          # a string is a sequence of strings
+    [True, False, True, False],      # bools are ints to Python, never slots
+    [0, 1, 2, None],
+    [[0], [1], [2], [3]],            # nested
+    np.array([0.0, 1.0, 2.0, 3.0]),  # a float numpy array
+    np.array([0, 1, 2, 2**64 - 1], dtype=np.uint64),  # would wrap to -1 (= padding!) as int64
+    np.int64(3),                     # a scalar, not a sequence
+    {0, 1, 2, 3},                    # unordered
+]
+
+
+@pytest.mark.parametrize("bad", BAD_INDEX_LISTS, ids=lambda b: type(b).__name__ + ":" + repr(b)[:24])
+def test_non_integer_slots_and_positions_are_refused_not_truncated(bad):
+    e = _refused(SlotError, slots=bad)
+    assert "slots" in str(e)
+    e = _refused(PositionError, new=bad)
+    assert "new_positions" in str(e)
+    assert not isinstance(e, SlotError)
+
+
+def _index_kinds(first: int) -> list:
+    """The integer containers restore accepts, each holding first .. first + 3."""
+    v = [first + i for i in range(4)]
+    return [v, tuple(v), range(first, first + 4), [np.int64(v[0]), np.int32(v[1]), np.uint8(v[2]), v[3]],
+            np.array(v, dtype=np.int32), np.array(v, dtype=np.uint64), torch.tensor(v, dtype=torch.int16),
+            torch.tensor(v, dtype=torch.uint8)]
+
+
+@pytest.mark.parametrize("kind", range(len(_index_kinds(0))), ids=lambda i: type(_index_kinds(0)[i]).__name__)
+def test_integer_slots_and_positions_of_every_kind_agree(kind):
+    seg, _ = _segment(LAY, 4)
+    ref = _poisoned(LAY)
+    restore(ref, LAY, seg, torch.tensor([0, 1, 2, 3]), torch.tensor([7, 8, 9, 10]), ROPE)
+    out = _poisoned(LAY)
+    plan = restore(out, LAY, seg, _index_kinds(0)[kind], _index_kinds(7)[kind], ROPE)
+    assert plan.slots.dtype == torch.int64 and plan.slots.tolist() == [0, 1, 2, 3]
+    assert torch.equal(out, ref)
 
 
 def test_layers_out_of_range():
     _refused(LayerRangeError, first_layer=1)
+    _refused(LayerRangeError, first_layer=-1)
+    _refused(LayerRangeError, first_layer=0.0)
+    _refused(LayerRangeError, first_layer=True)
+    _refused(LayerRangeError, first_layer="0")
+
+
+def test_first_layer_accepts_any_integral():
+    lay = LAY.with_(num_layers=4)
+    seg, _ = _segment(LAY, 4)
+    ref = _poisoned(lay)
+    restore(ref, lay, seg, [0, 1, 2, 3], [7, 8, 9, 10], ROPE, first_layer=2)
+    for fl in (np.int64(2), np.int32(2), np.uint8(2)):
+        out = _poisoned(lay)
+        plan = restore(out, lay, seg, [0, 1, 2, 3], [7, 8, 9, 10], ROPE, first_layer=fl)
+        assert type(plan.first_layer) is int and plan.first_layer == 2
+        assert torch.equal(out, ref)
+    _refused(LayerRangeError, lay=lay, raw=_poisoned(lay), first_layer=np.int64(3))
+
+
+def test_capture_checks_layers_slots_and_positions():
+    lay = LAY.with_(num_layers=3)
+    raw = _poisoned(lay)
+    before = raw.clone()
+    slots, pos = torch.arange(4), torch.arange(4)
+    full = capture(raw, lay, slots, pos)
+    assert full.num_layers == 3
+    b = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731  (poison holds NaNs: compare bytes)
+    last = capture(raw, lay, slots, pos, layers=[2])
+    assert torch.equal(b(last.k), b(full.k[:, 2:3])) and torch.equal(b(last.v), b(full.v[:, 2:3]))
+    picked = capture(raw, lay, slots, pos, layers=np.array([2, 0]))
+    assert torch.equal(b(picked.k), b(full.k[:, [2, 0]]))
+    for bad in ([-1], [0, 3], [0.0], [True], "0", 1):
+        with pytest.raises(LayerRangeError):
+            capture(raw, lay, slots, pos, layers=bad)
+    with pytest.raises(SlotError):
+        capture(raw, lay, [0.5, 1.5, 2.5, 3.5], pos)
+    with pytest.raises(PositionError):
+        capture(raw, lay, slots, torch.arange(4.0))
+    with pytest.raises(PositionError):
+        capture(raw, lay, slots, [0, 1, 2, 2**64])
+    assert capture(raw, lay, [0, 1, 2, 3], [0, 1, 2, 3]).positions.dtype == torch.int64
+    assert torch.equal(raw, before), "capture must only read"
 
 
 def test_non_contiguous_destination():

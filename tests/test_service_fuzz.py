@@ -5,6 +5,8 @@ a service process while a bystander client process holds a registration and an o
 get a typed error reply (ok=false, a known code), or — for frames that cannot be trusted — an error reply
 flagged fatal followed by the end of that connection. Afterwards: the service is alive, had no internal
 error, leaked no fd, and its registry and store are exactly as before; the bystander was served throughout.
+Among the sequence violations: admin ops (shutdown, evict, status of all) from an ordinary client of the same
+uid, without or with a wrong admin token — refused as not_authorized, and the service keeps running.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from kmesh.service.worker import pattern, sha
 SEED = 20261130
 LAYOUT = descriptor.example(num_blocks=4)
 N = descriptor.nbytes(LAYOUT)
-COUNTS = {"schema": 5200, "payload": 2000, "sequence": 1000, "version": 300, "fds": 400, "fatal_header": 800,
+COUNTS = {"schema": 5200, "payload": 2000, "sequence": 1250, "version": 300, "fds": 400, "fatal_header": 800,
           "truncated": 500}
 
 
@@ -137,7 +139,7 @@ def bad_layout(rng: random.Random) -> object:
 # field name -> kind of bad value; templates give a valid value for every field
 FIELD_KIND = {"instance": "int", "alloc_id": "int", "generation": "int", "nbytes": "int", "reg": "int", "gen": "int",
               "offset": "int", "req": "int", "layout_digest": "bin32", "key": "key", "timeout_s": "float",
-              "scope": "scope", "kind": "kind", "name": "text", "verify": "flag"}
+              "scope": "scope", "kind": "kind", "name": "text", "verify": "flag", "admin": "bin32"}
 
 
 def templates(tok: bytes) -> dict[str, dict]:
@@ -154,9 +156,9 @@ def templates(tok: bytes) -> dict[str, dict]:
         "load": {"token": tok, **ref, "layout_digest": b"\x00" * 32, "key": b"k", "offset": 0},
         "wait": {"token": tok, "req": 1, "timeout_s": 0.0},
         "cancel": {"token": tok, "req": 1},
-        "evict": {"token": tok, "key": b"k"},
-        "status": {"token": tok, "scope": "self"},
-        "shutdown": {"token": tok},
+        "evict": {"token": tok, "key": b"k", "admin": b"\x00" * 32},
+        "status": {"token": tok, "scope": "self", "admin": b"\x00" * 32},
+        "shutdown": {"token": tok, "admin": b"\x00" * 32},
     }
 
 
@@ -293,10 +295,11 @@ def test_fuzz_10000_malformed_messages(svc: Harness) -> None:
         assert r["error"]["code"] == "decode", r
         sent["payload"] += 1
 
-    # 3. out of order: work before hello, a second hello, other clients' registrations and requests
+    # 3. out of order: work before hello, a second hello, other clients' registrations and requests, admin ops
+    #    without the admin capability
     fresh = Raw(path)
     for i in range(COUNTS["sequence"]):
-        k = i % 4
+        k = i % 5
         if k == 0:
             body = {"op": rng.choice(["heartbeat", "status", "close", "wait"]), "seq": i, "token": b"t" * 32}
             body.update({"close": {"reg": 1, "gen": 1}, "wait": {"req": 1}}.get(body["op"], {}))
@@ -316,7 +319,7 @@ def test_fuzz_10000_malformed_messages(svc: Harness) -> None:
             r = conn.reply()
             expect_error(r)
             assert r["error"]["code"] == "not_owner", r
-        else:  # registrations / requests that never existed
+        elif k == 3:  # registrations / requests that never existed
             op = rng.choice(["activate", "close", "wait", "cancel"])
             body = {"op": op, "seq": i, **tmpl[op]}
             body.update({"reg": 10 ** 9 + i} if "reg" in body else {"req": 10 ** 9 + i})
@@ -324,6 +327,15 @@ def test_fuzz_10000_malformed_messages(svc: Harness) -> None:
             r = conn.reply()
             expect_error(r)
             assert r["error"]["code"] in ("unknown_registration", "unknown_request"), r
+        else:  # admin ops by an ordinary client of our own uid: no admin token, or a wrong one
+            op = rng.choice(["shutdown", "evict", "status"])
+            body = {"op": op, "seq": i, "token": conn.token, **({"scope": "all"} if op == "status" else {})}
+            if rng.random() < 0.5:
+                body["admin"] = rng.choice([conn.token, rng.randbytes(32), b"\x00" * 32])
+            conn.send(frame(pack(body)))
+            r = conn.reply()
+            expect_error(r)
+            assert r["error"]["code"] == "not_authorized", r
         sent["sequence"] += 1
     fresh.close()
 

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (ERRORS_BY_CODE, DecodeError, FrameError, FrameTooLargeError, HandleError,
-                                  InternalError, NotOwnerError, ObjectExistsError, ObjectMissingError,
+from kmesh.service.errors import (ERRORS_BY_CODE, AuthError, DecodeError, FrameError, FrameTooLargeError,
+                                  HandleError, InternalError, NotAuthorizedError, NotOwnerError,
+                                  ObjectExistsError, ObjectMissingError,
                                   RegistrationClosedError, RegistrationStateError, SchemaError, ServiceError,
                                   StaleGenerationError, UnknownOpError, UnknownRegistrationError, error_from_reply)
 from kmesh.service.handles import HostBuffer, check_memfd
@@ -23,6 +24,7 @@ from kmesh.service.registry import NEXT, Registry, State
 from kmesh.service.store import Store
 
 TOKEN = b"t" * 32
+ADMIN = b"a" * 32
 LAYOUT = descriptor.example(num_blocks=4)
 
 
@@ -36,8 +38,9 @@ def valid_bodies() -> dict[str, dict]:
         "save": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 0, "nbytes": 8},
         "load": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 8},
         "wait": {"token": TOKEN, "req": 9, "timeout_s": 1}, "cancel": {"token": TOKEN, "req": 9},
-        "evict": {"token": TOKEN}, "status": {"token": TOKEN, "scope": "all", "verify": True},
-        "shutdown": {"token": TOKEN},
+        "evict": {"token": TOKEN, "admin": ADMIN}, "status": {"token": TOKEN, "scope": "all", "verify": True,
+                                                              "admin": ADMIN},
+        "shutdown": {"token": TOKEN, "admin": ADMIN},
     }
 
 
@@ -111,6 +114,21 @@ def test_wrong_types_and_ranges(field: str, value: object) -> None:
     body = {"op": "save", "seq": 1, **valid_bodies()["save"], field: value}
     with pytest.raises(SchemaError, match=field):
         parse_request(body, [])
+
+
+def test_admin_field_is_declared_where_admin_ops_are() -> None:
+    """The admin token is an optional bin[32] of shutdown / evict / status only (its absence is the service's
+    not_authorized, not a schema error); anywhere else it is an unknown field."""
+    assert {op for op, spec in OPS.items() if "admin" in spec.optional} == {"shutdown", "evict", "status"}
+    for op in ("shutdown", "evict", "status"):
+        body = {"op": op, "seq": 1, "token": TOKEN}
+        assert parse_request(body, []).args["admin"] is None
+        assert parse_request({**body, "admin": ADMIN}, []).args["admin"] == ADMIN
+        for bad in (b"a" * 31, b"a" * 33, "a" * 32, 32):
+            with pytest.raises(SchemaError, match="admin"):
+                parse_request({**body, "admin": bad}, [])
+    with pytest.raises(SchemaError, match="unknown field"):
+        parse_request({"op": "heartbeat", "seq": 1, "token": TOKEN, "admin": ADMIN}, [])
 
 
 def test_unknown_op_and_fd_counts() -> None:
@@ -331,6 +349,30 @@ def test_peer_credentials_and_pidfd() -> None:
     b.close()
     assert identity.token_ok(TOKEN, TOKEN) and not identity.token_ok(TOKEN, b"x" * 32)
     assert not identity.token_ok(None, TOKEN)
+
+
+def test_admin_token_file_is_private_and_checked_on_read(tmp_path) -> None:
+    path = tmp_path / "kmesh.admin"
+    tok = identity.create_admin_token(path)
+    assert len(tok) == 32 and path.stat().st_mode & 0o777 == 0o600
+    assert identity.read_admin_token(path) == tok
+    again = identity.create_admin_token(path)  # a stale file (dead service) is replaced by a fresh token
+    assert again != tok and identity.read_admin_token(path) == again
+    assert issubclass(NotAuthorizedError, AuthError) and NotAuthorizedError.code == "not_authorized"
+    os.chmod(path, 0o640)  # readable by the group: no longer a capability
+    with pytest.raises(NotAuthorizedError, match="0600"):
+        identity.read_admin_token(path)
+    os.chmod(path, 0o600)
+    for bad in (b"", b"zz" * 32, b"ab" * 31 + b"\n", "é".encode() * 32):
+        path.write_bytes(bad)
+        with pytest.raises(NotAuthorizedError, match="malformed"):
+            identity.read_admin_token(path)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(NotAuthorizedError):
+        identity.read_admin_token(link)
+    with pytest.raises(NotAuthorizedError, match="cannot read"):
+        identity.read_admin_token(tmp_path / "missing")
 
 
 def test_only_sealed_memfds_of_sufficient_size_are_accepted() -> None:

@@ -16,9 +16,12 @@ the cache exactly as it was. Two executions of one plan with identical results: 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 from kmesh.errors import KMeshError
@@ -27,12 +30,13 @@ from kmesh.rope import RopeConfig, apply_rotation, shift_tables
 
 __all__ = [
     "RestoreError", "SegmentError", "HeadCountError", "HeadDimError", "DtypeMismatchError", "ScaleMismatchError",
-    "LayerRangeError", "SlotError", "SlotRangeError", "DuplicateSlotError", "DestinationError",
+    "LayerRangeError", "SlotError", "SlotRangeError", "DuplicateSlotError", "PositionError", "DestinationError",
     "NonContiguousDestinationError", "MisalignedDestinationError", "DeviceMismatchError",
     "KVSegment", "RestorePlan", "capture", "plan_restore", "restore",
 ]
 
 Backend = Literal["torch", "cuda"]
+Index = torch.Tensor | np.ndarray | Sequence[int]  # integers only: see _as_index
 
 
 class RestoreError(KMeshError):
@@ -73,6 +77,10 @@ class SlotRangeError(SlotError):
 
 class DuplicateSlotError(SlotError):
     """Two tokens target the same destination slot."""
+
+
+class PositionError(RestoreError):
+    """Key positions (capture's positions, restore's new_positions) are malformed: not 1-D integers."""
 
 
 class DestinationError(RestoreError):
@@ -156,18 +164,19 @@ class KVSegment:
                          self.positions.to(device), self.dtype, self.k_scale, self.v_scale)
 
 
-def capture(raw: torch.Tensor, layout: KVLayout, slots: torch.Tensor, positions: torch.Tensor,
-            layers: Sequence[int] | None = None) -> KVSegment:
+def capture(raw: torch.Tensor, layout: KVLayout, slots: Index, positions: Index,
+            layers: Index | None = None) -> KVSegment:
     """Copy the K/V of `slots` (all >= 0) out of a cache into a segment, as saved at `positions`."""
     flat = _destination(raw, layout)
-    slots = _as_index(slots, "slots", raw.device)
+    slots = _as_index(slots, "slots", raw.device, SlotError)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= layout.num_slots):
         raise SlotRangeError(f"capture slots must be in [0, {layout.num_slots})")
-    lay = list(range(layout.num_layers) if layers is None else layers)
+    lay = list(range(layout.num_layers)) if layers is None else _layer_list(layers, layout.num_layers)
+    pos = _as_index(positions, "positions", raw.device, PositionError)
     b, n = layout.split_slots(slots)
     k = layout.k_tensor(flat)[lay][:, b, n].transpose(0, 1).contiguous()
     v = layout.v_tensor(flat)[lay][:, b, n].transpose(0, 1).contiguous() if layout.head_dim_v else None
-    return KVSegment(k, v, positions.to(torch.int64).to(raw.device), layout.dtype, layout.k_scale, layout.v_scale)
+    return KVSegment(k, v, pos, layout.dtype, layout.k_scale, layout.v_scale)
 
 
 @dataclass
@@ -207,8 +216,8 @@ class RestorePlan:
             raise RestoreError(f"backend must be 'torch' or 'cuda', got {backend!r}")
 
 
-def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: torch.Tensor | Sequence[int],
-                 new_positions: torch.Tensor | Sequence[int], rope: RopeConfig, first_layer: int = 0) -> RestorePlan:
+def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: Index, new_positions: Index,
+                 rope: RopeConfig, first_layer: int = 0) -> RestorePlan:
     """Check everything a restore needs, before any write; raise a specific RestoreError (or RopeRangeError)."""
     flat = _destination(raw, layout)
     dev = raw.device
@@ -232,10 +241,13 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
     if layout.fp8_dtype is not None and (segment.k_scale != layout.k_scale or segment.v_scale != layout.v_scale):
         raise ScaleMismatchError(f"segment scales k={segment.k_scale} v={segment.v_scale}, cache scales "
                                  f"k={layout.k_scale} v={layout.v_scale}")
-    if not isinstance(first_layer, int) or first_layer < 0 or first_layer + L > layout.num_layers:
+    if not isinstance(first_layer, numbers.Integral) or isinstance(first_layer, (bool, np.bool_)):
+        raise LayerRangeError(f"first_layer must be an integer, got {type(first_layer).__name__}")
+    first_layer = operator.index(first_layer)  # numpy / other Integral -> int (the CUDA launch packs it)
+    if first_layer < 0 or first_layer + L > layout.num_layers:
         raise LayerRangeError(f"segment layers [{first_layer}, {first_layer}+{L}) do not fit the cache's "
                               f"{layout.num_layers} layers")
-    slots_t = _as_index(slots, "slots", dev)
+    slots_t = _as_index(slots, "slots", dev, SlotError)
     if slots_t.numel() != T:
         raise SlotError(f"{slots_t.numel()} slots for {T} tokens")
     if T:
@@ -249,9 +261,9 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
         if uniq.numel() != used.numel():
             raise DuplicateSlotError(f"destination slot {int(uniq[counts > 1][0])} is targeted "
                                      f"{int(counts.max())} times")
-    new_t = _as_index(new_positions, "new_positions", dev)
+    new_t = _as_index(new_positions, "new_positions", dev, PositionError)
     if new_t.numel() != T:
-        raise SlotError(f"{new_t.numel()} new positions for {T} tokens")
+        raise PositionError(f"{new_t.numel()} new positions for {T} tokens")
     old_t = segment.positions.to(device=dev, dtype=torch.int64)
     cos, sin = shift_tables(old_t, new_t, rope)        # raises RopeRangeError for positions off the table
     scale = torch.tensor(float(layout.k_scale), dtype=torch.float32, device=dev)
@@ -260,9 +272,8 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
                        first_layer, scale, inv)
 
 
-def restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: torch.Tensor | Sequence[int],
-            new_positions: torch.Tensor | Sequence[int], rope: RopeConfig, first_layer: int = 0,
-            backend: Backend = "torch") -> RestorePlan:
+def restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: Index, new_positions: Index,
+            rope: RopeConfig, first_layer: int = 0, backend: Backend = "torch") -> RestorePlan:
     """Validate, then write the segment into `slots` of `raw` (see module doc). Returns the executed plan."""
     plan = plan_restore(raw, layout, segment, slots, new_positions, rope, first_layer)
     plan.run(backend)
@@ -328,10 +339,44 @@ def _destination(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
         raise DestinationError(str(e)) from e
 
 
-def _as_index(x: torch.Tensor | Sequence[int], name: str, device: torch.device) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.int64)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _as_index(x: object, name: str, device: torch.device, error: type[RestoreError]) -> torch.Tensor:
+    """x as int64 [n] on `device`. Only exact integers are accepted: an integer torch tensor, an integer numpy
+    array, or a sequence whose every element is an int (numbers.Integral, not bool). Anything else raises
+    `error`, never silently truncates (torch.as_tensor([0.5, 1.7], dtype=int64) would give [0, 1])."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise error(f"{name} must be integers, got a {x.dtype} tensor")
+        if x.dtype == torch.uint64 and x.numel() and int(x.cpu().numpy().max()) > _INT64[1]:
+            raise error(f"{name} holds a value beyond int64")  # .to(int64) would wrap it to a negative
+        t = x
+    elif isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iu":
+            raise error(f"{name} must be integers, got a numpy {x.dtype} array")
+        if x.dtype == np.uint64 and x.size and int(x.max()) > _INT64[1]:
+            raise error(f"{name} holds a value beyond int64")
+        t = torch.from_numpy(x.astype(np.int64))  # a copy: writable, contiguous
+    elif isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray)):
+        values = list(x)
+        for i, v in enumerate(values):
+            if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
+                raise error(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r:.40}")
+            if not _INT64[0] <= v <= _INT64[1]:
+                raise error(f"{name}[{i}] = {v} is beyond int64")
+        t = torch.tensor([operator.index(v) for v in values], dtype=torch.int64)
+    else:
+        raise error(f"{name} must be an integer tensor, array or sequence of ints, got {type(x).__name__}")
     if t.dim() != 1:
-        raise SlotError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
-        raise SlotError(f"{name} must be integers, got {t.dtype}")
+        raise error(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     return t.to(device=device, dtype=torch.int64)
+
+
+def _layer_list(layers: object, num_layers: int) -> list[int]:
+    """capture's layer list: ints in [0, num_layers) (a negative index would silently read from the end)."""
+    lay = _as_index(layers, "layers", torch.device("cpu"), LayerRangeError).tolist()
+    bad = [v for v in lay if not 0 <= v < num_layers]
+    if bad:
+        raise LayerRangeError(f"layer {bad[0]} outside the cache's layers [0, {num_layers})")
+    return lay

@@ -2,9 +2,10 @@
 
 Cached keys are already rotated by their original position. Moving a key from position p to q is one
 rotation by (q - p)·ω, with the angle computed in float64 from the ORIGINAL positions (never a chain
-of small shifts, whose rounding would accumulate). Frequencies ω are computed the way vLLM 0.32's
-`get_rope` does for Llama/Qwen2/SmolLM2 configs (its float32 arithmetic, then widened to float64), so
-a shifted key lands where vLLM's own rotation would have put it.
+of small shifts, whose rounding would accumulate). Frequencies ω are the float32 values vLLM 0.32's
+`get_rope` uses for Llama/Qwen2/SmolLM2 configs (bit for bit; for llama3/yarn, blended channels within
+one float32 ulp on those models: see "Scaled frequencies" below), widened to float64, so a shifted key
+lands where vLLM's own rotation would have put it.
 
 Trap: yarn's cos/sin cache carries an attention multiplier (mscale, ~1.14 for factor 4). A cached key
 already has it; a shift is a pure rotation and must not apply it again. `rotate` (fresh rotation, the
@@ -162,6 +163,10 @@ def _normalise_scaling(scaling: Mapping | None) -> dict | None:
     factor = float(scaling["factor"])
     if not (math.isfinite(factor) and factor > 0):
         raise RopeError(f"scaling factor must be a positive number, got {scaling['factor']!r}")
+    if rope_type == "llama3" and not float(scaling["low_freq_factor"]) <= float(scaling["high_freq_factor"]):
+        # the transition band [L/high, L/low] of wavelengths would be inverted (engines disagree on its meaning)
+        raise RopeError(f"llama3 low_freq_factor {scaling['low_freq_factor']} exceeds high_freq_factor "
+                        f"{scaling['high_freq_factor']}")
     s["rope_type"] = rope_type
     s["factor"] = factor
     return s
@@ -175,32 +180,19 @@ def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
 
 def _compute_inv_freq(rope: RopeConfig) -> torch.Tensor:
     rd, s, kind = rope.rotary_dim, rope.scaling, rope.scaling_type
+    theta = _base_inv_freq(rd, rope.theta)
     if kind == "default":
-        return _base_inv_freq(rd, rope.theta).double()
+        return theta.double()
     factor = s["factor"]
     if kind == "linear":
         # vLLM divides positions by the factor; the exact angle is the same as dividing ω.
-        return _base_inv_freq(rd, rope.theta).double() / factor
+        return theta.double() / factor
     if kind == "llama3":
-        inv = _base_inv_freq(rd, rope.theta)
-        orig = s["original_max_position_embeddings"]
-        lo_f, hi_f = s["low_freq_factor"], s["high_freq_factor"]
-        wavelen = 2 * math.pi / inv
-        smooth = (orig / wavelen - lo_f) / (hi_f - lo_f) if lo_f != hi_f else 0
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        out = torch.where(wavelen > orig / lo_f, inv / factor, blended)
-        return torch.where(wavelen < orig / hi_f, inv, out).double()
+        return _llama31_inv_freq(theta.double(), factor, s["original_max_position_embeddings"],
+                                 s["low_freq_factor"], s["high_freq_factor"]).float().double()
     if kind == "yarn":
-        orig = s["original_max_position_embeddings"]
-        powers = rope.theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
-        extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
-        low, high = _yarn_ramp_bounds(s.get("beta_fast", 32), s.get("beta_slow", 1), rd, rope.theta, orig,
-                                      s.get("truncate", True))
-        if low == high:
-            high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        keep = 1 - ramp  # 1 = keep the original (extrapolated) frequency
-        return (interpolated * (1 - keep) + extrapolated * keep).double()
+        return _yarn_inv_freq(theta.double(), factor, s["original_max_position_embeddings"], rope.theta,
+                              s.get("beta_fast", 32), s.get("beta_slow", 1), s.get("truncate", True)).float().double()
     if kind == "dynamic":
         # vLLM's static NTK form at its table length; equals plain RoPE unless max_trained_positions is set.
         trained = s.get("max_trained_positions", rope.max_position)
@@ -209,30 +201,87 @@ def _compute_inv_freq(rope: RopeConfig) -> torch.Tensor:
     raise RopeError(f"unsupported rope scaling type {kind!r}")
 
 
-def _yarn_ramp_bounds(beta_fast: float, beta_slow: float, dim: int, base: float, orig: int,
-                      truncate: bool) -> tuple[float, float]:
-    # Channel index at which a frequency completes `rotations` turns over the original context.
-    def channel(rotations: float) -> float:
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+# Scaled frequencies (llama3, yarn) are blends of θ and θ/s. We form the blend in float64 from the engine's
+# float32 θ and round it once to float32, the precision the engine keeps ω in: the nearest float32 to the
+# formula (tests/test_rope.py checks against exact rational arithmetic). Channels that keep θ are bit-identical
+# to vLLM's, θ/s too when s is a power of two. vLLM blends in a chain of float32 operations, so its blended
+# channels sit a little off the formula: one ulp from ours on the models we test against it (Llama 3.1, Qwen2
+# yarn ×4; an angle error of p·ω·2^-24, the size of vLLM's own float32 angle rounding), a few ulp at other
+# settings, tens of ulp for yarn ×40 without truncation. Written from the papers, not from any engine's code.
 
-    low, high = channel(beta_fast), channel(beta_slow)
+
+def _turns(theta: torch.Tensor, context: float) -> torch.Tensor:
+    """Rotations r = L/λ = L·θ/(2π) a channel of frequency θ (wavelength λ = 2π/θ) makes over L positions."""
+    return theta * (context / (2 * math.pi))
+
+
+def _llama31_inv_freq(theta: torch.Tensor, s: float, context: float, low: float, high: float) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling (Meta's Llama 3.1 release, 2024: the reference
+    `apply_scaling`, rope_type "llama3" in model configs). With L the original context, λ = 2π/θ, r = L/λ:
+
+        λ < L / high_freq_factor   (r > high):  ω = θ                     high frequencies are kept
+        λ > L / low_freq_factor    (r < low):   ω = θ / s                 low frequencies are interpolated
+        otherwise:                              ω = (1 − μ)·θ/s + μ·θ,    μ = (r − low) / (high − low)
+
+    i.e. one ramp μ = clamp((r − low)/(high − low), 0, 1) covers all three cases (μ is 0 or 1 outside).
+    """
+    r = _turns(theta, context)
+    if high == low:  # no transition band: a step at r = high (r == high counts as low frequency)
+        mu = (r > high).to(theta.dtype)
+    else:
+        mu = ((r - low) / (high - low)).clamp(0.0, 1.0)
+    return theta * mu + (theta / s) * (1.0 - mu)
+
+
+def _yarn_inv_freq(theta: torch.Tensor, s: float, context: float, base: float, beta_fast: float,
+                   beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" frequencies (Peng, Quesnelle, Fan, Shippole, "YaRN: Efficient Context Window
+    Extension of Large Language Models", 2023): a channel that turns often over the original context L
+    keeps θ (extrapolation), one that turns less than once is interpolated to θ/s, and channels in between
+    blend: ω = γ·θ + (1 − γ)·θ/s. The paper ramps γ between α = beta_slow (1) and β = beta_fast (32) turns;
+    its reference implementation, and every engine that runs YaRN models, ramps linearly over the channel
+    index instead, between the indices where a channel makes β and α turns. From θ_i = b^(−2i/d) and
+    L·θ_i/(2π) = r:
+
+        i(r) = d · ln(L / (2π·r)) / (2 · ln b)          (d = rotary_dim, b = rope base)
+
+    The band [i(β), i(α)] is widened to whole channels (floor / ceil when `truncate`), clipped to
+    [0, d − 1] (d − 1, not d/2 − 1: the reference code's bound, which the models were trained with), and
+    γ_i = clamp((i(α) − i) / (i(α) − i(β)), 0, 1). A zero-width band is a step: γ = 1 up to i(β), then 0.
+    The attention factor 0.1·ln(s) + 1 is separate (_compute_mscale) and never part of ω.
+    """
+    d = 2 * theta.numel()
+
+    def channel(turns: float) -> float:
+        return d * math.log(context / (2 * math.pi * turns)) / (2 * math.log(base))
+
+    first, last = channel(beta_fast), channel(beta_slow)  # i(β) < i(α): fast channels come first
     if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    return max(low, 0), min(high, dim - 1)
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, d - 1)
+    i = torch.arange(theta.numel(), dtype=theta.dtype)
+    if last == first:
+        gamma = (i <= first).to(theta.dtype)
+    else:
+        gamma = ((last - i) / (last - first)).clamp(0.0, 1.0)
+    return theta * gamma + (theta / s) * (1.0 - gamma)
 
 
-def _yarn_mscale(factor: float, m: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+def _yarn_attention_factor(s: float, m: float = 1.0) -> float:
+    """YaRN's attention scale √(1/t) = 0.1·ln(s) + 1 (Peng et al. 2023), with DeepSeek's multiplier m
+    (0.1·m·ln(s) + 1; m = 1 in the paper); 1 when the context is not extended (s ≤ 1)."""
+    return 0.1 * m * math.log(s) + 1.0 if s > 1 else 1.0
 
 
 def _compute_mscale(s: dict | None) -> float:
     if s is None or s["rope_type"] != "yarn":
         return 1.0
-    if s.get("attention_factor") is not None:
+    if s.get("attention_factor") is not None:  # given explicitly by the model config
         return float(s["attention_factor"])
-    if s.get("mscale") and s.get("mscale_all_dim"):
-        return _yarn_mscale(s["factor"], s["mscale"]) / _yarn_mscale(s["factor"], s["mscale_all_dim"])
-    return _yarn_mscale(s["factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):  # DeepSeek-style configs: ratio of two temperatures
+        return _yarn_attention_factor(s["factor"], s["mscale"]) / _yarn_attention_factor(s["factor"],
+                                                                                          s["mscale_all_dim"])
+    return _yarn_attention_factor(s["factor"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ def _status(a: argparse.Namespace) -> int:
     try:
         with ServiceClient.connect(sp.socket_path, instance=(1 << 31) - 3, name="kmesh-status",
                                    heartbeat=False) as c:
+            c.admin_token = sp.admin_token()  # status of all clients is an admin op
             st = c.status("all")
     except ServiceUnavailableError as e:
         print(f"kmesh service: not running ({e})")

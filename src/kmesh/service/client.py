@@ -9,6 +9,8 @@
 
 Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
 service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
+Admin ops (shutdown, evict, status("all")) need `admin_token=` (read from the runtime dir by
+kmesh.service.process); without it they raise NotAuthorizedError.
 Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
 the service validates them (kmesh.service.descriptor), so a client need not import kmesh.layout.
 """
@@ -66,6 +68,7 @@ class ServiceClient:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self.token: bytes | None = None
+        self.admin_token: bytes | None = None  # the admin capability, sent only with admin ops
         self.client_id: int | None = None
         self.heartbeat_s = 10.0
         self.server_pid: int | None = None
@@ -89,10 +92,12 @@ class ServiceClient:
 
     @classmethod
     def connect(cls, socket_path: str | Path, instance: int = 0, name: str = "", heartbeat: bool = True,
-                timeout: float = 30.0) -> "ServiceClient":
+                timeout: float = 30.0, admin_token: bytes | None = None) -> "ServiceClient":
         """Connect and say hello: the service binds this connection to our kernel credentials and issues a
-        token that every later request carries."""
+        token that every later request carries. admin_token: the service's admin capability (see
+        kmesh.service.process.ServiceProcess.admin_token), for shutdown / evict / status("all")."""
         c = cls.open(socket_path, timeout)
+        c.admin_token = admin_token
         try:
             r = c.call("hello", instance=instance, name=name)
         except BaseException:
@@ -234,13 +239,18 @@ class ServiceClient:
     def cancel(self, req: int) -> dict[str, Any]:
         return self.call("cancel", req=req)
 
+    def _admin(self) -> dict[str, Any]:
+        return {"admin": self.admin_token} if self.admin_token is not None else {}
+
     def evict(self, key: bytes | None = None) -> dict[str, Any]:
-        return self.call("evict", **({"key": key} if key is not None else {}))
+        """Admin: drop unpinned originals (all, or `key`)."""
+        return self.call("evict", **({"key": key} if key is not None else {}), **self._admin())
 
     def status(self, scope: str = "self", verify: bool = False) -> dict[str, Any]:
-        """Own registrations and requests ("self"), or everything ("all", service uid only); verify=True
+        """Own registrations and requests ("self"), or everything ("all": admin only); verify=True
         re-hashes every stored original (immutability check)."""
-        return self.call("status", scope=scope, verify=verify)
+        return self.call("status", scope=scope, verify=verify, **(self._admin() if scope == "all" else {}))
 
     def shutdown(self) -> dict[str, Any]:
-        return self.call("shutdown")
+        """Admin: close every registration, drain, exit."""
+        return self.call("shutdown", **self._admin())

@@ -70,6 +70,13 @@ class AuthError(ServiceError):
     code = "auth"
 
 
+class NotAuthorizedError(AuthError):
+    """An admin operation (shutdown, status of all clients, evict) without the service's admin token: ordinary
+    clients, even of the service's own uid, may not do these."""
+
+    code = "not_authorized"
+
+
 class ClientLostError(ServiceError):
     """This client was declared lost (heartbeat, superseded by a replacement): reconnect and register anew."""
 

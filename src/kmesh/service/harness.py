@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 from kmesh.errors import KMeshError
 from kmesh.service import process
-from kmesh.service.client import ServiceClient
 from kmesh.service.worker import Worker
 from kmesh.transfer.faults import ChunkGate
 
@@ -50,7 +49,8 @@ class Harness:
             torch.cuda.mem_get_info()  # our own CUDA context now, not mid-run (it holds the GIL for a while)
         self.owed = 0      # tokens all accepted copies will consume
         self.granted = 0   # tokens written
-        self.admin = ServiceClient.connect(self.socket_path, instance=ADMIN_INSTANCE, name="harness-admin")
+        # the controller is the service's administrator: it holds the admin token (workers do not)
+        self.admin = self.service.admin_client(instance=ADMIN_INSTANCE, name="harness-admin")
         self.workers: list[Worker] = []
         self._worker_log = open(self.log_dir / "workers.log", "ab")
 

@@ -5,6 +5,10 @@
   for the client; older kernels fall back to pidfd_open(pid), which has a small reuse window (recorded in
   `Peer.pidfd_source`). A pidfd becomes readable when the process exits: the server polls it in its selector.
 - The token is 32 random bytes issued by hello; every later request on that connection must present it.
+- The admin token is a separate capability: 32 random bytes the service writes at start into a 0600 file in
+  its runtime dir. Admin ops (shutdown, status of all clients, evict) must present it, so a client of the same
+  uid that merely connects (a buggy worker) cannot stop the service or touch other clients' state; tools that
+  administer the service (`kmesh service stop|status`, the stage harness) read the file deliberately.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import select
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
-from kmesh.service.errors import AuthError
+from kmesh.service.errors import AuthError, NotAuthorizedError
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux uapi value; Python 3.11 lacks the constant
 _UCRED = struct.Struct("3i")
@@ -65,3 +70,42 @@ def new_token() -> bytes:
 
 def token_ok(expected: bytes | None, presented: bytes | None) -> bool:
     return expected is not None and presented is not None and hmac.compare_digest(expected, presented)
+
+
+def create_admin_token(path: Path) -> bytes:
+    """A fresh admin token, written (hex) to a new 0600 file at path; a stale file of a dead service is replaced."""
+    token = secrets.token_bytes(32)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, token.hex().encode() + b"\n")
+    finally:
+        os.close(fd)
+    return token
+
+
+def read_admin_token(path: Path) -> bytes:
+    """The admin token in path. NotAuthorizedError if it is missing, unreadable, malformed, or not a private
+    (0600-or-stricter) file of our own uid (a file anyone else could have written is no capability)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise NotAuthorizedError(f"cannot read the admin token {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise NotAuthorizedError(f"admin token {path} must be our own 0600 file; it is uid {st.st_uid}, "
+                                     f"mode {st.st_mode & 0o777:o}")
+        data = os.read(fd, 256)
+    finally:
+        os.close(fd)
+    try:
+        token = bytes.fromhex(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        token = b""
+    if len(token) != 32:
+        raise NotAuthorizedError(f"admin token {path} is malformed")
+    return token

@@ -1,7 +1,8 @@
 """Start, find and stop the service process (used by `kmesh service`, stages and tests).
 
-The runtime directory holds the socket (kmesh.sock, 0600) and the pid file; it defaults to
-$KMESH_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kmesh, else /tmp/kmesh-<uid> (created 0700).
+The runtime directory holds the socket (kmesh.sock, 0600), the pid file and the admin token (kmesh.admin,
+0600; the capability for shutdown / status of all clients / evict); it defaults to $KMESH_RUNTIME_DIR, else
+$XDG_RUNTIME_DIR/kmesh, else /tmp/kmesh-<uid> (created 0700).
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kmesh.service import identity
 from kmesh.service.client import ServiceClient
 from kmesh.service.errors import ServiceError, ServiceUnavailableError
 
 SOCKET_NAME = "kmesh.sock"
 PID_NAME = "kmesh.pid"
+ADMIN_TOKEN_NAME = "kmesh.admin"
 
 
 def default_runtime_dir() -> Path:
@@ -66,17 +69,31 @@ class ServiceProcess:
         except OSError:
             return False
 
+    @property
+    def admin_token_path(self) -> Path:
+        return self.runtime_dir / ADMIN_TOKEN_NAME
+
+    def admin_token(self) -> bytes:
+        """The running service's admin token (NotAuthorizedError if it cannot be read)."""
+        return identity.read_admin_token(self.admin_token_path)
+
     def client(self, instance: int = 0, name: str = "", heartbeat: bool = True) -> ServiceClient:
+        """An ordinary client: its own registrations, copies and status only."""
         return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat)
+
+    def admin_client(self, instance: int = 0, name: str = "", heartbeat: bool = True) -> ServiceClient:
+        """A client holding the admin token: it may also shut down, evict and see every client's status."""
+        return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat,
+                                     admin_token=self.admin_token())
 
     def stop(self, timeout: float = 30.0, force: bool = True) -> int | None:
         """Ask for shutdown (registrations close and drain first); SIGKILL after timeout if force."""
         if not self.alive():
             return self.proc.returncode if self.proc else None
         try:
-            with self.client(instance=(1 << 31) - 1, name="kmesh-stop", heartbeat=False) as c:
+            with self.admin_client(instance=(1 << 31) - 1, name="kmesh-stop", heartbeat=False) as c:
                 c.shutdown()
-        except ServiceError:
+        except ServiceError:  # unreachable, or no readable admin token: the signal is our uid's other way
             pid = self.pid
             if pid:
                 os.kill(pid, signal.SIGTERM)

@@ -4,6 +4,9 @@ Frame   = header (12 bytes, big endian: magic b"KMSV", u16 version, u16 nfds, u3
 Payload = one msgpack map with string keys. File descriptors (memfd handles) travel as SCM_RIGHTS attached
           to the frame's first byte; `nfds` says how many belong to the frame.
 Request = {"op": str, "seq": u32, "token": bin[32] (every op but ping/hello), <op fields>}
+          admin ops (shutdown, evict, status scope="all") also carry "admin": bin[32], the token in the runtime
+          dir's 0600 admin file; it is optional in the schema, so a request without it is refused by the
+          service as not_authorized (a typed error), not as malformed.
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
           {"seq": u32 | nil, "ok": false, "error": {"code": str, "message": str}, "fatal": bool}
 
@@ -135,6 +138,7 @@ class OpSpec:
 
 _REG = {"reg": Int(1, U63), "gen": Int(1, U63)}
 _KEY = Bin(1, KEY_MAX)
+_ADMIN = Bin(TOKEN_BYTES, TOKEN_BYTES)  # the admin capability (kmesh.service.identity.read_admin_token)
 CUDA_HANDLE = Record(device=Int(0, 63), ipc_handle=Bin(64, 64), offset=Int(0, MAX_MEMORY),
                      alloc_nbytes=Int(1, MAX_MEMORY))
 
@@ -152,9 +156,10 @@ OPS: dict[str, OpSpec] = {
     "load": OpSpec({**_REG, "layout_digest": Bin(32, 32), "key": _KEY, "offset": Int(0, MAX_MEMORY)}),
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
-    "evict": OpSpec({}, {"key": (_KEY, None)}),
-    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "verify": (Flag(), False)}),
-    "shutdown": OpSpec({}),
+    "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None)}),
+    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "verify": (Flag(), False),
+                          "admin": (_ADMIN, None)}),
+    "shutdown": OpSpec({}, {"admin": (_ADMIN, None)}),
 }
 
 

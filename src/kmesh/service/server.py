@@ -3,8 +3,9 @@
 Everything that changes the registry or the store runs on this one thread, so a request is handled start to
 finish without interleaving: validate (protocol), resolve (registry), accept (reservations + engine), reply.
 A malformed or unauthorised message gets a typed error reply and changes nothing; a frame that cannot be
-trusted (bad magic, oversized, truncated) also ends that connection. Copies run on kmesh.transfer engines;
-their completion comes back through CopyRunner's wake pipe.
+trusted (bad magic, oversized, truncated) also ends that connection. Admin ops (shutdown, status of all
+clients, evict) need the admin token this process writes to a 0600 file next to its socket (identity.py).
+Copies run on kmesh.transfer engines; their completion comes back through CopyRunner's wake pipe.
 
     python -m kmesh.service.server --runtime-dir DIR [--device cpu|cuda] [--heartbeat-timeout S] ...
 (normally started by `kmesh service start` or kmesh.service.process.start()).
@@ -26,12 +27,12 @@ from typing import Any
 
 from kmesh.service import descriptor, identity
 from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, HandleError, InternalError,
-                                  LayoutMismatchError, NotOwnerError, RangeError, RegistrationStateError,
-                                  SequenceError, ServiceError, ShuttingDownError, TruncatedFrameError,
-                                  UnsupportedVersionError)
+                                  LayoutMismatchError, NotAuthorizedError, NotOwnerError, RangeError,
+                                  RegistrationStateError, SequenceError, ServiceError, ShuttingDownError,
+                                  TruncatedFrameError, UnsupportedVersionError)
 from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
 from kmesh.service.jobs import CopyJob, CopyRunner
-from kmesh.service.process import PID_NAME, SOCKET_NAME
+from kmesh.service.process import ADMIN_TOKEN_NAME, PID_NAME, SOCKET_NAME
 from kmesh.service.protocol import (VERSION, Frame, FrameAssembler, Request, error_reply, ok_reply, pack_frame,
                                     parse_request, peek_seq, unpack_body)
 from kmesh.service.registry import Client, Registration, Registry, State
@@ -88,6 +89,8 @@ class Service:
                                       "copies_failed": 0, "copies_cancelled": 0}
         self.socket_path = opts.runtime_dir / SOCKET_NAME
         self.pid_path = opts.runtime_dir / PID_NAME
+        self.admin_path = opts.runtime_dir / ADMIN_TOKEN_NAME
+        self.admin_token: bytes | None = None  # set by bind(); None refuses every admin op
         self.listener: socket.socket | None = None
         self._fd_baseline = 0
 
@@ -109,10 +112,16 @@ class Service:
                 self.socket_path.unlink()  # stale socket of a dead service
             finally:
                 probe.close()
+        # Before the socket exists: whoever sees the service answer can also find its admin token.
+        self.admin_token = identity.create_admin_token(self.admin_path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         old = os.umask(0o777 & ~self.opts.socket_mode)  # no window where the socket is wider than asked
         try:
             s.bind(str(self.socket_path))
+        except BaseException:
+            s.close()
+            self.admin_path.unlink(missing_ok=True)
+            raise
         finally:
             os.umask(old)
         os.chmod(self.socket_path, self.opts.socket_mode)
@@ -142,7 +151,7 @@ class Service:
             self.sel.unregister(self.listener)
             self.listener.close()
             self.listener = None
-        for p in (self.socket_path, self.pid_path):
+        for p in (self.socket_path, self.pid_path, self.admin_path):
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -550,11 +559,18 @@ class Service:
         return job.describe()
 
     def _op_evict(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        self._require_admin(conn, req, "evict")  # originals are shared: one client may not drop others' data
         out = self.store.evict(req.args["key"])
         return {"evicted": len(out["evicted"]), "kept": out["kept"]}
 
-    def _is_admin(self, conn: Conn) -> bool:
-        return conn.peer.uid in (os.getuid(), 0)
+    def _require_admin(self, conn: Conn, req: Request, what: str) -> None:
+        """Admin = the service's uid (or root) AND the admin token from the runtime dir, compared in constant
+        time. Same-uid clients without the token are ordinary clients."""
+        if conn.peer.uid not in (os.getuid(), 0):
+            raise NotAuthorizedError(f"{what} is for the service's own uid")
+        if not identity.token_ok(self.admin_token, req.args.get("admin")):
+            why = "without" if req.args.get("admin") is None else "with a wrong"
+            raise NotAuthorizedError(f"{what} {why} admin token refused (the token is in {self.admin_path})")
 
     def _op_status(self, conn: Conn, req: Request) -> dict[str, Any]:
         c = conn.client
@@ -563,8 +579,7 @@ class Service:
             snap = self.registry.snapshot(c.client_id)
             snap["requests"] = [j.describe() for j in self.copies.jobs.values() if j.client_id == c.client_id]
             return snap
-        if not self._is_admin(conn):
-            raise AuthError("status of all clients is for the service's own uid")
+        self._require_admin(conn, req, "status of all clients")
         snap = self.registry.snapshot()
         snap.update(self.health())
         snap["requests_running"] = [j.describe() for j in self.copies.jobs.values() if not j.terminal]
@@ -582,8 +597,7 @@ class Service:
                 "stopping": self.stopping, "pid": os.getpid()}
 
     def _op_shutdown(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
-        if not self._is_admin(conn):
-            raise AuthError("shutdown is for the service's own uid")
+        self._require_admin(conn, req, "shutdown")
         self._begin_shutdown(f"requested by client {c.client_id}")
         return {"state": "stopping", "registrations": len(self.registry.regs)}
 

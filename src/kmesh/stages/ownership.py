@@ -363,7 +363,7 @@ def case_foreign_uid(ctx: Ctx, c: Case) -> None:
     try:
         got = _as_uid(uid, sp.socket_path)
         c.check("peer_uid_refused_by_service", got == "auth", value=got)
-        with sp.client(instance=1) as adm:
+        with sp.admin_client(instance=1) as adm:
             st = adm.status("all")
         c.check("refusal_counted", st["stats"]["refused_connections"] == 1)
         c.check("registry_untouched", len(st["clients"]) == 1 and not st["registrations"])
