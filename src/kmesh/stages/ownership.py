@@ -339,6 +339,12 @@ def case_foreign_client(ctx: Ctx, c: Case, mem: str) -> None:
 
     with ServiceClient.open(h.socket_path) as raw:
         refuse(c, "no_hello_refused", lambda: raw.call("heartbeat", token=a_token), "SequenceError")
+    # Same uid, no admin token: a (buggy) worker must not stop the service, evict others' originals or read
+    # every client's registrations.
+    refuse(c, "ordinary_client_cannot_shutdown", lambda: b.call("call", op="shutdown", fields={}),
+           "NotAuthorizedError")
+    refuse(c, "ordinary_client_cannot_evict", lambda: b.call("evict", key=key), "NotAuthorizedError")
+    refuse(c, "ordinary_client_cannot_read_all", lambda: b.call("status", scope="all"), "NotAuthorizedError")
     after = h.reg(ra["reg"])
     c.check("registration_unchanged", after == before, value=after["state"])
     ctx.finish_wait(a, ctx.load(a, ra, key))
