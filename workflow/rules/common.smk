@@ -12,6 +12,24 @@ GPU = 1 if PROFILE == "cuda" else 0
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership"]
 
 
+# The package modules each stage runs, as rule inputs: after a change to one of them Snakemake reruns that stage
+# (and what depends on it) and nothing else. Shared machinery (config, result, bench) is left out on purpose.
+STAGE_CODE = {
+    "sources": ["sources/*.py", "pins.py"],
+    "kernels": [],
+    "model": ["model/*.py"],
+    "synthetic": ["layout.py", "rope.py", "restore.py", "cuda/*.py", "vllm/*.py"],
+    "drain": ["transfer/*.py", "shm.py", "stages/drain_client.py"],
+    "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
+    "report": ["report/*.py"],
+}
+
+
+def stage_code(stage):
+    patterns = [f"stages/{stage}.py", *STAGE_CODE[stage]]
+    return sorted({f for p in patterns for f in glob.glob(f"src/kmesh/{p}")})
+
+
 def result(stage):
     return f"{RESULTS}/{PROFILE}/{stage}/result.json"
 

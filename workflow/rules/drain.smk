@@ -1,6 +1,7 @@
 # §23: no memory is reused before accepted copies physically complete (copier and owner are separate processes).
 rule drain:
     input:
+        code=stage_code("drain"),
         sources=result("sources"),
     output:
         result=result("drain"),

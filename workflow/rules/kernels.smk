@@ -1,6 +1,7 @@
 # Compile every kernels/*.cu for sm_90 (and load them where the profile has a GPU).
 rule kernels:
     input:
+        code=stage_code("kernels"),
         sources=result("sources"),
         cu=sorted(glob.glob("kernels/*.cu")),
     output:

@@ -12,6 +12,7 @@ _CONVERTED = (
 
 rule model:
     input:
+        code=stage_code("model"),
         sources=result("sources"),
     output:
         result=result("model"),

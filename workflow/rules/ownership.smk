@@ -2,6 +2,7 @@
 # close vs release, cancelled copies, heartbeat loss, killed clients (real service + client processes).
 rule ownership:
     input:
+        code=stage_code("ownership"),
         drain=result("drain"),
     output:
         result=result("ownership"),

@@ -1,6 +1,7 @@
 # Render tables (md/csv/tex) and plots (png/svg) from every stage result of this profile.
 rule report:
     input:
+        code=stage_code("report"),
         stages=[result(s) for s in STAGES],
     output:
         result=result("report"),

@@ -1,6 +1,7 @@
 # Pinned vLLM + LMCache: fetch the locked files, verify sha256, unpack the sources, compare the install.
 rule sources:
     input:
+        code=stage_code("sources"),
         lock=config["sources"]["lock"],
     output:
         result=result("sources"),

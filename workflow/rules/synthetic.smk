@@ -1,6 +1,7 @@
 # §21: restore into every KV arrangement × dtype × shift; values, keys, canary (cuda profile: kernel too).
 rule synthetic:
     input:
+        code=stage_code("synthetic"),
         kernels=result("kernels"),
     output:
         result=result("synthetic"),
