@@ -12,7 +12,7 @@ GPU = 1 if PROFILE == "cuda" else 0
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership"]
 
 
-# The package modules each stage runs, as rule inputs: after a change to one of them Snakemake reruns that stage
+# The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
 # (and what depends on it) and nothing else. Shared machinery (config, result, bench) is left out on purpose.
 STAGE_CODE = {
     "sources": ["sources/*.py", "pins.py"],
