@@ -14,12 +14,17 @@ EXPECTED = {f"{c}/memfd" for c, _, per_mem in ownership.CASES if per_mem} | \
     {c for c, _, per_mem in ownership.CASES if not per_mem}
 
 
-def test_ownership_stage_passes_across_processes(tmp_path):
+def _run_stage(tmp_path, profile: str, timeout: int) -> dict:
+    """The stage as a user runs it: its own process (which starts the service and worker processes)."""
     out = tmp_path / "ownership.json"
-    run = subprocess.run([sys.executable, "-m", "kmesh", "run", "ownership", "--profile", "cpu", "--out", str(out),
-                          "--set", f"results_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "kmesh", "run", "ownership", "--profile", profile, "--out", str(out),
+                          "--set", f"results_dir={tmp_path}"], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_ownership_stage_passes_across_processes(tmp_path):
+    res = _run_stage(tmp_path, "cpu", timeout=300)
     by_id = {c["id"]: c for c in res["cases"]}
     assert set(by_id) == EXPECTED
     for cid, c in by_id.items():
@@ -58,11 +63,7 @@ def test_negative_control_release_without_drain_is_caught(tmp_path):
 @pytest.mark.gpu
 def test_ownership_stage_cuda_ipc_cases(tmp_path):
     """On a GPU: every case also runs on device memory registered through CUDA IPC between processes."""
-    out = tmp_path / "ownership.json"
-    run = subprocess.run([sys.executable, "-m", "kmesh", "run", "ownership", "--profile", "cuda", "--out", str(out),
-                          "--set", f"results_dir={tmp_path}"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    res = json.loads(out.read_text())
+    res = _run_stage(tmp_path, "cuda", timeout=600)
     cuda = [c for c in res["cases"] if c["id"].endswith("/cuda")]
     assert len(cuda) == sum(per_mem for _, _, per_mem in ownership.CASES)
     assert all(c["passed"] for c in cuda), [c["id"] for c in cuda if not c["passed"]]

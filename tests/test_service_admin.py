@@ -32,13 +32,7 @@ def test_ordinary_client_cannot_shutdown_evict_or_see_all_while_admin_can() -> N
         assert token_file.parent == h.socket_path.parent
         assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.stat().st_uid == os.getuid()
         # an original owned by client A, and client B: both ordinary worker processes of our uid
-        a = h.worker(instance=1, name="owner")
-        a.call("alloc", name="kv", nbytes=N, seed=3)
-        ref = a.call("register", name="kv", alloc_id=1, generation=1, layout=LAYOUT)
-        req = a.call("save", reg=ref["reg"], key=b"shared", offset=0, nbytes=N)
-        h.accepted(N)
-        h.finish()
-        assert a.call("wait", req=req)["state"] == "done"
+        a, ref = h.worker_with_original(1, b"shared", LAYOUT, N, seed=3, name="owner")
         b = h.worker(instance=2, name="buggy")
         before = _view(h.status())
 

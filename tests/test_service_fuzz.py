@@ -229,14 +229,7 @@ def svc():
 
 def _bystander(h: Harness):
     """A real client process with a registration and an original: what the fuzz must not disturb."""
-    w = h.worker(instance=1)
-    w.call("alloc", name="kv", nbytes=N, seed=5)
-    ref = w.call("register", name="kv", alloc_id=1, generation=1, layout=LAYOUT)
-    req = w.call("save", reg=ref["reg"], key=b"bystander", offset=0, nbytes=N)
-    h.accepted(N)
-    h.finish()
-    assert w.call("wait", req=req)["state"] == "done"
-    return w, ref
+    return h.worker_with_original(1, b"bystander", LAYOUT, N, seed=5)
 
 
 def _serve_check(h: Harness, w, ref) -> None:

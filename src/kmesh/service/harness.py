@@ -66,6 +66,21 @@ class Harness:
         w.info = w.call("connect", instance=instance, heartbeat=heartbeat, name=name)
         return w
 
+    def worker_with_original(self, instance: int, key: bytes, layout: dict[str, Any], nbytes: int, seed: int,
+                             name: str = "") -> tuple[Worker, dict[str, Any]]:
+        """A client process that registered memfd memory and saved it as the shared original `key` (copy
+        drained). Returns the worker and its registration ref."""
+        w = self.worker(instance=instance, name=name)
+        w.call("alloc", name="kv", nbytes=nbytes, seed=seed)
+        ref = w.call("register", name="kv", alloc_id=1, generation=1, layout=layout)
+        req = w.call("save", reg=ref["reg"], key=key, offset=0, nbytes=nbytes)
+        self.accepted(nbytes)
+        self.finish()
+        state = w.call("wait", req=req)["state"]
+        if state != "done":
+            raise HarnessError(f"saving original {key!r} ended {state!r}, not 'done'")
+        return w, ref
+
     # -- the gate -------------------------------------------------------------------------------------
     def chunks(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.chunk_bytes))
