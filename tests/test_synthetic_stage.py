@@ -137,3 +137,19 @@ def test_rotating_the_unrotated_channels_fails_check_d():
 
     case = _run_double(d, touch_latent)
     assert case.checks["unrotated_channels_identical"]["ok"] is False
+
+
+@pytest.mark.parametrize("arrangement", ["paged:LHBNC", "cpu:LBHNC", "mla:BLHNC"])
+def test_slot_addressing_bug_in_the_layout_itself_is_caught(monkeypatch, arrangement):
+    # The bug sits in KVLayout.split_slots, which restore uses: the stage's read-back and canary must not.
+    d = _one_case(arrangement, block=32 if arrangement.startswith("cpu") else 16)
+
+    def split_slots(self, slots):  # offset one further on, wrapping inside its block (stays in bounds)
+        return torch.div(slots, self.block_size, rounding_mode="floor"), torch.remainder(slots + 1, self.block_size)
+
+    monkeypatch.setattr(syn.KVLayout, "split_slots", split_slots)
+    case = _run_double(d, restore)
+    assert case.error is None and case.passed is False
+    assert case.checks["canary_untouched"]["ok"] is False
+    if not arrangement.startswith("mla"):
+        assert case.checks["values_bit_identical"]["ok"] is False
