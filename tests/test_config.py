@@ -75,3 +75,36 @@ def test_cli_reports_bad_config_clearly(tree, capsys, monkeypatch):
     assert main(["run", "kernels"]) == 2
     err = capsys.readouterr().err
     assert "model.smollm2.max_new_tokens" in err and "minimum" in err
+
+
+def _edit_profile(tree, profile, fn):
+    p = tree / "config" / "profiles" / f"{profile}.yaml"
+    data = yaml.safe_load(p.read_text()) or {}
+    fn(data)
+    p.write_text(yaml.safe_dump(data))
+
+
+def test_skip_allowance_needs_a_case_pattern_and_a_reason(tree):
+    _edit_profile(tree, "cpu", lambda d: d.setdefault("kernels", {}).__setitem__("allow_skips", [{"case": "load:*"}]))
+    with pytest.raises(ConfigError, match=r"'kernels\.allow_skips\.0'.*'reason'"):
+        load_config(root=tree)
+    _edit_profile(tree, "cpu", lambda d: d["kernels"].__setitem__("allow_skips", [{"case": "", "reason": "x"}]))
+    with pytest.raises(ConfigError, match=r"'kernels\.allow_skips\.0\.case'"):
+        load_config(root=tree)
+
+
+def test_skip_allowance_belongs_to_a_profile_not_to_the_shared_config(tree):
+    # An allowance in config.yaml would hold for every profile; each profile must say what it may skip.
+    _edit(tree, lambda d: d["kernels"].__setitem__("allow_skips", [{"case": "load:*", "reason": "x"}]))
+    with pytest.raises(ConfigError, match=r"kernels\.allow_skips.*config/profiles/"):
+        load_config(root=tree)
+
+
+def test_each_profile_allows_exactly_its_legitimate_skips():
+    def allowed(profile):
+        cfg = load_config(profile=profile, root=ROOT)
+        return {(stage, a["case"]) for stage, sec in cfg.data.items() if isinstance(sec, dict)
+                for a in sec.get("allow_skips", [])}
+
+    assert allowed("cpu") == {("kernels", "load:*")}
+    assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*")}

