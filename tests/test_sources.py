@@ -166,12 +166,12 @@ def test_installed_files_compare_with_the_wheel(tmp_path):
     assert not cmp.identical and cmp.different == [victim]
 
 
-def stage_cfg(tmp_path: Path, pins: list[Pin], require_installed: bool = True, modules=None):
+def stage_cfg(tmp_path: Path, pins: list[Pin], require_installed: bool = True, modules=None, allow_skips=()):
     lock = tmp_path / "test.lock"
     lock.write_text("".join(f"{p.name}=={p.version} --hash=sha256:{p.sha256}\n" for p in pins))
     return load_config(profile="cpu", overrides={"results_dir": str(tmp_path / "results"), "sources": {
         "lock": str(lock), "distributions": [p.name for p in pins], "modules": modules or {},
-        "require_installed": require_installed}})
+        "require_installed": require_installed, "allow_skips": list(allow_skips)}})
 
 
 def test_stage_offline_with_cached_wheel_passes_and_writes_pins(tmp_path):
@@ -204,7 +204,11 @@ def test_stage_fails_on_hash_mismatch_and_skips_a_missing_install_only_when_allo
     res = stage.run(stage_cfg(tmp_path, [right], require_installed=False))
     inst = next(c for c in res.cases if c.id == "installed-kmesh-absent-demo")
     assert inst.passed is None and "not installed" in inst.skipped
+    assert not res.ok                       # a skip, but no allowance on this profile
+    allow = {"case": "installed-*", "reason": "test: the host carries no such install"}
+    res = stage.run(stage_cfg(tmp_path, [right], require_installed=False, allow_skips=[allow]))
     assert res.ok and not res.summary()["all_passed"]
+    assert [a["case"] for a in res.summary()["skips_allowed"]] == ["installed-kmesh-absent-demo"]
     res = stage.run(stage_cfg(tmp_path, [right], require_installed=True))
     inst = next(c for c in res.cases if c.id == "installed-kmesh-absent-demo")
     assert inst.passed is False and inst.checks["version_equals_pin"]["value"]["installed"] is None

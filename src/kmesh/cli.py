@@ -37,14 +37,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     result.write(out)
     s = result.summary()
     print(f"[kmesh] {args.stage} ({cfg.profile}): {s['passed']} passed, {s['failed']} failed, "
-          f"{s['skipped']} skipped -> {out}")
+          f"{s['skipped']} skipped ({len(s['skips_unallowed'])} not allowed) -> {out}")
+    allowed = {a["case"]: a for a in s["skips_allowed"]}
     for c in result.cases:
         if c.passed is False:
             first = (c.error or "").splitlines()[0] if c.error else \
                 ", ".join(k for k, v in c.checks.items() if v["ok"] is False)
             print(f"[kmesh]   FAILED {c.id}: {first}", file=sys.stderr)
+        elif c.passed is None and c.id in allowed:
+            print(f"[kmesh]   skipped (allowed: {allowed[c.id]['reason']}) {c.id}: {c.skipped}", file=sys.stderr)
         elif c.passed is None:
-            print(f"[kmesh]   skipped {c.id}: {c.skipped}", file=sys.stderr)
+            # A skip no allowance of this profile covers proves nothing: it fails the stage like a failed case.
+            print(f"[kmesh]   FAILED {c.id}: skip not allowed for {args.stage} on profile {cfg.profile} "
+                  f"(no {args.stage}.allow_skips entry matches): {c.skipped}", file=sys.stderr)
+    if s["passed"] == 0:
+        print(f"[kmesh]   FAILED {args.stage}: no case passed", file=sys.stderr)
     return 0 if result.ok else 1
 
 

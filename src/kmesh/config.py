@@ -2,6 +2,9 @@
 
 One source of truth for Snakemake and for `python -m kmesh run`: config/config.yaml, overlaid with
 config/profiles/<profile>.yaml, validated against config/config.schema.yaml.
+
+Skips are allowed per stage and per profile: `<stage>.allow_skips` in config/profiles/<profile>.yaml lists
+case-id globs with the reason each skip is acceptable there (Config.skip_allowances; kmesh.result applies them).
 """
 from __future__ import annotations
 
@@ -19,6 +22,15 @@ import yaml
 from kmesh.errors import ConfigError
 
 PROFILES = ("cpu", "cuda")
+ALLOW_SKIPS = "allow_skips"
+
+
+@dataclass(frozen=True)
+class SkipAllowance:
+    """One accepted skip: case ids matching the glob `case` may be skipped, because of `reason`."""
+
+    case: str
+    reason: str
 
 
 def find_root(start: Path | None = None) -> Path:
@@ -101,6 +113,10 @@ class Config:
         p = Path(rel)
         return p if p.is_absolute() else self.root / p
 
+    def skip_allowances(self, stage: str) -> tuple[SkipAllowance, ...]:
+        """The skips this profile allows stage `stage` (none unless its profile file lists them)."""
+        return tuple(SkipAllowance(a["case"], a["reason"]) for a in self.section(stage).get(ALLOW_SKIPS, []))
+
     def digest(self) -> str:
         """sha256 of the canonical JSON of the merged config: the 'config hash' in provenance."""
         blob = json.dumps(self.data, sort_keys=True, separators=(",", ":")).encode()
@@ -124,6 +140,11 @@ def load_config(
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
+    # An allowance in the shared file would hold for every profile; each profile must say what it may skip.
+    shared = sorted(f"{k}.{ALLOW_SKIPS}" for k, v in data.items() if isinstance(v, dict) and ALLOW_SKIPS in v)
+    if shared:
+        raise ConfigError(f"config field '{shared[0]}' in {path}: skip allowances are per profile; "
+                          f"set them in config/profiles/<profile>.yaml")
     prof = profile or (overrides or {}).get("profile") or data.get("profile", "cpu")
     if prof not in PROFILES:
         raise ConfigError(f"config field 'profile': {prof!r} is not one of {list(PROFILES)}")

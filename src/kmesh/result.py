@@ -9,6 +9,10 @@
 
 A case passes iff every check passed and nothing raised. A skipped case (c.skip(reason)) is
 neither passed nor failed and says why; a stage with skips is not "all passed".
+
+The stage is ok iff no case failed, at least one passed, and every skip is allowed: its case id matches
+an entry of `<stage>.allow_skips` in the profile's config (Result.begin picks them up). The summary names
+each skip as allowed (with the pattern and reason) or unallowed, and carries the allowance it applied.
 """
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ import math
 import os
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Iterator
 
-from kmesh.config import Config
+from kmesh.config import Config, SkipAllowance
 from kmesh.errors import ResultError
 from kmesh.jsonfile import read_json_schema, write_json_atomic
 
@@ -91,10 +96,12 @@ class Case:
 
 
 class Result:
-    def __init__(self, stage: str, profile: str, provenance: dict[str, Any]) -> None:
+    def __init__(self, stage: str, profile: str, provenance: dict[str, Any],
+                 allow_skips: tuple[SkipAllowance, ...] = ()) -> None:
         self.stage = stage
         self.profile = profile
         self.provenance = provenance
+        self.allow_skips = tuple(allow_skips)
         self.cases: list[Case] = []
         self.timings: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
@@ -103,7 +110,7 @@ class Result:
     def begin(cls, stage: str, cfg: Config) -> "Result":
         from kmesh.provenance import collect
 
-        return cls(stage, cfg.profile, collect(cfg))
+        return cls(stage, cfg.profile, collect(cfg), cfg.skip_allowances(stage))
 
     @contextmanager
     def case(self, case_id: str, params: dict[str, Any] | None = None) -> Iterator[Case]:
@@ -125,18 +132,36 @@ class Result:
         finally:
             c.seconds = time.perf_counter() - t0
 
+    def skip_verdicts(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(allowed, unallowed) skips: each allowed one with the first allowance whose glob matches its id."""
+        allowed: list[dict[str, Any]] = []
+        unallowed: list[dict[str, Any]] = []
+        for c in self.cases:
+            if c.skipped is None:
+                continue
+            a = next((a for a in self.allow_skips if fnmatchcase(c.id, a.case)), None)
+            if a is None:
+                unallowed.append({"case": c.id, "skipped": c.skipped})
+            else:
+                allowed.append({"case": c.id, "skipped": c.skipped, "pattern": a.case, "reason": a.reason})
+        return allowed, unallowed
+
     def summary(self) -> dict[str, Any]:
         passed = sum(c.passed is True for c in self.cases)
         failed = sum(c.passed is False for c in self.cases)
         skipped = sum(c.passed is None for c in self.cases)
-        return {"cases": len(self.cases), "passed": passed, "failed": failed, "skipped": skipped,
-                "all_passed": failed == 0 and skipped == 0 and passed > 0, **to_jsonable(self.extra)}
+        allowed, unallowed = self.skip_verdicts()
+        # The verdict keys come last so that a stage's extra values can never overwrite them.
+        return {**to_jsonable(self.extra), "cases": len(self.cases), "passed": passed, "failed": failed,
+                "skipped": skipped, "all_passed": failed == 0 and skipped == 0 and passed > 0,
+                "ok": failed == 0 and passed > 0 and not unallowed,
+                "skips_allowed": allowed, "skips_unallowed": unallowed,
+                "allow_skips": [asdict(a) for a in self.allow_skips]}
 
     @property
     def ok(self) -> bool:
-        """The stage succeeded: no case failed (skips are allowed but reported)."""
-        s = self.summary()
-        return s["failed"] == 0 and s["cases"] > 0
+        """The stage succeeded: no case failed, one passed, and every skip is allowed by this profile."""
+        return bool(self.summary()["ok"])
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "stage": self.stage, "profile": self.profile,

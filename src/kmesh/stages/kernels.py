@@ -1,7 +1,8 @@
 """Stage `kernels`: compile every kernels/*.cu for the configured target and, with a GPU, load it.
 
 Outputs results/<profile>/kernels/<name>.cubin (what kmesh.cuda loads). Without nvcc the compile
-cases are *skipped* with "no nvcc" — never passed. Load cases run only where CUDA is available.
+cases are *skipped* with "no nvcc" — never passed, and no profile allows that skip, so the stage fails.
+Load cases run only where CUDA is available (the cpu profile allows their skip: kernels.allow_skips).
 """
 from __future__ import annotations
 
