@@ -55,3 +55,61 @@ def test_every_stage_rule_is_one_kmesh_call():
         assert f'kmesh_run("{stage}")' in smk, f"{stage}.smk must call kmesh_run({stage!r})"
         for directive in ("output:", "log:", "resources:", "gpu=", "mem_mb="):
             assert directive in smk, f"{stage}.smk lacks {directive}"
+
+
+# Shared machinery that decides outcomes (a representative of each kind): a content change must rerun EVERY stage.
+SHARED_SAMPLES = ["src/kmesh/result.py", "src/kmesh/stages/__init__.py", "config/config.schema.yaml",
+                  "config/profiles/cpu.yaml"]
+
+
+def _scratch_pipeline(tmp_path: Path) -> Path:
+    """A copy of the pipeline's files with every cpu-profile output present and newer than its inputs."""
+    import os
+    import shutil
+
+    root = tmp_path / "repo"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for d in ("workflow", "config", "src", "kernels", "requirements"):
+        shutil.copytree(ROOT / d, root / d, ignore=skip)
+    shutil.copy2(ROOT / "Snakefile", root / "Snakefile")
+    outputs = [f"results/cpu/{s}/result.json" for s in STAGES] + [
+        "results/sources/pins.json", "results/models/smollm2-135m-instruct/manifest.json",
+        "results/cpu/tables/summary.md", "results/cpu/plots/summary.png"]
+    newest = max(p.stat().st_mtime for p in root.rglob("*") if p.is_file())
+    for i, rel in enumerate(outputs):   # in pipeline order: each output newer than what it depends on
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("{}")
+        os.utime(p, (newest + 10 + i, newest + 10 + i))
+    return root
+
+
+def _planned(root: Path) -> tuple[set[str], str]:
+    out = subprocess.run([*SNAKEMAKE, "-n", "--cores", "1", "--rerun-triggers", "mtime"], cwd=root,
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                          "KMESH_ROOT": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    return set(re.findall(r"^rule (\w+):", text, re.M)) - {"all"}, text
+
+
+def test_editing_shared_machinery_reruns_every_stage(tmp_path):
+    import os
+
+    root = _scratch_pipeline(tmp_path)
+    planned, text = _planned(root)
+    assert planned == set(), f"the scratch copy should be up to date:\n{text[-2000:]}"
+    later = max(p.stat().st_mtime for p in (root / "results").rglob("*") if p.is_file()) + 100
+    for rel in SHARED_SAMPLES:
+        f = root / rel
+        st = f.stat()
+        f.write_text(f.read_text() + "\n# edited\n")
+        os.utime(f, (later, later))          # a content change, newer than every output
+        planned, text = _planned(root)
+        # every stage lists the file itself (not only "an input was updated by another job")
+        reasons = {m[0]: m[1] for m in re.findall(r"^rule (\w+):\n(?:.*\n)*?\s*reason: ([^\n]*)", text, re.M)}
+        assert planned == set(STAGES), (rel, sorted(planned))
+        for stage in STAGES:
+            assert rel in reasons.get(stage, ""), (rel, stage, reasons.get(stage))
+        f.write_text(f.read_text().removesuffix("\n# edited\n"))
+        os.utime(f, (st.st_mtime, st.st_mtime))
