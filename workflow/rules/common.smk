@@ -13,9 +13,9 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
-# (and what depends on it) and nothing else. Shared machinery (config, result, bench) is left out on purpose.
+# (and what depends on it) and nothing else.
 STAGE_CODE = {
-    "sources": ["sources/*.py", "pins.py"],
+    "sources": ["sources/*.py"],
     "kernels": [],
     "model": ["model/*.py"],
     "synthetic": ["layout.py", "rope.py", "restore.py", "cuda/*.py", "vllm/*.py"],
@@ -24,10 +24,22 @@ STAGE_CODE = {
     "report": ["report/*.py"],
 }
 
+# What decides every stage's outcome (pass/fail/skip logic, provenance, the result writer, the CLI, the config that
+# is validated and applied, incl. this profile's skip allowances): an input of EVERY stage, so editing it reruns all.
+SHARED_CODE = [
+    "__init__.py", "__main__.py", "cli.py", "config.py", "result.py", "provenance.py", "pins.py", "jsonfile.py",
+    "errors.py", "bench.py", "stages/__init__.py",
+]
+SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/profiles/{PROFILE}.yaml"]
+
 
 def stage_code(stage):
-    patterns = [f"stages/{stage}.py", *STAGE_CODE[stage]]
-    return sorted({f for p in patterns for f in glob.glob(f"src/kmesh/{p}")})
+    patterns = [f"stages/{stage}.py", *STAGE_CODE[stage], *SHARED_CODE]
+    code = sorted({f for p in patterns for f in glob.glob(f"src/kmesh/{p}")})
+    missing = [p for p in SHARED_CODE if not glob.glob(f"src/kmesh/{p}")]
+    if missing:  # a renamed shared module must not silently drop out of every stage's inputs
+        raise ValueError(f"SHARED_CODE names missing modules: {missing}")
+    return code + SHARED_CONFIG
 
 
 def result(stage):
