@@ -6,7 +6,7 @@ export LMCACHE_TRACK_USAGE := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: env pipeline test doctor lock
+.PHONY: env pipeline test doctor lock mutation
 
 env:
 	scripts/setup-env.sh
@@ -20,5 +20,13 @@ test: env  ## the test suite (CI runs exactly this)
 doctor: env
 	python -m kmesh doctor
 
+# Not in CI (far too slow for 2 cores). mutmut keeps its results in mutants/ and retests only what changed.
+MUTATION_JOBS ?= 2
+mutation: env  ## mutation testing of layout, rope, restore, service registry, transfer engine (pyproject [tool.mutmut])
+	$(VENV)/bin/python -m pip install --quiet --require-hashes --no-deps -r requirements/mutation.lock
+	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS); \
+	  rc=$$?; python scripts/mutation_report.py $(MUTATION_REPORT_ARGS) && exit $$rc
+
 lock:  ## regenerate requirements/cpu.lock from requirements/cpu.in
 	$(VENV)/bin/python scripts/lock.py cpu
+	$(VENV)/bin/python scripts/lock.py mutation

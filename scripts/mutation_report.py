@@ -1,0 +1,81 @@
+"""Summarise the last `mutmut run` (make mutation): mutants per module and function, and every survivor's diff.
+
+Writes results/mutation/report.md and report.json (with the code revision it ran at). mutmut's own statuses:
+killed (a test failed), survived (every selected test passed), no tests (no selected test reached the
+function), timeout, suspicious, skipped, segfault, not checked.
+
+    python scripts/mutation_report.py [--diffs]   # --diffs: add `mutmut show` for every survivor (slower)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+LINE = re.compile(r"^\s*(?P<name>\S+__mutmut_\d+): (?P<status>.+)$")
+
+
+def mutmut(*args: str) -> str:
+    exe = Path(sys.executable).with_name("mutmut")
+    return subprocess.run([str(exe), *args], check=True, capture_output=True, text=True).stdout
+
+
+def split(name: str) -> tuple[str, str]:
+    """('kmesh.layout', 'KVLayout.split_slots') from mutmut's mangled 'kmesh.layout.xǁKVLayoutǁsplit_slots__mutmut_3'."""
+    base = name.rsplit("__mutmut_", 1)[0]
+    module, _, func = base.rpartition(".x")
+    if "ǁ" in func:
+        _, cls, meth = func.split("ǁ")
+        func = f"{cls}.{meth}"
+    else:
+        func = func.lstrip("_")
+    return module, func
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--diffs", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("results/mutation"))
+    a = p.parse_args()
+    rows = [m.groupdict() for m in map(LINE.match, mutmut("results", "--all", "true").splitlines()) if m]
+    if not rows:
+        print("no mutmut results: run `make mutation` first", file=sys.stderr)
+        return 1
+    by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    survivors: dict[str, list[str]] = collections.defaultdict(list)
+    for r in rows:
+        module, func = split(r["name"])
+        by_module[module][r["status"]] += 1
+        if r["status"] == "survived":
+            survivors[f"{module}:{func}"].append(r["name"])
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    total = collections.Counter(r["status"] for r in rows)
+    a.out.mkdir(parents=True, exist_ok=True)
+    diffs = {n: mutmut("show", n) for names in survivors.values() for n in names} if a.diffs else {}
+    (a.out / "report.json").write_text(json.dumps(
+        {"revision": rev, "dirty": dirty, "total": total, "by_module": by_module,
+         "survivors": survivors, "diffs": diffs}, indent=1, ensure_ascii=False))
+    statuses = sorted(total)
+    md = [f"# Mutation testing (mutmut) at {rev}{' (dirty)' if dirty else ''}", "",
+          "| module | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
+    for module, c in sorted(by_module.items()):
+        md.append(f"| {module} | " + " | ".join(str(c[s]) for s in statuses) + " |")
+    md.append("| **all** | " + " | ".join(str(total[s]) for s in statuses) + " |")
+    md += ["", "## Survivors by function", ""]
+    md += [f"- `{f}`: {len(ns)}" for f, ns in sorted(survivors.items(), key=lambda kv: -len(kv[1]))]
+    for n, d in diffs.items():
+        md += ["", f"### {n}", "```diff", d.strip(), "```"]
+    (a.out / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[:len(by_module) + 8]))
+    print(f"-> {a.out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
