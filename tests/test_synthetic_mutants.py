@@ -48,6 +48,20 @@ kmesh.layout.KVLayout.split_slots = split_slots
 """,
 }
 
+# RoPE direction: sin -> -sin inside kmesh.rope.apply_rotation, planted in the function's own code object so
+# every caller (rope.rotate, rope.shift, restore's torch path) runs it. Before issue 8 the stage passed all
+# 47 cases with it: the cached keys and the float64 reference were made by the same reversed rotation.
+ROTATION_MUTATION = """
+import inspect, textwrap
+src = textwrap.dedent(inspect.getsource(kmesh.rope.apply_rotation))
+line = 's = sin.to(math_dtype).reshape(view)'
+assert src.count(line) == 1, 'mutation target not found in apply_rotation'
+ns = {}
+exec(compile(src.replace(line, 's = -sin.to(math_dtype).reshape(view)'), kmesh.rope.__file__, 'exec'),
+     kmesh.rope.__dict__, ns)
+kmesh.rope.apply_rotation.__code__ = ns['apply_rotation'].__code__
+"""
+
 
 def run_stage(tmp_path: Path, profile: str, mutation: str = "", extra: list[str] | None = None,
               timeout: float = 300) -> tuple[int, dict, str]:
@@ -82,6 +96,20 @@ def assert_slot_bug_caught(rc: int, result: dict, stderr: str) -> None:
             assert "values_bit_identical" in bad, (c["id"], bad)
 
 
+def assert_rotation_bug_caught(rc: int, result: dict, stderr: str) -> None:
+    assert rc == 1, stderr[-3000:]
+    cases = restore_cases(result)
+    moved = [c for c in cases if c["params"]["shift"] != "none"]
+    assert len(moved) >= 32
+    for c in moved:
+        assert c["error"] is None, (c["id"], c["error"])
+        assert "keys_vs_float64" in failed_checks(c), (c["id"], failed_checks(c))
+    accuracy = [c for c in result["cases"] if c["id"].startswith("rope-accuracy-")]
+    assert len(accuracy) == 2
+    for c in accuracy:
+        assert "fp32_shift_max_rel_le_1e-5" in failed_checks(c), (c["id"], failed_checks(c))
+
+
 # ------------------------------------------------------------------------------------------- CPU profile
 
 def test_control_unmutated_stage_passes_without_vllm(tmp_path):
@@ -93,6 +121,10 @@ def test_control_unmutated_stage_passes_without_vllm(tmp_path):
 @pytest.mark.parametrize("name", list(SLOT_MUTATIONS))
 def test_slot_addressing_bug_fails_the_stage_cpu(tmp_path, name):
     assert_slot_bug_caught(*run_stage(tmp_path, "cpu", SLOT_MUTATIONS[name]))
+
+
+def test_reversed_rotation_fails_the_stage_cpu(tmp_path):
+    assert_rotation_bug_caught(*run_stage(tmp_path, "cpu", ROTATION_MUTATION))
 
 
 # ------------------------------------------------------------------------------------------- cuda profile
@@ -124,3 +156,9 @@ def test_slot_addressing_bug_fails_the_stage_cuda(tmp_path, cuda_results, name):
     rc, result, stderr = run_stage(tmp_path, "cuda", SLOT_MUTATIONS[name],
                                    extra=["--set", f"results_dir={cuda_results}"])
     assert_slot_bug_caught(rc, result, stderr)
+
+
+@pytest.mark.gpu
+def test_reversed_rotation_fails_the_stage_cuda(tmp_path, cuda_results):
+    rc, result, stderr = run_stage(tmp_path, "cuda", ROTATION_MUTATION, extra=["--set", f"results_dir={cuda_results}"])
+    assert_rotation_bug_caught(rc, result, stderr)

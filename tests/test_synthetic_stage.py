@@ -153,3 +153,30 @@ def test_slot_addressing_bug_in_the_layout_itself_is_caught(monkeypatch, arrange
     assert case.checks["canary_untouched"]["ok"] is False
     if not arrangement.startswith("mla"):
         assert case.checks["values_bit_identical"]["ok"] is False
+
+
+def _reversed_apply_rotation_code():
+    # kmesh.rope.apply_rotation with sin -> -sin, as a code object (so restore's imported name runs it too)
+    import inspect
+    import textwrap
+
+    import kmesh.rope
+
+    src = textwrap.dedent(inspect.getsource(kmesh.rope.apply_rotation))
+    line = "s = sin.to(math_dtype).reshape(view)"
+    assert src.count(line) == 1
+    ns = {}
+    exec(compile(src.replace(line, "s = -sin.to(math_dtype).reshape(view)"), kmesh.rope.__file__, "exec"),
+         kmesh.rope.__dict__, ns)
+    return kmesh.rope.apply_rotation, ns["apply_rotation"].__code__
+
+
+@pytest.mark.parametrize("rope", ["neox", "gptj", "yarn"])
+def test_reversed_rotation_in_rope_itself_is_caught(monkeypatch, rope):
+    fn, code = _reversed_apply_rotation_code()
+    monkeypatch.setattr(fn, "__code__", code)
+    d = _one_case("paged:LBNHC", dtype="float32", shift="backward", rope=rope)
+    case = _run_double(d, restore)
+    assert case.error is None
+    assert case.checks["keys_vs_float64"]["ok"] is False
+    assert case.checks["canary_untouched"]["ok"] is True
