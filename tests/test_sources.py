@@ -214,3 +214,23 @@ def test_stage_fails_on_hash_mismatch_and_skips_a_missing_install_only_when_allo
     assert inst.passed is False and inst.checks["version_equals_pin"]["value"]["installed"] is None
     assert json.loads(pins_path(tmp_path / "results").read_text())["distributions"]["kmesh-absent-demo"][
         "installed_version"] is None
+
+
+def test_pins_summary_catches_a_file_on_disk_that_is_not_the_pinned_one(tmp_path, monkeypatch):
+    """A fetcher that reports the lock's digest for a file that does not (or no longer) has it: every earlier
+    case trusts the report, so the summary's check must recompute the digest from disk and fail."""
+    cache = tmp_path / "results" / "sources" / "dist"
+    whl = wheel_from_installed("sortedcontainers", cache)
+    pin = pin_of("sortedcontainers", installed_version("sortedcontainers"), whl)
+    other = whl                                       # tampered after the pin was taken: same members,
+    with zipfile.ZipFile(other, "a") as zf:           # other bytes (a zip comment)
+        zf.comment = b"not the pinned build"
+    assert sha256_file(other) != pin.sha256
+    monkeypatch.setattr(stage, "fetch", lambda p, *_a, **_k: stage.Fetched(p, other, p.sha256, reused=True))
+    res = stage.run(stage_cfg(tmp_path, [pin], modules={"sortedcontainers": "sortedcontainers"}))
+    by_id = {c.id: c for c in res.cases}
+    assert by_id["fetch-sortedcontainers"].passed            # the lie itself passes its own case ...
+    summary = by_id["pins-summary"]
+    assert summary.passed is False and not res.ok            # ... and the summary's check catches it
+    failed = [k for k, v in summary.checks.items() if v["ok"] is False]
+    assert any(sha256_file(other) in json.dumps(summary.checks[k]["value"]) for k in failed), summary.checks
