@@ -234,3 +234,23 @@ def test_pins_summary_catches_a_file_on_disk_that_is_not_the_pinned_one(tmp_path
     assert summary.passed is False and not res.ok            # ... and the summary's check catches it
     failed = [k for k, v in summary.checks.items() if v["ok"] is False]
     assert any(sha256_file(other) in json.dumps(summary.checks[k]["value"]) for k in failed), summary.checks
+
+
+@pytest.mark.parametrize("tamper, named", [
+    (lambda r: r.__setitem__("version", "9.9"), "the lock says"),
+    (lambda r: r.__setitem__("sha256", "0" * 64), "the lock says"),
+    (lambda r: r.__setitem__("installed_version", "0.0.1"), "importlib.metadata says"),
+    (lambda r: r.__setitem__("python_files", r["python_files"] + 1), "holds"),
+    (lambda r: r.__setitem__("verified", False), "verified=False"),
+])
+def test_pins_summary_rows_are_compared_with_facts_not_with_themselves(tmp_path, tamper, named):
+    cache = tmp_path / "results" / "sources" / "dist"
+    whl = wheel_from_installed("sortedcontainers", cache)
+    pin = pin_of("sortedcontainers", installed_version("sortedcontainers"), whl)
+    cfg = stage_cfg(tmp_path, [pin], modules={"sortedcontainers": "sortedcontainers"})
+    assert stage.run(cfg).ok
+    summary = read_pins(pins_path(cfg.results_dir))
+    assert stage.pins_disagreements(summary, cfg, ["sortedcontainers"]) == []
+    tamper(summary["distributions"]["sortedcontainers"])
+    [problem] = stage.pins_disagreements(summary, cfg, ["sortedcontainers"])
+    assert problem.startswith("sortedcontainers:") and named in problem

@@ -9,8 +9,12 @@ For each distribution in `sources.distributions`:
   installed-<dist>  the installed version equals the pin, `import <module>` resolves into that
                     distribution, and every installed source file equals the pinned wheel's; where
                     `sources.require_installed` is false (cuda profile: the GPU host has no vLLM) a
-                    missing installation is skipped, never passed
-Finally results/sources/pins.json summarises versions, digests and what was found.
+                    missing installation is skipped, never passed (and accepted only where the profile's
+                    sources.allow_skips says so)
+  pins-summary      results/sources/pins.json summarises versions, digests and what was found; it is read
+                    back as another stage reads it (schema) and every row is compared with facts gathered
+                    afresh: the lock re-read from disk, the sha256 of each file recomputed, the installed
+                    version from importlib.metadata, the unpacked sources counted (pins_disagreements)
 
 Which file: the lock (scripts/lock.py) pins the file pip resolves for the wheel target, i.e. a wheel.
 No sdist of either pin downloads without a build (checked 2026-11-30, see SDIST_CHECKED), and a wheel
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +32,11 @@ from kmesh.config import Config
 from kmesh.pins import Pin, canonical, read_lock
 from kmesh.result import Result
 from kmesh.sources import NetworkUnavailableError
+from kmesh.sources.digest import sha256_file
 from kmesh.sources.fetch import Fetched, WheelTarget, fetch
 from kmesh.sources.installed import compare_installed, installed_version, module_from_dist, module_origin
-from kmesh.sources.summary import pins_path, read_pins, write_pins
-from kmesh.sources.unpack import Unpacked, unpack_sources, verify_unpacked
+from kmesh.sources.summary import SCHEMA as PINS_SCHEMA, pins_path, read_pins, write_pins
+from kmesh.sources.unpack import SOURCE_SUFFIXES, Unpacked, unpack_sources, verify_unpacked
 
 KIND_REASON = "the lock pins the wheel's sha256 (the file pip resolves for the wheel target); wheels carry the sources"
 SDIST_CHECKED = {
@@ -51,6 +57,50 @@ def _rel(p: Path, root: Path) -> str:
         return str(p.resolve().relative_to(root.resolve()))
     except ValueError:
         return str(p)
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pins_disagreements(summary: dict[str, Any], cfg: Config, dists: list[str]) -> list[str]:
+    """Where pins.json contradicts facts gathered here afresh (not from what the stage computed): the lock
+    re-read from disk, each file's sha256 recomputed, the installed version, the unpacked sources counted."""
+    src = cfg.section("sources")
+    lock = read_lock(cfg.path(src["lock"]))
+    cache = cfg.results_dir / "sources" / "dist"
+    bad: list[str] = []
+    if (summary.get("lock"), summary.get("profile")) != (src["lock"], cfg.profile):
+        bad.append(f"lock/profile {summary.get('lock')!r}/{summary.get('profile')!r}, "
+                   f"expected {src['lock']!r}/{cfg.profile!r}")
+    rows = summary.get("distributions") or {}
+    if sorted(rows) != sorted(dists):
+        bad.append(f"distributions {sorted(rows)}, expected {sorted(dists)}")
+    for d in dists:
+        row, pin = rows.get(d) or {}, lock.get(d)
+        want = (pin.version, pin.sha256) if pin else (None, None)
+        if (row.get("version"), row.get("sha256")) != want:
+            bad.append(f"{d}: version/sha256 {row.get('version')}/{row.get('sha256')}, the lock says {want[0]}/{want[1]}")
+        if row.get("file"):
+            f = cache / row["file"]
+            on_disk = sha256_file(f) if f.is_file() else None
+            if row.get("verified") is not (pin is not None and on_disk == pin.sha256):
+                bad.append(f"{d}: verified={row.get('verified')} but {f} has sha256 {on_disk}, "
+                           f"the lock says {want[1]}")
+        elif row.get("verified"):
+            bad.append(f"{d}: verified without a file")
+        if pin is not None and row.get("installed_version", "<absent>") != _installed(d):
+            bad.append(f"{d}: installed_version {row.get('installed_version', '<absent>')!r}, "
+                       f"importlib.metadata says {_installed(d)!r}")
+        if row.get("sources_dir"):
+            root = cfg.path(row["sources_dir"])
+            n = sum(1 for p in root.rglob("*") if p.is_file() and p.name.endswith(SOURCE_SUFFIXES))
+            if n != row.get("python_files"):
+                bad.append(f"{d}: python_files {row.get('python_files')}, {root} holds {n}")
+    return bad
 
 
 def run(cfg: Config) -> Result:
@@ -136,7 +186,8 @@ def run(cfg: Config) -> Result:
     with res.case("pins-summary", {"path": str(summary_file)}) as c:
         body = {"lock": src["lock"], "profile": cfg.profile, "distributions": rows}
         write_pins(summary_file, body)
-        back = read_pins(summary_file)
-        c.check("written_and_read_back", back["distributions"] == rows and back["lock"] == src["lock"],
-                value=str(summary_file))
+        back = read_pins(summary_file)          # as another stage reads it: SourcesError on a bad schema
+        c.record("read_back_as", PINS_SCHEMA)
+        problems = pins_disagreements(back, cfg, dists)
+        c.check("rows_agree_with_lock_files_and_install", not problems, value=problems[:10] or None)
     return res
