@@ -289,6 +289,38 @@ def test_cpu_attention_kernel_reads_what_kmesh_wrote():
     assert float((stale - ref).norm() / ref.norm()) > 5 * err
 
 
+def fp8_refusal(e: BaseException) -> str | None:
+    """The reason, if `e` is vLLM refusing fp8 KV on this CPU; None for any other error (which must fail)."""
+    return str(e)[:120] if isinstance(e, RuntimeError) else None
+
+
+def _fp8_write_error(isa: str, cache_dtype: torch.dtype) -> BaseException | None:
+    """What vLLM's CPU cache writer raises for an fp8 write with this ISA hint into caches of cache_dtype."""
+    v, cpu = _vllm(), _cpu_backend()
+    H, D, N, T = 2, 64, 32, 8
+    views, cfg = _allocate("LBHNC", v.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=cache_dtype))
+    x = torch.ones(T, len(LAYERS), H, D, dtype=torch.bfloat16)
+    try:
+        _cpu_write(cpu, views, x, x, torch.arange(T), isa, "fp8_e4m3", k_scale=0.05, v_scale=0.025)
+    except RuntimeError as e:
+        return e
+    return None
+
+
+def test_only_vllms_fp8_refusal_turns_into_a_skip():
+    # Real errors from vLLM's own writer: an ISA without an fp8 path is refused; a cache of the wrong dtype is a
+    # bug in the caller and must fail the test, as must any other RuntimeError.
+    refused = _fp8_write_error("vec16", torch.uint8)
+    misuse = _fp8_write_error("vec", torch.bfloat16)
+    assert refused is not None and misuse is not None
+    assert fp8_refusal(refused) is not None
+    assert fp8_refusal(misuse) is None, misuse
+    assert fp8_refusal(RuntimeError("Check failed: key.dim() == 3 (4 vs. 3)")) is None
+    # vLLM's Python-side refusal (_get_attn_isa without AVX-512/AMX) vs its complaint about our head size
+    assert fp8_refusal(NotImplementedError("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")) is not None
+    assert fp8_refusal(NotImplementedError("FP8 KV cache requires head_size divisible by 32 on CPU.")) is None
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
     """Where this CPU runs vLLM's fp8 CPU cache (AVX-512/AMX), its bytes are KMesh's fp8(x / scale)."""
@@ -297,7 +329,9 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
     try:
         isa = cpu._get_attn_isa(torch.bfloat16, N, D, kv_cache_dtype)
     except NotImplementedError as e:
-        pytest.skip(f"vLLM refuses fp8 KV on this CPU: {e}")
+        if (why := fp8_refusal(e)) is None:
+            raise
+        pytest.skip(f"vLLM refuses fp8 KV on this CPU: {why}")
     spec = v.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.uint8)
     views, cfg = _allocate("LBHNC", spec)
     raw = storage_bytes(views[0])
@@ -308,7 +342,9 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
     try:
         _cpu_write(cpu, views, k, val, slots, isa, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
     except RuntimeError as e:
-        pytest.skip(f"vLLM's CPU fp8 cache writer does not run on this CPU: {str(e)[:120]}")
+        if (why := fp8_refusal(e)) is None:
+            raise
+        pytest.skip(f"vLLM's CPU fp8 cache writer does not run on this CPU: {why}")
     lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
     seg = capture(raw, lay, slots, torch.arange(T))
     from kmesh.layout import dequantize, quantize
