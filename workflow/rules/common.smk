@@ -17,8 +17,8 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership"]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],
-    "model": ["model/*.py"],
-    "synthetic": ["layout.py", "rope.py", "restore.py", "cuda/*.py", "vllm/*.py"],
+    "model": ["model/*.py", "sources/__init__.py", "sources/digest.py"],
+    "synthetic": ["layout.py", "rope.py", "restore.py", "reference/*.py", "cuda/*.py", "vllm/*.py"],
     "drain": ["transfer/*.py", "shm.py", "stages/drain_client.py"],
     "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
     "report": ["report/*.py"],
