@@ -41,6 +41,9 @@ def test_ordinary_client_cannot_shutdown_evict_or_see_all_while_admin_can() -> N
             "evict_key": lambda w, **adm: w.call("call", op="evict", fields={"key": b"shared", **adm}),
             "evict_all": lambda w, **adm: w.call("call", op="evict", fields=adm),
             "status_all": lambda w, **adm: w.call("call", op="status", fields={"scope": "all", **adm}),
+            "list_all": lambda w, **adm: w.call("call", op="list", fields={"what": "registrations", "scope": "all",
+                                                                           **adm}),
+            "list_objects": lambda w, **adm: w.call("call", op="list", fields={"what": "objects", **adm}),
         }
         for w in (a, b):  # not even the object's owner
             for name, attempt in attempts.items():
@@ -57,7 +60,7 @@ def test_ordinary_client_cannot_shutdown_evict_or_see_all_while_admin_can() -> N
 
         st = h.status()
         assert h.service.alive() and _view(st) == before, "a refused admin op changed the service"
-        assert st["stats"]["errors"]["not_authorized"] == 2 * 4 * 3 + 2
+        assert st["stats"]["errors"]["not_authorized"] == 2 * len(attempts) * 3 + 2
         a.call("fill", name="kv", seed=9, n=N)  # the original is still there and still served
         req = a.call("load", reg=ref["reg"], key=b"shared", offset=0)
         h.accepted(N)
@@ -66,7 +69,9 @@ def test_ordinary_client_cannot_shutdown_evict_or_see_all_while_admin_can() -> N
 
         # the capability is the token, not the process: a worker handed the token may act as admin
         tok = h.service.admin_token()
-        assert attempts["status_all"](b, admin=tok)["registrations"]
+        assert attempts["status_all"](b, admin=tok)["counts"]["registrations"] == 1
+        assert [r["reg"] for r in attempts["list_all"](b, admin=tok)["items"]] == [ref["reg"]]
+        assert [o["key"] for o in attempts["list_objects"](b, admin=tok)["items"]] == [b"shared"]
         # the admin (the harness, which read the token file) evicts and shuts down
         assert h.admin.evict(b"shared") == {"evicted": 1, "kept": []}
         a.call("close", reg=ref["reg"])

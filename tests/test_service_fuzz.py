@@ -139,7 +139,8 @@ def bad_layout(rng: random.Random) -> object:
 # field name -> kind of bad value; templates give a valid value for every field
 FIELD_KIND = {"instance": "int", "alloc_id": "int", "generation": "int", "nbytes": "int", "reg": "int", "gen": "int",
               "offset": "int", "req": "int", "layout_digest": "bin32", "key": "key", "timeout_s": "float",
-              "scope": "scope", "kind": "kind", "name": "text", "verify": "flag", "admin": "bin32"}
+              "scope": "scope", "kind": "kind", "name": "text", "verify": "flag", "admin": "bin32",
+              "what": "scope", "order": "scope", "after": "int", "limit": "int", "running": "flag"}
 
 
 def templates(tok: bytes) -> dict[str, dict]:
@@ -158,6 +159,7 @@ def templates(tok: bytes) -> dict[str, dict]:
         "cancel": {"token": tok, "req": 1},
         "evict": {"token": tok, "key": b"k", "admin": b"\x00" * 32},
         "status": {"token": tok, "scope": "self", "admin": b"\x00" * 32},
+        "list": {"token": tok, "what": "registrations", "after": 1, "limit": 5, "order": "asc", "running": True},
         "shutdown": {"token": tok, "admin": b"\x00" * 32},
     }
 

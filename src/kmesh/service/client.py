@@ -9,8 +9,9 @@
 
 Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
 service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
-Admin ops (shutdown, evict, status("all")) need `admin_token=` (read from the runtime dir by
-kmesh.service.process); without it they raise NotAuthorizedError.
+Admin ops (shutdown, evict, status("all"), listing all clients' items or the store) need `admin_token=` (read
+from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every reply fits in
+one frame: status() assembles its lists from pages (`list` op), so it works however large the store grows.
 Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
 the service validates them (kmesh.service.descriptor), so a client need not import kmesh.layout.
 """
@@ -246,10 +247,70 @@ class ServiceClient:
         """Admin: drop unpinned originals (all, or `key`)."""
         return self.call("evict", **({"key": key} if key is not None else {}), **self._admin())
 
-    def status(self, scope: str = "self", verify: bool = False) -> dict[str, Any]:
-        """Own registrations and requests ("self"), or everything ("all": admin only); verify=True
-        re-hashes every stored original (immutability check)."""
-        return self.call("status", scope=scope, verify=verify, **(self._admin() if scope == "all" else {}))
+    def summary(self, scope: str = "self") -> dict[str, Any]:
+        """The service's bounded status reply: counts, by_state, counters (+ health and store totals for
+        "all", admin only). One frame however large the registry and the store are."""
+        return self.call("status", scope=scope, **(self._admin() if scope == "all" else {}))
+
+    def list_page(self, what: str, scope: str = "self", after: int | None = None, limit: int = 1024,
+                  order: str = "asc", running: bool = False, verify: bool = False) -> dict[str, Any]:
+        """One page of a list: {"items": [...], "next": cursor or None}."""
+        fields: dict[str, Any] = {"what": what, "scope": scope, "limit": limit, "order": order}
+        if after is not None:
+            fields["after"] = after
+        if running:
+            fields["running"] = True
+        if verify:
+            fields["verify"] = True
+        if scope == "all" or what == "objects":
+            fields.update(self._admin())
+        return self.call("list", **fields)
+
+    def list_all(self, what: str, scope: str = "self", **opts: Any) -> list[dict[str, Any]]:
+        """Every item of a list, page after page (items added or removed meanwhile may or may not show)."""
+        out: list[dict[str, Any]] = []
+        after = None
+        while True:
+            page = self.list_page(what, scope, after=after, **opts)
+            out += page["items"]
+            if page["next"] is None:
+                return out
+            after = page["next"]
+
+    def status(self, scope: str = "self", verify: bool = False, attempts: int = 20) -> dict[str, Any]:
+        """Own registrations and requests ("self"), or everything ("all": admin only), assembled from the
+        summary and the paged lists: clients, registrations, released (the latest 64), requests (self) or
+        requests_running (all), store.objects (all; verify=True re-hashes every original, page by page:
+        the immutability check). Every reply carries the service's state version; the assembly is retried
+        until all its parts saw the same version (one consistent state; `consistent` says whether that was
+        reached within `attempts`)."""
+        for _ in range(attempts):
+            st = self.summary(scope)
+            seen = {st["version"]}
+
+            def pages(what: str, first_only: bool = False, **opts: Any) -> list[dict[str, Any]]:
+                out: list[dict[str, Any]] = []
+                after = None
+                while True:
+                    page = self.list_page(what, scope, after=after, **opts)
+                    seen.add(page["version"])
+                    out += page["items"]
+                    if first_only or page["next"] is None or len(seen) > 1:  # changed meanwhile: start over
+                        return out
+                    after = page["next"]
+
+            st["clients"] = pages("clients")
+            st["registrations"] = pages("registrations")
+            st["released"] = pages("released", first_only=True, order="desc", limit=64)[::-1]
+            if scope == "self":
+                st["requests"] = pages("requests")
+            else:
+                st["requests_running"] = pages("requests", running=True)
+                st["store"]["objects"] = pages("objects", verify=verify)
+            st["consistent"] = len(seen) == 1
+            if st["consistent"]:
+                return st
+        return st
 
     def shutdown(self) -> dict[str, Any]:
         """Admin: close every registration, drain, exit."""

@@ -162,6 +162,14 @@ class ShuttingDownError(ServiceError):
     code = "shutting_down"
 
 
+class ReplyTooLargeError(ServiceError):
+    """The reply to a valid request would not fit in one frame (protocol.MAX_PAYLOAD). Replies are bounded by
+    design (status is a summary, lists come in pages), so this is a service bug; it is reported, not fatal: the
+    connection and the client's registrations stay."""
+
+    code = "reply_too_large"
+
+
 class InternalError(ServiceError):
     """A bug in the service; the request was refused and the registry left as it was."""
 

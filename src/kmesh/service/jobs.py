@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kmesh.service.errors import CapacityError, DestinationBusyError, UnknownRequestError
+from kmesh.service.protocol import clip
 from kmesh.transfer import ChunkGate, FaultPlan, SubmitError, TransferEngine, TransferError
 
 
@@ -53,7 +54,7 @@ class CopyJob:
     def describe(self) -> dict[str, Any]:
         return {"req": self.req_id, "kind": self.kind, "reg": self.reg.reg_id, "key": self.obj.key,
                 "offset": self.offset, "nbytes": self.nbytes, "state": self.state,
-                "cancel_requested": self.cancel_requested, "error": self.error,
+                "cancel_requested": self.cancel_requested, "error": clip(self.error),
                 "chunks_done": getattr(self.ticket, "chunks_done", 0),
                 "chunks_total": getattr(self.ticket, "chunks_total", 0)}
 

@@ -114,12 +114,20 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           chunk_bytes: int = 1 << 20, gate_fd: int | None = None, store_bytes: int = 1 << 30,
           socket_mode: int = 0o600, allow_uids: list[int] | None = None, log_path: Path | None = None,
           detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO",
-          faults: list[str] | None = None) -> ServiceProcess:
-    """Spawn `python -m kmesh.service.server` and wait until it answers ping."""
+          faults: list[str] | None = None, max_objects: int | None = None, max_jobs: int | None = None,
+          max_regs: int | None = None, max_regs_per_client: int | None = None,
+          max_tombstones: int | None = None) -> ServiceProcess:
+    """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
+    server's defaults) bound the store, the job history and the registry (tests use small ones)."""
     rd = Path(runtime_dir or default_runtime_dir())
     cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
            "--heartbeat-timeout", str(heartbeat_timeout_s), "--chunk-bytes", str(chunk_bytes),
            "--store-bytes", str(store_bytes), "--socket-mode", f"{socket_mode:o}", "--log-level", log_level]
+    limits = {"--max-objects": max_objects, "--max-jobs": max_jobs, "--max-regs": max_regs,
+              "--max-regs-per-client": max_regs_per_client, "--max-tombstones": max_tombstones}
+    for flag, v in limits.items():
+        if v is not None:
+            cmd += [flag, str(int(v))]
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
     for f in faults or ():

@@ -1,14 +1,25 @@
-"""Wire protocol v1 of the cache service: frames, message schema, validation.
+"""Wire protocol v1 of the cache service: frames, message schema, validation, bounded replies.
 
 Frame   = header (12 bytes, big endian: magic b"KMSV", u16 version, u16 nfds, u32 payload length) + payload.
 Payload = one msgpack map with string keys. File descriptors (memfd handles) travel as SCM_RIGHTS attached
           to the frame's first byte; `nfds` says how many belong to the frame.
 Request = {"op": str, "seq": u32, "token": bin[32] (every op but ping/hello), <op fields>}
-          admin ops (shutdown, evict, status scope="all") also carry "admin": bin[32], the token in the runtime
-          dir's 0600 admin file; it is optional in the schema, so a request without it is refused by the
-          service as not_authorized (a typed error), not as malformed.
+          admin ops (shutdown, evict, status scope="all", list scope="all" or what="objects") also carry
+          "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional in the schema, so a
+          request without it is refused by the service as not_authorized (a typed error), not as malformed.
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
           {"seq": u32 | nil, "ok": false, "error": {"code": str, "message": str}, "fatal": bool}
+
+Every reply fits in one frame BY DESIGN: `status` is a summary of counts, states, counters and health (no
+list that grows with the registry or the store), and everything that is a list comes from `list`:
+    {"op": "list", "what": clients|registrations|released|requests|objects, "after": cursor | nil,
+     "limit": n, "order": "asc"|"desc", "running": bool (requests only), "verify": bool (objects only)}
+    -> {"items": [...], "next": cursor | nil}
+A page holds at most `limit` items and is cut at PAGE_BUDGET packed bytes (one item is at most ITEM_MAX, texts
+in items are clipped to TEXT_MAX), well under MAX_PAYLOAD. `next` is nil on the last page; otherwise pass it
+as `after` (cursors are opaque integers in list order). Ordinary clients list only their own registrations,
+released records and requests (and their own client record); all clients' items and the store's objects need
+the admin token. A reply that would still not fit (a bug) becomes a non-fatal reply_too_large error.
 
 Every field of every op is declared below (OPS) with its type and range; unknown fields are refused.
 Nothing here touches the registry: parse_request() either returns a Request or raises a ServiceError.
@@ -37,6 +48,10 @@ U32 = (1 << 32) - 1
 U63 = (1 << 63) - 1
 U64 = (1 << 64) - 1
 MAX_MEMORY = 1 << 46
+PAGE_BUDGET = 32 * 1024   # packed bytes of the items of one list page
+ITEM_MAX = 8 * 1024       # packed bytes of one listed item at its worst (tests/test_service_replies.py)
+TEXT_MAX = 200            # characters of a reason / error text inside a listed item
+LIST_WHAT = ("clients", "registrations", "released", "requests", "objects")
 
 
 # -- field types ------------------------------------------------------------------------------------
@@ -157,8 +172,11 @@ OPS: dict[str, OpSpec] = {
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
     "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None)}),
-    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "verify": (Flag(), False),
-                          "admin": (_ADMIN, None)}),
+    "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "admin": (_ADMIN, None)}),
+    "list": OpSpec({"what": OneOf(*LIST_WHAT)},
+                   {"scope": (OneOf("self", "all"), "self"), "after": (Int(0, U63), None),
+                    "limit": (Int(1, 1024), 1024), "order": (OneOf("asc", "desc"), "asc"),
+                    "running": (Flag(), False), "verify": (Flag(), False), "admin": (_ADMIN, None)}),
     "shutdown": OpSpec({}, {"admin": (_ADMIN, None)}),
 }
 
@@ -170,6 +188,33 @@ class Request:
     token: bytes | None
     args: dict[str, Any]
     fds: list[int]
+
+
+def clip(text: str | None, n: int = TEXT_MAX) -> str | None:
+    """A reason / error text as listed items carry it (bounded, so items stay under ITEM_MAX)."""
+    return text if text is None or len(text) <= n else text[:n - 3] + "..."
+
+
+def packed_size(obj: Any) -> int:
+    return len(msgpack.packb(obj, use_bin_type=True))
+
+
+def cut_page(items: Any, limit: int, budget: int = PAGE_BUDGET) -> tuple[list[Any], int | None]:
+    """Take (cursor, describe) pairs in list order until `limit` items or `budget` packed bytes; returns the
+    described items and the cursor to continue after (None when nothing is left). describe() runs only for
+    items that make it into the page (it may be costly: verify re-hashes an original)."""
+    out: list[Any] = []
+    used, last = 0, None
+    for cursor, describe in items:
+        if len(out) >= limit:
+            return out, last
+        item = describe()
+        size = packed_size(item)
+        if out and used + size > budget:
+            return out, last
+        out.append(item)
+        used, last = used + size, cursor
+    return out, None
 
 
 # -- frames -----------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ from kmesh.service.errors import (CapacityError, ClientLostError, InternalError,
                                   RegistrationClosedError, RegistrationStateError, StaleGenerationError,
                                   UnknownRegistrationError)
 from kmesh.service.identity import Peer
+from kmesh.service.protocol import clip
+
+
+IN_FLIGHT_LISTED = 64  # copy ids a listed registration names (all are counted): keeps the item bounded
 
 
 class State(str, enum.Enum):
@@ -66,9 +70,9 @@ class Registration:
 
     def describe(self) -> dict[str, Any]:
         return {"reg": self.reg_id, "client": self.client_id, "alloc_id": self.alloc_id, "gen": self.generation,
-                "kind": self.kind, "nbytes": self.nbytes, "state": self.state.value, "reason": self.reason,
-                "in_flight": sorted(self.in_flight), "mapped": self.memory is not None,
-                "history": [[h[0], h[1]] for h in self.history]}
+                "kind": self.kind, "nbytes": self.nbytes, "state": self.state.value, "reason": clip(self.reason),
+                "in_flight": sorted(self.in_flight)[:IN_FLIGHT_LISTED], "in_flight_count": len(self.in_flight),
+                "mapped": self.memory is not None, "history": [[h[0], clip(h[1])] for h in self.history]}
 
 
 @dataclass(eq=False)
@@ -86,7 +90,7 @@ class Client:
 
     def describe(self) -> dict[str, Any]:
         return {"client": self.client_id, "instance": self.instance, "name": self.name, "pid": self.peer.pid,
-                "uid": self.peer.uid, "live": self.live, "lost_reason": self.lost_reason,
+                "uid": self.peer.uid, "live": self.live, "lost_reason": clip(self.lost_reason),
                 "connected": self.conn_id is not None, "regs": sorted(self.regs)}
 
 
@@ -101,11 +105,13 @@ class Tombstone:
     generation: int
     reason: str | None
     history: tuple[tuple[str, str], ...]
+    seq: int = 0  # order of release: the cursor of `list released`
 
     def describe(self) -> dict[str, Any]:
         return {"reg": self.reg_id, "client": self.client_id, "alloc_id": self.alloc_id, "gen": self.generation,
-                "state": State.RELEASED.value, "reason": self.reason, "in_flight": [], "mapped": False,
-                "history": [list(h) for h in self.history]}
+                "state": State.RELEASED.value, "reason": clip(self.reason), "in_flight": [], "in_flight_count": 0,
+                "mapped": False,
+                "history": [[h[0], clip(h[1])] for h in self.history]}
 
 
 Unmap = Callable[[Registration], None]  # releases reg.memory / reg.handle; raises while still in use
@@ -125,6 +131,7 @@ class Registry:
         self._latest_gen: dict[tuple[int, int], int] = {}
         self._client_ids = itertools.count(1)
         self._reg_ids = itertools.count(1)
+        self._tomb_seq = itertools.count(1)
         self.counters = {"registered": 0, "released": 0, "release_deferred": 0, "superseded_clients": 0}
 
     # -- clients ------------------------------------------------------------------------------------
@@ -258,7 +265,8 @@ class Registry:
     def _bury(self, reg: Registration) -> None:
         del self.regs[reg.reg_id]
         self.tombstones[reg.reg_id] = Tombstone(reg.reg_id, reg.client_id, reg.alloc_id, reg.generation,
-                                                reg.reason, tuple((h[0], h[1]) for h in reg.history))
+                                                reg.reason, tuple((h[0], h[1]) for h in reg.history),
+                                                next(self._tomb_seq))
         while len(self.tombstones) > self.max_tombstones:
             self.tombstones.popitem(last=False)
         self.counters["released"] += 1
@@ -274,17 +282,17 @@ class Registry:
         reg.history.append((new.value, why, time.monotonic()))
 
     # -- views --------------------------------------------------------------------------------------------
-    def snapshot(self, client_id: int | None = None) -> dict[str, Any]:
-        regs = [r.describe() for r in self.regs.values() if client_id is None or r.client_id == client_id]
-        clients = [c.describe() for c in self.clients.values() if client_id is None or c.client_id == client_id]
+    def summary(self, client_id: int | None = None) -> dict[str, Any]:
+        """Counts by state and counters, for one client or all (bounded: the items are listed page by page)."""
         by_state = {s.value: 0 for s in State if s is not State.RELEASED}
         for r in self.regs.values():
             if client_id is None or r.client_id == client_id:
                 by_state[r.state.value] += 1
-        released = [t.describe() for t in list(self.tombstones.values())[-64:]
-                    if client_id is None or t.client_id == client_id]
-        return {"clients": clients, "registrations": regs, "released": released, "by_state": by_state,
-                "counters": dict(self.counters)}
+        mine = [c for c in self.clients.values() if client_id is None or c.client_id == client_id]
+        released = sum(1 for t in self.tombstones.values() if client_id is None or t.client_id == client_id)
+        return {"by_state": by_state, "counters": dict(self.counters),
+                "counts": {"clients": len(mine), "clients_live": sum(c.live for c in mine),
+                           "registrations": sum(by_state.values()), "released": released}}
 
     def violations(self) -> list[str]:
         """Invariants that must hold between any two events (checked by status and by tests)."""

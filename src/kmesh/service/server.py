@@ -5,6 +5,9 @@ finish without interleaving: validate (protocol), resolve (registry), accept (re
 A malformed or unauthorised message gets a typed error reply and changes nothing; a frame that cannot be
 trusted (bad magic, oversized, truncated) also ends that connection. Admin ops (shutdown, status of all
 clients, evict) need the admin token this process writes to a 0600 file next to its socket (identity.py).
+Every reply is bounded (status is a summary; lists are paged, protocol.cut_page), and every collection the
+service keeps has a limit (objects, jobs, registrations, tombstones: ServiceOptions), so no valid request
+can make a reply that does not fit in a frame; one that still would is refused as reply_too_large, non-fatally.
 Copies run on kmesh.transfer engines; their completion comes back through CopyRunner's wake pipe.
 
     python -m kmesh.service.server --runtime-dir DIR [--device cpu|cuda] [--heartbeat-timeout S] ...
@@ -13,6 +16,7 @@ Copies run on kmesh.transfer engines; their completion comes back through CopyRu
 from __future__ import annotations
 
 import argparse
+import bisect
 import logging
 import os
 import selectors
@@ -26,22 +30,25 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, HandleError, InternalError,
-                                  LayoutMismatchError, NotAuthorizedError, NotOwnerError, RangeError,
-                                  RegistrationStateError, SequenceError, ServiceError, ShuttingDownError,
-                                  TruncatedFrameError, UnsupportedVersionError)
+from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, FrameTooLargeError, HandleError,
+                                  InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError, RangeError,
+                                  RegistrationStateError, ReplyTooLargeError, SequenceError, ServiceError,
+                                  ShuttingDownError, TruncatedFrameError, UnsupportedVersionError)
 from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
 from kmesh.service.jobs import CopyJob, CopyRunner
 from kmesh.service.process import ADMIN_TOKEN_NAME, PID_NAME, SOCKET_NAME
-from kmesh.service.protocol import (VERSION, Frame, FrameAssembler, Request, error_reply, ok_reply, pack_frame,
-                                    parse_request, peek_seq, unpack_body)
+from kmesh.service.protocol import (VERSION, Frame, FrameAssembler, Request, clip, cut_page, error_reply, ok_reply,
+                                    pack_frame, parse_request, peek_seq, unpack_body)
 from kmesh.service.registry import Client, Registration, Registry, State
 from kmesh.service.store import Store
 from kmesh.shm import SegmentBusyError
 
 log = logging.getLogger("kmesh.service")
 _DEFERRED = object()  # a handler's "the reply comes later" (parked wait)
+_READ_ONLY = frozenset({"ping", "heartbeat", "wait", "status", "list"})  # change nothing status/list show
 FAULTS = ("ignore_in_flight",)  # deliberate flaws for negative controls (tests prove the checks can fail)
+MAX_REGS_PER_CLIENT = 512  # a client's record lists its registration ids: this keeps it under protocol.ITEM_MAX
+VERIFY_BYTES = 64 << 20    # originals re-hashed per `list objects verify` page (at least one): bounded work
 
 
 @dataclass
@@ -54,7 +61,11 @@ class ServiceOptions:
     gate_fd: int | None = None            # test/stage hook: a ChunkGate pipe that paces every copy chunk
     socket_mode: int = 0o600
     allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid()}))
-    max_regs_per_client: int = 64
+    max_regs_per_client: int = 64        # at most MAX_REGS_PER_CLIENT (a client's listed item stays bounded)
+    max_regs: int = 4096
+    max_tombstones: int = 16384           # released records kept to answer "released" / "not yours"
+    max_objects: int = 65536              # originals in the store (besides its byte capacity)
+    max_jobs: int = 4096                  # copies in flight, and finished ones kept for wait/status
     max_connections: int = 256
     max_out_bytes: int = 4 << 20          # a client that does not read its replies is disconnected
     faults: tuple[str, ...] = ()          # negative controls only (FAULTS)
@@ -74,12 +85,19 @@ class Conn:
 
 class Service:
     def __init__(self, opts: ServiceOptions) -> None:
+        for name in ("max_regs_per_client", "max_regs", "max_tombstones", "max_objects", "max_jobs"):
+            if getattr(opts, name) < 1:
+                raise ServiceError(f"{name} must be at least 1, not {getattr(opts, name)}")
+        if opts.max_regs_per_client > MAX_REGS_PER_CLIENT:
+            raise ServiceError(f"max_regs_per_client {opts.max_regs_per_client} > {MAX_REGS_PER_CLIENT}")
         self.opts = opts
         self.sel = selectors.DefaultSelector()
-        self.registry = Registry(self._unmap, max_regs_per_client=opts.max_regs_per_client,
+        self.registry = Registry(self._unmap, max_regs_per_client=opts.max_regs_per_client, max_regs=opts.max_regs,
+                                 max_tombstones=opts.max_tombstones,
                                  ignore_in_flight="ignore_in_flight" in opts.faults)
-        self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"))
-        self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd)
+        self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"),
+                           max_objects=opts.max_objects)
+        self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
         self.cuda = CudaIpcTable()
         self.conns: dict[int, Conn] = {}
         self._next_cid = 1
@@ -93,6 +111,9 @@ class Service:
         self.admin_token: bytes | None = None  # set by bind(); None refuses every admin op
         self.listener: socket.socket | None = None
         self._fd_baseline = 0
+        # Bumped by everything that may change what status/list show (not copy progress): a client that
+        # pages through lists can tell whether it saw one consistent state (ServiceClient.status).
+        self.version = 0
 
     # -- setup --------------------------------------------------------------------------------------
     def bind(self) -> None:
@@ -196,9 +217,11 @@ class Service:
         return max(t, 0.0)
 
     def _tick(self, now: float) -> None:
+        released = self.registry.counters["released"]
         for c in list(self.registry.clients.values()):
             if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
                 log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
+                self.version += 1
                 self.registry.lose_client(c, "heartbeat lost")
         for conn in list(self.conns.values()):
             for req, (seq, deadline) in list(conn.parked.items()):
@@ -206,6 +229,8 @@ class Service:
                     del conn.parked[req]
                     self._send(conn, ok_reply(seq, self.copies.get(req).describe()))
         self.registry.settle_all()
+        if self.registry.counters["released"] != released:
+            self.version += 1
 
     # -- connections --------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -284,7 +309,16 @@ class Service:
     def _send(self, conn: Conn, body: dict[str, Any]) -> None:
         if conn.cid not in self.conns:
             return
-        conn.out += pack_frame(body)
+        try:
+            frame = pack_frame(body)
+        except FrameTooLargeError as e:
+            # Our own reply is too big: that is our bug, not the client's, so it costs the client nothing (a
+            # typed, non-fatal error; the connection and its registrations stay).
+            err = ReplyTooLargeError(f"the reply to request seq {body.get('seq')} does not fit in a frame ({e})")
+            self.stats["errors"][err.code] = self.stats["errors"].get(err.code, 0) + 1
+            log.error("conn %d: %s", conn.cid, err)
+            frame = pack_frame(error_reply(body.get("seq"), err))
+        conn.out += frame
         self._flush(conn)
 
     def _flush(self, conn: Conn) -> None:
@@ -321,6 +355,7 @@ class Service:
         close_fds(conn.asm.fds)
         conn.parked.clear()
         if conn.client is not None:
+            self.version += 1
             self._forget_pidfd(conn)
             self.registry.detach_connection(conn.client)
         elif conn.peer.pidfd >= 0:
@@ -339,6 +374,7 @@ class Service:
         c = conn.client
         log.info("client %s (pid %d) exited", c.client_id if c else "?", conn.peer.pid)
         if c is not None and c.live:
+            self.version += 1
             self.registry.lose_client(c, "client died")
         self._drop_conn(conn)
 
@@ -346,6 +382,7 @@ class Service:
     def _on_frame(self, conn: Conn, frame: Frame) -> None:
         self.stats["frames"] += 1
         seq = None
+        mutating = False
         try:
             if len(frame.fds) != frame.nfds:
                 raise HandleError(f"frame declares {frame.nfds} fd(s), {len(frame.fds)} arrived with it")
@@ -354,6 +391,7 @@ class Service:
             body = unpack_body(frame.payload)
             seq = peek_seq(body)
             req = parse_request(body, frame.fds)
+            mutating = req.op not in _READ_ONLY
             result = self._dispatch(conn, req)
             if result is not _DEFERRED:
                 self._send(conn, ok_reply(seq, result))
@@ -365,6 +403,8 @@ class Service:
             self._fail(conn, seq, InternalError(f"{type(e).__name__}: {e}"))
         finally:
             close_fds(frame.fds)  # handlers take the fds they keep out of this list
+            if mutating:  # refused requests change nothing by design; counting them too is merely cautious
+                self.version += 1
 
     def _dispatch(self, conn: Conn, req: Request) -> Any:
         if req.op == "ping":
@@ -379,6 +419,8 @@ class Service:
         c.last_seen = time.monotonic()
         if req.op == "status":
             return self._op_status(conn, req)
+        if req.op == "list":  # like status: a lost client may still look at what it had
+            return self._op_list(conn, req)
         self.registry.require_live(c)
         return getattr(self, f"_op_{req.op}")(conn, c, req)
 
@@ -516,6 +558,7 @@ class Service:
         return {"req": job.req_id, "state": job.state}
 
     def _collect_copies(self) -> None:
+        self.version += 1
         for job in self.copies.finished():
             reg = job.reg
             if reg.memory is None:  # the mapping went away under a running copy: must never happen
@@ -573,23 +616,83 @@ class Service:
             raise NotAuthorizedError(f"{what} {why} admin token refused (the token is in {self.admin_path})")
 
     def _op_status(self, conn: Conn, req: Request) -> dict[str, Any]:
+        """A bounded summary: counts, states, counters, health, store totals; the lists come from `list`."""
         c = conn.client
         assert c is not None
         if req.args["scope"] == "self":
-            snap = self.registry.snapshot(c.client_id)
-            snap["requests"] = [j.describe() for j in self.copies.jobs.values() if j.client_id == c.client_id]
+            snap = self.registry.summary(c.client_id)
+            mine = [j for j in self.copies.jobs.values() if j.client_id == c.client_id]
+            snap["counts"].update(requests=len(mine), requests_running=sum(not j.terminal for j in mine))
+            snap["client"] = c.describe()
+            snap["version"] = self.version
             return snap
         self._require_admin(conn, req, "status of all clients")
-        snap = self.registry.snapshot()
+        snap = self.registry.summary()
+        snap["counts"].update(requests=len(self.copies.jobs), requests_running=self.copies.running(),
+                              objects=len(self.store.objects))
         snap.update(self.health())
-        snap["requests_running"] = [j.describe() for j in self.copies.jobs.values() if not j.terminal]
-        snap["store"] = self.store.snapshot(verify=req.args["verify"])
+        snap["store"] = self.store.summary()
+        snap["version"] = self.version
+        snap["limits"] = {k: getattr(self.opts, k) for k in ("max_regs_per_client", "max_regs", "max_tombstones",
+                                                              "max_objects", "max_jobs", "max_connections")}
         return snap
+
+    def _op_list(self, conn: Conn, req: Request) -> dict[str, Any]:
+        """One page of one list, in cursor order (ids; release order for `released`; creation order for
+        objects). Ordinary clients see only their own items; everything else is an admin op."""
+        c = conn.client
+        assert c is not None
+        a = req.args
+        what = a["what"]
+        everyone = a["scope"] == "all"
+        if everyone or what == "objects":
+            self._require_admin(conn, req, f"listing {'all ' if everyone else ''}{what}")
+
+        def own(client_id: int) -> bool:
+            return everyone or client_id == c.client_id
+
+        items: list[tuple[int, Any]]  # (cursor, thing), ascending cursor
+        if what == "clients":
+            items = sorted((k, x) for k, x in self.registry.clients.items() if own(k))
+        elif what == "registrations":
+            items = sorted((k, x) for k, x in self.registry.regs.items() if own(x.client_id))
+        elif what == "released":
+            items = [(t.seq, t) for t in self.registry.tombstones.values() if own(t.client_id)]  # bury order
+        elif what == "requests":
+            items = [(k, j) for k, j in self.copies.jobs.items()
+                     if own(j.client_id) and not (a["running"] and j.terminal)]  # ids ascend in insertion order
+        else:
+            items = sorted(((o.seq, o) for o in self.store.objects.values()), key=lambda t: t[0])
+        keys = [k for k, _ in items]
+        after = a["after"]
+        if a["order"] == "asc":
+            start = bisect.bisect_right(keys, after) if after is not None else 0
+            todo = items[start:]
+        else:
+            stop = bisect.bisect_left(keys, after) if after is not None else len(items)
+            todo = items[:stop][::-1]
+        limit = a["limit"]
+        cut_short = False
+        if what == "objects" and a["verify"]:
+            hashed = 0  # bounded hashing per page: the loop serves everyone else in between
+            for i, (_, o) in enumerate(todo[:limit]):
+                hashed += o.nbytes
+                if hashed > VERIFY_BYTES and i > 0:
+                    todo, cut_short = todo[:i], True
+                    break
+        verify = a["verify"]
+        page, nxt = cut_page(((k, (lambda x=x: x.describe(verify) if what == "objects" else x.describe()))
+                              for k, x in todo), limit)
+        if nxt is None and cut_short and page:
+            nxt = todo[len(page) - 1][0]
+        return {"items": page, "next": nxt, "version": self.version}
 
     def health(self) -> dict[str, Any]:
         from kmesh.shm import mapped_shm
 
-        return {"stats": self.stats, "violations": self.registry.violations(), "copies_running":
+        violations = self.registry.violations()
+        return {"stats": self.stats, "violations": [clip(v) for v in violations[:16]],  # bounded: first 16
+                "violations_count": len(violations), "copies_running":
                 self.copies.running(), "reservations": self.copies.reservations.count(),
                 "engine_holds": self.copies.live_holds(), "cuda_handles_open": len(self.cuda),
                 "memfd_mappings": mapped_shm(), "open_fds": len(os.listdir("/proc/self/fd")),
@@ -605,6 +708,7 @@ class Service:
         if not self.stopping:
             log.info("shutting down (%s): closing %d registration(s)", why, len(self.registry.regs))
         self.stopping = True
+        self.version += 1
         for reg in list(self.registry.regs.values()):
             self.registry.close(reg, "service shutdown")
 
@@ -635,6 +739,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate-fd", type=int, default=None)
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), default=0o600)
     p.add_argument("--allow-uid", type=int, action="append", default=None)
+    p.add_argument("--max-regs-per-client", type=int, default=64)
+    p.add_argument("--max-regs", type=int, default=4096)
+    p.add_argument("--max-tombstones", type=int, default=16384)
+    p.add_argument("--max-objects", type=int, default=65536)
+    p.add_argument("--max-jobs", type=int, default=4096)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -646,11 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.init()
         torch.zeros(1, device=a.device)  # create the context before the first client arrives
     uids = frozenset(a.allow_uid) if a.allow_uid else frozenset({os.getuid()})
-    svc = Service(ServiceOptions(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes,
-                                 a.gate_fd, a.socket_mode, uids, faults=tuple(a.fault)))
-    if a.fault:
-        log.warning("FAULTS INJECTED (negative control): %s", a.fault)
     try:
+        svc = Service(ServiceOptions(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes,
+                                     a.gate_fd, a.socket_mode, uids, max_regs_per_client=a.max_regs_per_client,
+                                     max_regs=a.max_regs, max_tombstones=a.max_tombstones,
+                                     max_objects=a.max_objects, max_jobs=a.max_jobs, faults=tuple(a.fault)))
+        if a.fault:
+            log.warning("FAULTS INJECTED (negative control): %s", a.fault)
         svc.bind()
     except (ServiceError, OSError) as e:
         print(f"kmesh service: cannot start: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ retention (keep a source across the children of a group) and a disk tier with si
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ class Original:
     state: str = "pending"   # pending -> committed (or aborted: removed)
     pins: int = 0
     sha256: str | None = None  # at commit
+    seq: int = 0               # order of creation: the cursor of `list objects`
 
     def digest(self) -> str:
         return hashlib.sha256(self.tensor.numpy().tobytes()).hexdigest()
@@ -47,22 +49,27 @@ class RetentionPolicy:
 
 
 class Store:
-    def __init__(self, capacity_bytes: int, pinned: bool = False, retention: RetentionPolicy | None = None) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool = False, retention: RetentionPolicy | None = None,
+                 max_objects: int = 65536) -> None:
         self.capacity_bytes = capacity_bytes
+        self.max_objects = max_objects  # every list the service keeps has a limit; this is the store's
         self.pinned = pinned  # page-locked host memory (fast async H2D/D2H on a CUDA service)
         self.retention = retention or RetentionPolicy()
         self.objects: dict[bytes, Original] = {}
         self.used_bytes = 0
         self.counters = {"committed": 0, "aborted": 0, "evicted": 0}
+        self._seq = itertools.count(1)
 
     def begin_put(self, key: bytes, nbytes: int, layout: dict[str, Any], geometry: bytes) -> Original:
         if key in self.objects:
             raise ObjectExistsError(f"object {key[:64]!r} exists ({self.objects[key].state}); originals are "
                                     f"immutable, evict it first")
+        if len(self.objects) >= self.max_objects:
+            raise CapacityError(f"store full: {len(self.objects)} objects, limit {self.max_objects}")
         if self.used_bytes + nbytes > self.capacity_bytes:
             raise CapacityError(f"store full: {self.used_bytes} + {nbytes} > {self.capacity_bytes} bytes")
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        obj = Original(key, nbytes, layout, geometry, t)
+        obj = Original(key, nbytes, layout, geometry, t, seq=next(self._seq))
         self.objects[key] = obj
         self.used_bytes += nbytes
         return obj
@@ -109,7 +116,8 @@ class Store:
         del self.objects[obj.key]
         self.used_bytes -= obj.nbytes
 
-    def snapshot(self, verify: bool = False) -> dict[str, Any]:
-        return {"objects": [o.describe(verify) for o in self.objects.values()], "used_bytes": self.used_bytes,
+    def summary(self) -> dict[str, Any]:
+        """Totals only (bounded); the objects themselves are listed page by page (`list objects`)."""
+        return {"nobjects": len(self.objects), "max_objects": self.max_objects, "used_bytes": self.used_bytes,
                 "capacity_bytes": self.capacity_bytes, "pins": sum(o.pins for o in self.objects.values()),
                 "counters": dict(self.counters)}
