@@ -34,8 +34,10 @@ def test_stage_runs_on_cpu_and_all_cases_pass(tmp_path):
     accuracy = [c for c in res.cases if c.id.startswith("rope-accuracy-")]
     assert {c.id for c in accuracy} == {"rope-accuracy-smollm2", "rope-accuracy-qwen2.5"}
     assert all(c.checks["fp32_shift_max_rel_le_1e-5"]["ok"] for c in accuracy)
+    freq = [c for c in res.cases if c.id == "rope-reference-frequencies"]
+    assert len(freq) == 1 and freq[0].passed and freq[0].checks["max_ulp"]["value"] == 0
     for c in res.cases:
-        if c in accuracy:
+        if c.id.startswith("rope-"):
             continue
         assert c.checks["canary_untouched"]["ok"] and c.checks["keys_vs_float64"]["ok"]
         if not c.id.startswith("mla"):

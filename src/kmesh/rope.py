@@ -411,12 +411,15 @@ def _rel_errors(got: torch.Tensor, ref: torch.Tensor, rotary_dim: int) -> dict[s
 
 
 def measure_accuracy(rope: RopeConfig, dtype: torch.dtype, max_pos: int, n: int, seed: int, *,
-                     heads: int = 2, device: str | torch.device = "cpu", fresh: Fresh | None = None) -> dict:
+                     heads: int = 2, device: str | torch.device = "cpu", fresh: Fresh | None = None,
+                     reference: Fresh | None = None) -> dict:
     """Error of `shift` against a float64 reference of fresh rotation at the new position.
 
     n tokens (× heads) of random keys x (exactly representable in dtype), random old/new positions in
     [0, max_pos) plus the two extreme moves 0 <-> max_pos-1 (so forward and backward shifts up to the
-    full range are always in). Reference: rotate(x, new) in float64. Reports, over rotary channels:
+    full range are always in). Reference: `reference(x, new)` on float64 x, a float64 fresh rotation (default
+    our own rotate; pass an independent one, e.g. kmesh.reference.rotary.fresh_rotation, so that a bug in
+    this module cannot be in the ground truth too). Reports, over rotary channels:
       shift_exact  - shift of keys correctly rounded to dtype after a float64 rotation at old,
       fresh        - a fresh rotation in dtype at new (`fresh(x, new)`; default our `rotate`),
       shift_fresh  - shift of keys made by that same fresh rotation at old (the realistic cache path),
@@ -427,6 +430,7 @@ def measure_accuracy(rope: RopeConfig, dtype: torch.dtype, max_pos: int, n: int,
     if n < 2:
         raise RopeError(f"n must be >= 2, got {n}")
     fresh = fresh or (lambda xs, pos: rotate(xs, pos, rope))
+    reference = reference or (lambda xs, pos: rotate(xs, pos, rope))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, heads, rope.head_dim, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
     old = torch.randint(0, max_pos, (n,), generator=gen, dtype=torch.int64)
@@ -434,8 +438,8 @@ def measure_accuracy(rope: RopeConfig, dtype: torch.dtype, max_pos: int, n: int,
     old[0], new[0], old[1], new[1] = 0, max_pos - 1, max_pos - 1, 0
     x, old, new = x.to(device), old.to(device), new.to(device)
 
-    ref_new = rotate(x, new, rope)
-    cached_exact = rotate(x, old, rope).to(dtype)
+    ref_new = reference(x, new)
+    cached_exact = reference(x, old).to(dtype)
     cached_fresh = fresh(x.to(dtype), old)
     out: dict[str, Any] = {
         "dtype": str(dtype).removeprefix("torch."), "max_pos": max_pos, "n": n, "heads": heads, "seed": seed,

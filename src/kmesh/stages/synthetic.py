@@ -10,6 +10,10 @@ positions (float64, then rounded to the cache dtype), and checks:
   (c) canary_untouched          every byte outside the destination cells (other slots, other layers,
                                 padding, guard bytes before/after the layout) equals the poison
   (d) unrotated_channels_identical  key channels outside the rotary range are the segment's bytes
+The cached keys and k_ref both come from kmesh.reference.rotary (complex-number rotation, frequencies
+from the published formulas), never from kmesh.rope, so only the restore under test uses kmesh.rope's
+shift; case rope-reference-frequencies proves the reference's ω equal kmesh's bit for bit for every
+rope variant used (else a float32 case could not be judged: 1 ulp of ω × 300 positions exceeds its bound).
 Read-back, the canary mask and the expected destination byte count go through kmesh.reference.addressing
 (byte addresses from first principles), never through KVLayout's methods, which restore itself uses: a bug
 in the layout's slot addressing would otherwise move the writes and the checks together.
@@ -31,9 +35,10 @@ from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.layout import KVLayout, dequantize, quantize
 from kmesh.reference import addressing
+from kmesh.reference import rotary as rotary_ref
 from kmesh.restore import KVSegment, plan_restore, restore
 from kmesh.result import Case, Result
-from kmesh.rope import RopeConfig, rotate
+from kmesh.rope import RopeConfig
 
 ARRANGEMENTS = ("paged:LBHNC", "paged:LBNHC", "paged:LHBNC", "paged:BLHNC", "paged:BLNHC", "paged:BHLNC",
                 "cpu:LBHNC", "mla:LBNHC", "mla:BLHNC")
@@ -142,7 +147,7 @@ def build_case(spec: CaseSpec, seed: int, device: str | torch.device) -> CaseDat
     new = torch.arange(new0, new0 + T, dtype=torch.int64)
     rs = tmp.rope_offset
     rotated = x.clone()
-    rotated[..., rs:] = rotate(x[..., rs:].reshape(T, L * H, -1), old, rope).reshape(T, L, H, -1)
+    rotated[..., rs:] = rotary_ref.fresh_rotation(x[..., rs:].reshape(T, L * H, -1), old, rope).reshape(T, L, H, -1)
     k = _store(rotated, tmp, tmp.k_scale)
     v = _store(vals, tmp, tmp.v_scale) if not mla else None
 
@@ -189,7 +194,8 @@ def check_case(c: Case, d: CaseData, raw: torch.Tensor, prefix: str = "") -> dic
     T = int(keep.sum())
     H = lay.num_kv_heads
     keep_cpu = keep.cpu()
-    ref = rotate(d.x64[keep_cpu][..., rs:].reshape(T, SEGMENT_LAYERS * H, -1), d.new_pos.cpu()[keep_cpu], d.rope)
+    ref = rotary_ref.fresh_rotation(d.x64[keep_cpu][..., rs:].reshape(T, SEGMENT_LAYERS * H, -1),
+                                    d.new_pos.cpu()[keep_cpu], d.rope)
     ref = ref.reshape(T, SEGMENT_LAYERS, H, -1)[..., :rd].to(raw.device)
     got = k_got[..., rs:rs + rd]
     got = dequantize(got, lay.fp8_dtype, lay.k_scale).double() if lay.fp8_dtype is not None else got.double()
@@ -257,16 +263,48 @@ ACCURACY_ROPES = {"smollm2": 1e5, "qwen2.5": 1e6}
 ACCURACY_MAX_POS = 32768
 
 
+def frequency_case(res: Result) -> None:
+    """The reference's ω and attention factor equal kmesh.rope's, bit for bit, for every rope the stage uses
+    (the restore cases judge kmesh's float32 shift against the reference: an ω off by one float32 ulp times a
+    shift of ~300 positions would already exceed their bound)."""
+    used = {f"{name}-d{dim}": rope_for(name, dim) for name in ROPES for dim in sorted({HEAD_DIM, ROPE_DIM})}
+    used.update({f"accuracy-{name}": _accuracy_rope(theta) for name, theta in ACCURACY_ROPES.items()})
+    with res.case("rope-reference-frequencies", {"variants": sorted(used)}) as c:
+        worst = 0
+        for name, rope in used.items():
+            ours = rotary_ref.frequencies(rope.rotary_dim, rope.theta, rope.scaling, rope.max_position)
+            theirs = rope.inv_freq()
+            ulp = rotary_ref.ulp_distance_f32(ours, theirs)
+            factor = rotary_ref.attention_factor(rope.scaling)
+            worst = max(worst, ulp)
+            c.check(f"omega_and_attention_factor_equal_{name}",
+                    torch.equal(ours, theirs) and factor == rope.attention_mscale(),
+                    {"max_ulp": ulp, "channels": ours.numel(), "theta": rope.theta, "style": rope.style,
+                     "scaling": rope.scaling_type, "attention_factor": factor,
+                     "kmesh_attention_factor": rope.attention_mscale()})
+        c.record("max_ulp", worst)
+
+
+def _accuracy_rope(theta: float) -> RopeConfig:
+    return RopeConfig(64, 64, theta, "neox", None, ACCURACY_MAX_POS)
+
+
 def rope_accuracy_cases(res: Result, seed: int, device: str) -> None:
     """Shift accuracy against float64 (issue §21, recorded): fp32 ≤ 1e-5 relative up to 32k; bf16 no worse than
-    a fresh bf16 rotation (vLLM's own where vLLM is installed, else KMesh's) + one bf16 rounding."""
+    a fresh bf16 rotation (vLLM's own where vLLM is installed, else KMesh's) + one bf16 rounding. The float64
+    ground truth is kmesh.reference.rotary, never kmesh.rope."""
     from kmesh.rope import measure_accuracy
     from kmesh.vllm import available as vllm_available
 
     for k, (name, theta) in enumerate(ACCURACY_ROPES.items()):
-        rope = RopeConfig(64, 64, theta, "neox", None, ACCURACY_MAX_POS)
+        rope = _accuracy_rope(theta)
+
+        def reference(xs: torch.Tensor, pos: torch.Tensor, rope: RopeConfig = rope) -> torch.Tensor:
+            return rotary_ref.fresh_rotation(xs, pos, rope)
+
         with res.case(f"rope-accuracy-{name}", {"theta": theta, "max_pos": ACCURACY_MAX_POS, "tokens": 1024}) as c:
-            r32 = measure_accuracy(rope, torch.float32, ACCURACY_MAX_POS, 1024, seed + 1000 + k, device=device)
+            r32 = measure_accuracy(rope, torch.float32, ACCURACY_MAX_POS, 1024, seed + 1000 + k, device=device,
+                                   reference=reference)
             c.check("fp32_shift_max_rel_le_1e-5", r32["shift_exact_max_rel_l2"] <= 1e-5, r32)
             if vllm_available() and device == "cpu":
                 from kmesh.vllm.rope_reference import vllm_fresh_rotation
@@ -275,8 +313,9 @@ def rope_accuracy_cases(res: Result, seed: int, device: str) -> None:
             else:  # the GPU machine has no vLLM: compare with KMesh's own fresh rotation, and say so
                 comparator, fresh = "kmesh-rotate", None
             r16 = measure_accuracy(rope, torch.bfloat16, ACCURACY_MAX_POS, 1024, seed + 2000 + k, device=device,
-                                   fresh=fresh)
+                                   fresh=fresh, reference=reference)
             c.record("bf16_comparator", comparator)
+            c.record("float64_reference", "kmesh.reference.rotary")
             u = r16["unit_roundoff"]
             c.check("bf16_shift_of_fresh_keys_no_worse_than_fresh_plus_1_rounding",
                     r16["shift_fresh_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u, r16)
@@ -302,12 +341,14 @@ def run(cfg: Config) -> Result:
     res.extra["device"] = device
     res.extra["check_kernel"] = check_kernel
     res.extra["design"] = ("each case: poison whole buffer (random bytes, guard regions both sides), restore "
-                           "(torch path), read back through an independent byte-address reference (kmesh.reference."
+                           "(torch path) a segment rotated by an independent complex-number RoPE reference "
+                           "(kmesh.reference.rotary; its ω equal kmesh's bit for bit), read back through an independent byte-address reference (kmesh.reference."
                            "addressing), check values bit-identical, keys vs float64 within 2u+8u_f32, "
                            "canary outside destination cells, unrotated channels identical, vLLM-style layer "
                            "views agree with the reference"
                            + ("; kernel vector and element paths must equal the torch buffer byte for byte"
                               if check_kernel else ""))
+    frequency_case(res)
     worst: dict[str, float] = {}
     for i, spec in enumerate(specs):
         with res.case(spec.id, asdict(spec)) as c:
