@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.layout import ORDERS, KVLayout, storage_bytes
+from kmesh.layout import ORDERS, KVLayout, dequantize, quantize, storage_bytes
 from kmesh.restore import KVSegment, capture, restore
 from kmesh.rope import RopeConfig
 
@@ -357,17 +357,37 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
         pytest.skip(f"vLLM's CPU fp8 cache writer does not run on this CPU: {why}")
     lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
     seg = capture(raw, lay, slots, torch.arange(T))
-    from kmesh.layout import dequantize, quantize
-
     for got, x, scale in ((seg.k, k, 0.05), (seg.v, val, 0.025)):
-        ours = quantize(x.float(), lay.fp8_dtype, 1 / scale)
-        # vLLM's bytes decode, with KMesh's scale semantics, to x within one fp8 rounding ...
+        ours = quantize(x.float(), lay.fp8_dtype, 1 / scale)     # round to nearest even
+        # vLLM's bytes decode, with KMesh's scale semantics (stored = fp8(x / scale)), to x within one fp8 step ...
         back = dequantize(got, lay.fp8_dtype, scale)
-        u = 2.0**-4 if kv_cache_dtype == "fp8_e4m3" else 2.0**-3
-        assert float(((back - x.float()).abs() / x.float().abs().clamp(min=scale * 2.0**-6)).max()) <= u
-        # ... and are KMesh's own encoding, up to a tie broken the other way (adjacent codes)
-        assert int((got.int() - ours.int()).abs().max()) <= 1
-        assert float((got != ours).float().mean()) < 1e-3
+        step = 2.0**-3 if kv_cache_dtype == "fp8_e4m3" else 2.0**-2   # one code apart, relative (2u)
+        assert float(((back - x.float()).abs() / x.float().abs().clamp(min=scale * 2.0**-6)).max()) <= step
+        # ... and are one encoding consistently: KMesh's own (RNE), or that value rounded toward zero. vLLM's CPU
+        # writer truncates on the AVX-512 "vec" ISA (measured: |decoded| <= |x / scale| everywhere, half the
+        # codes one below KMesh's); a third rule, or a mix, fails.
+        toward_zero = _fp8_toward_zero(x.float() / scale, ours, lay.fp8_dtype)
+        rne, trunc = torch.equal(got, ours), torch.equal(got, toward_zero)
+        assert rne or trunc, {"differs_from_rne": int((got != ours).sum()),
+                              "differs_from_toward_zero": int((got != toward_zero).sum()), "isa": isa}
+
+
+def _fp8_toward_zero(exact: torch.Tensor, rne: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """fp8 codes of `exact` rounded toward zero, from its round-to-nearest-even codes `rne` (sign-magnitude:
+    where RNE rounded the magnitude up, the code one lower in magnitude, same sign, is the truncation)."""
+    up = rne.view(fmt).to(torch.float32).abs() > exact.abs()
+    mag = (rne & 0x7F).to(torch.int16) - up.to(torch.int16)
+    return ((rne & 0x80).to(torch.int16) | mag.clamp(min=0)).to(torch.uint8)
+
+
+def test_fp8_toward_zero_reference():
+    # hand-checked e4m3 codes: 1.0 = 0x38, next up 1.125 = 0x39; 1.1 rounds (RNE) to 0x39, toward zero to 0x38
+    exact = torch.tensor([1.1, -1.1, 1.0, 1.06, -0.001])
+    rne = quantize(exact, torch.float8_e4m3fn, 1.0)
+    assert rne.tolist()[:4] == [0x39, 0xB9, 0x38, 0x38]
+    assert _fp8_toward_zero(exact, rne, torch.float8_e4m3fn).tolist()[:4] == [0x38, 0xB8, 0x38, 0x38]
+    back = _fp8_toward_zero(exact, rne, torch.float8_e4m3fn).view(torch.float8_e4m3fn).float()
+    assert bool((back.abs() <= exact.abs()).all())
 
 
 # ---------------------------------------------------------------------------------------------------
