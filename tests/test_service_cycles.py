@@ -1,7 +1,8 @@
 """Randomized lifecycle cycles across real processes, checked against a model of what must be true.
 
 >= 1,000 cycles; each ends a registration's active life (close, replace by a new generation, SIGKILL of the
-client process, or supersession by a replacement process claiming the same instance number) while at least
+client process and a replacement claiming its instance at once, or an admin takeover of a live client's instance
+after a plain claim on it was refused) while at least
 one accepted copy into that registration is provably still running (its chunks have not all been granted by
 the gate). After each event the test tries to use the old registration (must be refused); periodically it
 lets every copy finish and checks, independently of the service's own bookkeeping:
@@ -74,11 +75,11 @@ class Model:
         self.h, self.rng = h, rng
         self.slots = [self.spawn(100 + i) for i in range(SLOTS)]
         self.stats = {"cycles": 0, "in_flight_at_event": 0, "kills": 0, "replacements": 0, "closes": 0,
-                      "supersessions": 0, "probes_refused": 0, "stale_uses": 0, "copies": 0, "busy_refused": 0,
+                      "takeovers": 0, "probes_refused": 0, "stale_uses": 0, "copies": 0, "busy_refused": 0,
                       "bytes_checked": 0, "canaries_checked": 0, "saves": 0, "cancels": 0}
         self.expect_obj = {k: sha(pattern(s, OBJ)) for k, s in OBJECTS.items()}  # loadable originals
         self.pending_saves: dict[bytes, str] = {}  # saved, loadable once their copy has drained
-        self.retired_slots: list[Slot] = []        # superseded processes, kept to check their memory
+        self.retired_slots: list[Slot] = []        # taken-over processes, kept to check their memory
 
     def spawn(self, instance: int) -> Slot:
         return Slot(instance, self.h.worker(instance))
@@ -179,21 +180,29 @@ class Model:
             self.probe(s.w, reg.ref(), ("RegistrationClosedError",))
             self.probe(s.w, {**new.ref(), "gen": reg.gen}, ("StaleGenerationError",))
             self.stats["replacements"] += 1
-        elif event == "kill":
+        elif event == "kill":  # the replacement claims the instance at once: the service sees the death then
             s.w.kill()
             i = self.slots.index(s)
             self.slots[i] = n = self.spawn(s.instance)
             self.probe(n.w, reg.ref(), ("NotOwnerError",))
             self.stats["kills"] += 1
-        else:  # a replacement process claims the instance while the old one is alive
+        else:  # the old process is alive: a plain claim is refused (and changes nothing), a takeover succeeds
+            w = self.h.spawn()
+            try:
+                w.call("connect", instance=s.instance)
+                raise AssertionError(f"claim on live instance {s.instance} accepted")
+            except ServiceError as e:
+                assert type(e).__name__ == "InstanceInUseError", e
+            self.probe(s.w, {**reg.ref(), "gen": reg.gen + 1}, ("StaleGenerationError",))  # still served
+            w.info = w.call("connect", instance=s.instance, takeover=True, admin=self.h.service.admin_token())
             i = self.slots.index(s)
-            self.slots[i] = n = self.spawn(s.instance)
+            self.slots[i] = n = Slot(s.instance, w)
             self.probe(s.w, reg.ref(), ("ClientLostError",))
             self.probe(n.w, reg.ref(), ("NotOwnerError",))
             s.retired += [(r.buf, r) for r in s.regs]
             s.regs = []
             self.retired_slots.append(s)
-            self.stats["supersessions"] += 1
+            self.stats["takeovers"] += 1
         self.stats["cycles"] += 1
 
     # -- verification ---------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def bad_layout(rng: random.Random) -> object:
 FIELD_KIND = {"instance": "int", "alloc_id": "int", "generation": "int", "nbytes": "int", "reg": "int", "gen": "int",
               "offset": "int", "req": "int", "layout_digest": "bin32", "key": "key", "timeout_s": "float",
               "scope": "scope", "kind": "kind", "name": "text", "verify": "flag", "admin": "bin32",
-              "what": "scope", "order": "scope", "after": "int", "limit": "int", "running": "flag"}
+              "what": "scope", "order": "scope", "after": "int", "limit": "int", "running": "flag",
+              "takeover": "flag"}
 
 
 def templates(tok: bytes) -> dict[str, dict]:

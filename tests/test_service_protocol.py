@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kmesh.service import descriptor, identity
 from kmesh.service.errors import (ERRORS_BY_CODE, AuthError, DecodeError, FrameError, FrameTooLargeError,
-                                  HandleError, InternalError, NotAuthorizedError, NotOwnerError,
+                                  HandleError, InstanceInUseError, InternalError, NotAuthorizedError, NotOwnerError,
                                   ObjectExistsError, ObjectMissingError,
                                   RegistrationClosedError, RegistrationStateError, SchemaError, ServiceError,
                                   StaleGenerationError, UnknownOpError, UnknownRegistrationError, error_from_reply)
@@ -31,7 +31,8 @@ LAYOUT = descriptor.example(num_blocks=4)
 def valid_bodies() -> dict[str, dict]:
     ref = {"reg": 3, "gen": 2}
     return {
-        "ping": {}, "hello": {"instance": 1, "name": "w"}, "heartbeat": {"token": TOKEN},
+        "ping": {}, "hello": {"instance": 1, "name": "w", "takeover": True, "admin": ADMIN},
+        "heartbeat": {"token": TOKEN},
         "register": {"token": TOKEN, "alloc_id": 1 << 63, "generation": 1, "kind": "memfd", "nbytes": 64,
                      "layout": LAYOUT},
         "activate": {"token": TOKEN, **ref}, "close": {"token": TOKEN, **ref},
@@ -118,9 +119,10 @@ def test_wrong_types_and_ranges(field: str, value: object) -> None:
 
 
 def test_admin_field_is_declared_where_admin_ops_are() -> None:
-    """The admin token is an optional bin[32] of shutdown / evict / status only (its absence is the service's
-    not_authorized, not a schema error); anywhere else it is an unknown field."""
-    assert {op for op, spec in OPS.items() if "admin" in spec.optional} == {"shutdown", "evict", "status", "list"}
+    """The admin token is an optional bin[32] of shutdown / evict / status / list / hello (takeover) only (its
+    absence is the service's not_authorized, not a schema error); anywhere else it is an unknown field."""
+    assert {op for op, spec in OPS.items() if "admin" in spec.optional} == {"shutdown", "evict", "status", "list",
+                                                                             "hello"}
     for op in ("shutdown", "evict", "status", "list"):
         body = {"op": op, "seq": 1, "token": TOKEN, **({"what": "clients"} if op == "list" else {})}
         assert parse_request(body, []).args["admin"] is None
@@ -295,14 +297,20 @@ def test_generations_and_ownership() -> None:
     assert not r.violations()
 
 
-def test_replacement_client_with_same_instance_supersedes_not_inherits() -> None:
+def test_claim_on_a_live_instance_is_refused_takeover_closes_never_inherits() -> None:
     r, _ = _registry()
     old = r.add_client(7, "", _peer(1), TOKEN, 1, 0.0)
     reg = _reg(r, old)
     r.activate(reg, _Mem())
     r.begin_work(reg, 1)
-    new = r.add_client(7, "", _peer(2), b"u" * 32, 2, 0.0)
-    assert new.client_id != old.client_id and not old.live and "superseded" in old.lost_reason
+    with pytest.raises(InstanceInUseError, match="instance 7"):
+        r.add_client(7, "", _peer(2), b"u" * 32, 2, 0.0)
+    assert old.live and reg.state is State.ACTIVE and r.counters["instance_refusals"] == 1  # nothing changed
+    anon = [r.add_client(None, "", _peer(3), b"v" * 32, 3, 0.0) for _ in range(2)]  # anonymous: no collision
+    assert old.live and all(a.live for a in anon)
+    new = r.add_client(7, "", _peer(2), b"u" * 32, 2, 0.0, takeover=True)
+    assert new.client_id != old.client_id and not old.live and "taken over" in old.lost_reason
+    assert r.holder(7) is new
     assert reg.state is State.CLOSING and reg.memory is not None  # closing, never straight to released
     with pytest.raises(NotOwnerError):
         r.resolve(new, reg.reg_id, 1)

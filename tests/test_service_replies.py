@@ -91,8 +91,8 @@ def test_every_op_answers_with_store_jobs_and_registrations_at_their_limits(rund
                        max_regs_per_client=per_client, max_regs=total)
     bufs: list[HostBuffer] = []
     try:
-        with sp.client(instance=1, name="at-limits") as c, sp.admin_client(instance=2, name="admin") as adm, \
-                sp.client(instance=3, name="other") as o:
+        with sp.client(name="at-limits") as c, sp.admin_client(name="admin") as adm, \
+                sp.client(name="other") as o:  # anonymous clients: no instance to collide on
             def reg() -> tuple[HostBuffer, object]:
                 b = HostBuffer(N)
                 bufs.append(b)

@@ -71,8 +71,7 @@ def _status(a: argparse.Namespace) -> int:
 
     sp = process.find(a.runtime_dir)
     try:
-        with ServiceClient.connect(sp.socket_path, instance=(1 << 31) - 3, name="kmesh-status",
-                                   heartbeat=False) as c:
+        with ServiceClient.connect(sp.socket_path, name="kmesh-status", heartbeat=False) as c:  # anonymous
             c.admin_token = sp.admin_token()  # status of all clients is an admin op
             # the summary is one bounded reply; --json also pages through every list
             st = c.status("all") if a.json else c.summary("all")

@@ -1,6 +1,6 @@
 """The one client of the cache service. Stages, workers and tests all talk to the service through this.
 
-    with ServiceClient.connect(socket_path, instance=3) as svc:
+    with ServiceClient.connect(socket_path) as svc:   # anonymous; instance=N claims a unique instance number
         buf = HostBuffer(descriptor.nbytes(layout))      # a KVLayout.to_dict() descriptor
         reg = svc.register_host(buf, alloc_id=buf.address, generation=1, layout=layout)
         req = svc.save(reg, b"prefix-0", offset=0, nbytes=4096)
@@ -92,15 +92,22 @@ class ServiceClient:
         return cls(s, timeout)
 
     @classmethod
-    def connect(cls, socket_path: str | Path, instance: int = 0, name: str = "", heartbeat: bool = True,
-                timeout: float = 30.0, admin_token: bytes | None = None) -> "ServiceClient":
+    def connect(cls, socket_path: str | Path, instance: int | None = None, name: str = "", heartbeat: bool = True,
+                timeout: float = 30.0, admin_token: bytes | None = None, takeover: bool = False) -> "ServiceClient":
         """Connect and say hello: the service binds this connection to our kernel credentials and issues a
-        token that every later request carries. admin_token: the service's admin capability (see
-        kmesh.service.process.ServiceProcess.admin_token), for shutdown / evict / status("all")."""
+        token that every later request carries. instance: None = anonymous (never collides); a number is
+        refused (InstanceInUseError) while a live client holds it, unless takeover=True with admin_token (the
+        old client's registrations then close and drain). admin_token: the service's admin capability (see
+        kmesh.service.process.ServiceProcess.admin_token), for shutdown / evict / status("all") / takeover."""
         c = cls.open(socket_path, timeout)
         c.admin_token = admin_token
+        hello: dict[str, Any] = {"name": name}
+        if instance is not None:
+            hello["instance"] = instance
+        if takeover:
+            hello.update(takeover=True, **c._admin())
         try:
-            r = c.call("hello", instance=instance, name=name)
+            r = c.call("hello", **hello)
         except BaseException:
             c.sock.close()
             raise

@@ -78,9 +78,17 @@ class NotAuthorizedError(AuthError):
 
 
 class ClientLostError(ServiceError):
-    """This client was declared lost (heartbeat, superseded by a replacement): reconnect and register anew."""
+    """This client was declared lost (heartbeat, taken over by an admin): reconnect and register anew."""
 
     code = "client_lost"
+
+
+class InstanceInUseError(ServiceError):
+    """hello claimed the instance number of a client that is still live (its process runs, its heartbeat is
+    on time). Wait for it to go, pick another instance (or none: anonymous), or take over with the admin
+    capability (hello takeover=true + admin), which closes the old client's registrations."""
+
+    code = "instance_in_use"
 
 
 # -- registrations ------------------------------------------------------------------------------------

@@ -22,8 +22,6 @@ from kmesh.service import process
 from kmesh.service.worker import Worker
 from kmesh.transfer.faults import ChunkGate
 
-ADMIN_INSTANCE = (1 << 31) - 2
-
 
 class HarnessError(KMeshError):
     """The controlled service did not reach an expected state in time."""
@@ -51,7 +49,7 @@ class Harness:
         self.owed = 0      # tokens all accepted copies will consume
         self.granted = 0   # tokens written
         # the controller is the service's administrator: it holds the admin token (workers do not)
-        self.admin = self.service.admin_client(instance=ADMIN_INSTANCE, name="harness-admin")
+        self.admin = self.service.admin_client(name="harness-admin")  # anonymous: collides with no worker
         self.workers: list[Worker] = []
         self._worker_log = open(self.log_dir / "workers.log", "ab")
 
@@ -60,14 +58,22 @@ class Harness:
         return self.service.socket_path
 
     # -- workers ------------------------------------------------------------------------------------
-    def worker(self, instance: int, heartbeat: bool = True, name: str = "", cuda: bool = False) -> Worker:
-        """A client process, connected as `instance` (cuda: CUDA initialised before it connects)."""
+    def spawn(self, cuda: bool = False) -> Worker:
+        """A client process that has not connected yet (its "connect" may be refused); killed at close()."""
         w = Worker.spawn(self.socket_path, cuda=cuda, log=self._worker_log)
         self.workers.append(w)
-        w.info = w.call("connect", instance=instance, heartbeat=heartbeat, name=name)
         return w
 
-    def worker_with_original(self, instance: int, key: bytes, layout: dict[str, Any], nbytes: int, seed: int,
+    def worker(self, instance: int | None = None, heartbeat: bool = True, name: str = "", cuda: bool = False,
+               takeover: bool = False) -> Worker:
+        """A client process, connected as `instance` (None: anonymous; cuda: CUDA initialised before it
+        connects). takeover: claim a live client's instance with the admin token (handed to this worker)."""
+        w = self.spawn(cuda)
+        extra = {"takeover": True, "admin": self.service.admin_token()} if takeover else {}
+        w.info = w.call("connect", instance=instance, heartbeat=heartbeat, name=name, **extra)
+        return w
+
+    def worker_with_original(self, instance: int | None, key: bytes, layout: dict[str, Any], nbytes: int, seed: int,
                              name: str = "") -> tuple[Worker, dict[str, Any]]:
         """A client process that registered memfd memory and saved it as the shared original `key` (copy
         drained). Returns the worker and its registration ref."""

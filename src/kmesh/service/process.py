@@ -77,11 +77,11 @@ class ServiceProcess:
         """The running service's admin token (NotAuthorizedError if it cannot be read)."""
         return identity.read_admin_token(self.admin_token_path)
 
-    def client(self, instance: int = 0, name: str = "", heartbeat: bool = True) -> ServiceClient:
-        """An ordinary client: its own registrations, copies and status only."""
+    def client(self, instance: int | None = None, name: str = "", heartbeat: bool = True) -> ServiceClient:
+        """An ordinary client (anonymous unless instance is given): its own registrations, copies, status."""
         return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat)
 
-    def admin_client(self, instance: int = 0, name: str = "", heartbeat: bool = True) -> ServiceClient:
+    def admin_client(self, instance: int | None = None, name: str = "", heartbeat: bool = True) -> ServiceClient:
         """A client holding the admin token: it may also shut down, evict and see every client's status."""
         return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat,
                                      admin_token=self.admin_token())
@@ -91,7 +91,7 @@ class ServiceProcess:
         if not self.alive():
             return self.proc.returncode if self.proc else None
         try:
-            with self.admin_client(instance=(1 << 31) - 1, name="kmesh-stop", heartbeat=False) as c:
+            with self.admin_client(name="kmesh-stop", heartbeat=False) as c:  # anonymous: never refused
                 c.shutdown()
         except ServiceError:  # unreachable, or no readable admin token: the signal is our uid's other way
             pid = self.pid

@@ -4,7 +4,12 @@ Frame   = header (12 bytes, big endian: magic b"KMSV", u16 version, u16 nfds, u3
 Payload = one msgpack map with string keys. File descriptors (memfd handles) travel as SCM_RIGHTS attached
           to the frame's first byte; `nfds` says how many belong to the frame.
 Request = {"op": str, "seq": u32, "token": bin[32] (every op but ping/hello), <op fields>}
-          admin ops (shutdown, evict, status scope="all", list scope="all" or what="objects") also carry
+Hello   = {"op": "hello", "instance": u31 | omitted (anonymous), "name": str, "takeover": bool, "admin": bin[32]}
+          A claim on the instance of a live client is refused (instance_in_use) unless that client turns out to
+          be lost at hello time (its process has exited, or its heartbeat is overdue) or the claim is an admin
+          takeover (takeover=true with the admin token); the old client's registrations then close and drain,
+          and the newcomer is a new client (new id, new token) that never inherits them.
+          admin ops (shutdown, evict, status scope="all", list scope="all" or what="objects", hello takeover) carry
           "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional in the schema, so a
           request without it is refused by the service as not_authorized (a typed error), not as malformed.
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
@@ -159,7 +164,9 @@ CUDA_HANDLE = Record(device=Int(0, 63), ipc_handle=Bin(64, 64), offset=Int(0, MA
 
 OPS: dict[str, OpSpec] = {
     "ping": OpSpec({}, token=False),
-    "hello": OpSpec({"instance": Int(0, (1 << 31) - 1)}, {"name": (Text(64), "")}, token=False),
+    # instance omitted = an anonymous client (collides with no one); takeover needs the admin capability
+    "hello": OpSpec({}, {"instance": (Int(0, (1 << 31) - 1), None), "name": (Text(64), ""),
+                         "takeover": (Flag(), False), "admin": (_ADMIN, None)}, token=False),
     "heartbeat": OpSpec({}),
     "register": OpSpec({"alloc_id": Int(0, U64), "generation": Int(1, U63), "kind": OneOf("memfd", "cuda_ipc"),
                         "nbytes": Int(1, MAX_MEMORY), "layout": Layout()},

@@ -11,8 +11,10 @@ service assigns `state`. Rules the transitions enforce:
     straight to released; release happens only from drained, and only once the memory could be unmapped
     (the unmap callback refuses while any view or transfer hold remains: the registration stays drained and
     is retried);
-  - a replacement client is a new client (new id, new token) even when it claims the same instance number:
-    the old client is superseded (its registrations close) and its registrations stay unreachable.
+  - an instance number names at most one live client: a claim on a live client's instance is refused
+    (InstanceInUseError) unless it is a takeover (admin); a client may also be anonymous (no instance). The
+    newcomer is always a new client (new id, new token): a taken-over client is lost (its registrations close
+    and drain) and its registrations stay unreachable, never transferred.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kmesh.service.errors import (CapacityError, ClientLostError, InternalError, NotOwnerError,
+from kmesh.service.errors import (CapacityError, ClientLostError, InstanceInUseError, InternalError, NotOwnerError,
                                   RegistrationClosedError, RegistrationStateError, StaleGenerationError,
                                   UnknownRegistrationError)
 from kmesh.service.identity import Peer
@@ -78,7 +80,7 @@ class Registration:
 @dataclass(eq=False)
 class Client:
     client_id: int
-    instance: int
+    instance: int | None  # None: anonymous
     name: str
     peer: Peer
     token: bytes
@@ -132,22 +134,33 @@ class Registry:
         self._client_ids = itertools.count(1)
         self._reg_ids = itertools.count(1)
         self._tomb_seq = itertools.count(1)
-        self.counters = {"registered": 0, "released": 0, "release_deferred": 0, "superseded_clients": 0}
+        self.counters = {"registered": 0, "released": 0, "release_deferred": 0, "taken_over_clients": 0,
+                         "instance_refusals": 0}
 
     # -- clients ------------------------------------------------------------------------------------
-    def add_client(self, instance: int, name: str, peer: Peer, token: bytes, conn_id: int, now: float) -> Client:
-        """A new client; a live client claiming the same instance number is superseded (its registrations
-        close) and stays a different client with its own registrations."""
+    def holder(self, instance: int) -> Client | None:
+        """The live client that holds this instance number, if any."""
+        return next((c for c in self.clients.values() if c.live and c.instance == instance), None)
+
+    def add_client(self, instance: int | None, name: str, peer: Peer, token: bytes, conn_id: int, now: float,
+                   takeover: bool = False) -> Client:
+        """A new client. instance None: anonymous. A live client's instance is refused (InstanceInUseError)
+        unless takeover (the caller checked the admin capability): then the old client is lost, its
+        registrations close and drain, and it stays a different client with its own registrations."""
+        old = self.holder(instance) if instance is not None else None
+        if old is not None and not takeover:
+            self.counters["instance_refusals"] += 1
+            raise InstanceInUseError(f"instance {instance} is held by live client {old.client_id} (pid "
+                                     f"{old.peer.pid}); connect without an instance, or take over as admin")
         c = Client(next(self._client_ids), instance, name, peer, token, conn_id, now)
-        for old in list(self.clients.values()):
-            if old.live and old.instance == instance:
-                self.counters["superseded_clients"] += 1
-                self.lose_client(old, f"superseded by client {c.client_id}")
+        if old is not None:
+            self.counters["taken_over_clients"] += 1
+            self.lose_client(old, f"taken over by client {c.client_id}")
         self.clients[c.client_id] = c
         return c
 
     def lose_client(self, c: Client, reason: str) -> None:
-        """Client dead / disconnected / silent / superseded: it does no more work; its registrations close
+        """Client dead / disconnected / silent / taken over: it does no more work; its registrations close
         (accepted copies go on) and are released once drained."""
         if c.live:
             c.live, c.lost_reason = False, reason

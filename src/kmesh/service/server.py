@@ -32,7 +32,7 @@ from typing import Any
 from kmesh.service import descriptor, identity
 from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, FrameTooLargeError, HandleError,
                                   InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError, RangeError,
-                                  RegistrationStateError, ReplyTooLargeError, SequenceError, ServiceError,
+                                  RegistrationStateError, ReplyTooLargeError, SchemaError, SequenceError, ServiceError,
                                   ShuttingDownError, TruncatedFrameError, UnsupportedVersionError)
 from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
 from kmesh.service.jobs import CopyJob, CopyRunner
@@ -432,8 +432,17 @@ class Service:
             raise ShuttingDownError("service is shutting down")
         if identity.exited(conn.peer.pidfd):
             raise ClientLostError("the connecting process has already exited")
-        c = self.registry.add_client(req.args["instance"], req.args["name"], conn.peer, identity.new_token(),
-                                     conn.cid, time.monotonic())
+        a, now = req.args, time.monotonic()
+        if a["takeover"]:
+            if a["instance"] is None:
+                raise SchemaError("takeover names the instance to take over")
+            self._require_admin(conn, req, "taking over a live client's instance")
+        if a["instance"] is not None:
+            old = self.registry.holder(a["instance"])
+            if old is not None:
+                self._lose_if_gone(old, now)
+        c = self.registry.add_client(a["instance"], a["name"], conn.peer, identity.new_token(), conn.cid, now,
+                                     takeover=a["takeover"])
         conn.client = c
         if conn.peer.pidfd >= 0:
             self.sel.register(conn.peer.pidfd, selectors.EVENT_READ, ("pidfd", conn))
@@ -441,6 +450,20 @@ class Service:
         return {"client": c.client_id, "token": c.token, "heartbeat_s": self.opts.heartbeat_timeout_s,
                 "protocol": VERSION, "server_pid": os.getpid(), "device": self.opts.device,
                 "peer": {"pid": p.pid, "uid": p.uid, "gid": p.gid, "pidfd": p.pidfd_source}}
+
+    def _lose_if_gone(self, c: Client, now: float) -> None:
+        """Declare c lost now if it already is, though its pidfd / heartbeat event has not been handled yet: a
+        replacement that claims a dead client's instance must not be refused for the service's lag."""
+        conn = self.conns.get(c.conn_id) if c.conn_id is not None else None
+        if conn is not None and identity.exited(conn.peer.pidfd):
+            why = "client died"
+        elif now - c.last_seen > self.opts.heartbeat_timeout_s:
+            why = "heartbeat lost"
+        else:
+            return
+        log.info("client %d: %s (seen at a claim on its instance %s)", c.client_id, why, c.instance)
+        self.version += 1
+        self.registry.lose_client(c, why)
 
     def _op_heartbeat(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
         return {"deadline_s": self.opts.heartbeat_timeout_s}

@@ -1,7 +1,7 @@
 """A scriptable service client in its own process, and the remote control that drives it.
 
 The ownership stage and the tests need real client processes they can steer step by step (register, start a
-copy, go silent, be SIGKILLed, be replaced by a process claiming the same instance number). A Worker is such
+copy, go silent, be SIGKILLed, have its instance number claimed or taken over). A Worker is such
 a process (`python -m kmesh.service.worker`); it speaks length-prefixed msgpack on stdin/stdout with its
 controller and uses the ordinary ServiceClient toward the service.
 
@@ -88,8 +88,9 @@ class _Session:
 
     def do(self, cmd: str, a: dict[str, Any]) -> Any:
         if cmd == "connect":
-            self.client = self._Client.connect(self.socket_path, instance=a.get("instance", 0),
-                                               name=a.get("name", ""), heartbeat=a.get("heartbeat", True))
+            self.client = self._Client.connect(self.socket_path, instance=a.get("instance"),
+                                               name=a.get("name", ""), heartbeat=a.get("heartbeat", True),
+                                               admin_token=a.get("admin"), takeover=a.get("takeover", False))
             return {"client": self.client.client_id, "pid": os.getpid(), "token": self.client.token}
         if cmd == "alloc":
             return self._alloc(a)

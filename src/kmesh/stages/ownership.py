@@ -9,7 +9,8 @@ Cases (each for host memory "memfd"; on the cuda profile again for device memory
   register-use-close        registered -> active -> closing -> drained -> released; saved == loaded bytes
   private-copies            children mutate their loaded copies; the original and other children unaffected
   same-address-new-gen      a new allocation at the same address is a new registration; the old is refused
-  replacement-same-instance a client claiming an old instance number cannot reach the old registration
+  replacement-same-instance a live client's instance is refused to a claimant; after the holder dies (or an
+                            admin takes it over) the newcomer gets it but never the old registration
   close-in-flight           close stops new work; the accepted copy completes; released only after
   cancel-running-copy       cancel keeps the destination reserved until the copy drained
   heartbeat-lost-mid-copy   silence -> closing; not released while the copy runs
@@ -223,30 +224,68 @@ def case_same_address_new_gen(ctx: Ctx, c: Case, mem: str) -> None:
 
 
 def case_replacement_same_instance(ctx: Ctx, c: Case, mem: str) -> None:
-    h, key = ctx.h, ctx.obj(b"orig-A", 11)
+    """An instance number names one live client. (a) A claim on a live client's instance is refused and the
+    holder keeps working; (b) once the holder's process is gone the instance is free at once: the replacement
+    is a new client that cannot reach the old registration, which closes, drains and is released; (c) an
+    admin takeover of a live instance loses the old client: its registration closes and drains, never moves."""
+    h, key, cuda = ctx.h, ctx.obj(b"orig-A", 11), mem == "cuda"
     inst = ctx.instance()
     a, ra = ctx.client(mem, seed=51, instance=inst)
     l1 = ctx.load_mid(a, ra, key)
-    b = h.worker(inst, cuda=mem == "cuda")  # the replacement claims the same instance number
+    # (a) refused while the holder lives
+    b = h.spawn(cuda=cuda)
+    refuse(c, "claim_on_live_instance_refused", lambda: b.call("connect", instance=inst), "InstanceInUseError")
+    refuse(c, "takeover_without_admin_refused", lambda: b.call("connect", instance=inst, takeover=True),
+           "NotAuthorizedError")
     st = h.status()
-    old_client = next(x for x in st["clients"] if ra["reg"] in x["regs"])
-    c.check("old_client_superseded", not old_client["live"] and "superseded" in old_client["lost_reason"],
-            value=old_client["lost_reason"])
-    c.check("old_registration_closing_not_released", h.reg(ra["reg"], st)["state"] == "closing")
+    holder = next(x for x in st["clients"] if x["client"] == a.info["client"])
+    c.check("holder_still_live", holder["live"] and h.reg(ra["reg"], st)["state"] == "active", value=holder)
+    h.grant(1)
+    c.check("holder_copy_goes_on", h.wait_chunks(l1, 3)["chunks_done"] >= 3)
+    # (b) the holder dies mid-copy; its replacement claims the instance right away
+    a.kill()
+    b.info = b.call("connect", instance=inst)
+    c.check("replacement_is_a_new_client", b.info["client"] != a.info["client"], value=b.info["client"])
+    st = h.status()
+    old = h.reg(ra["reg"], st)
+    c.check("old_registration_closing_not_released", old["state"] == "closing" and old["in_flight"] == [l1],
+            value=old["state"])
+    c.check("old_reason_death_or_disconnect", old["reason"] in ("client died", "disconnect"), value=old["reason"])
     refuse(c, "replacement_cannot_use_old", lambda: b.call("load", as_ref=ra, key=key, offset=0), "NotOwnerError")
     refuse(c, "replacement_cannot_close_old", lambda: b.call("close", as_ref=ra), "NotOwnerError")
     refuse(c, "replacement_cannot_wait_old_request", lambda: b.call("wait", req=l1), "NotOwnerError")
     rb = ctx.register(b, mem, seed=52, alloc_id=1, generation=1)
     c.check("replacement_gets_new_registration", rb["reg"] != ra["reg"], value=[ra["reg"], rb["reg"]])
-    refuse(c, "old_client_refused", lambda: ctx.load(a, ra, key), "ClientLostError")
     h.finish()
-    h.wait_released(ra["reg"])
-    c.check("old_copy_landed_in_old_memory", a.call("digest", name="kv") == ctx.expect(key))
+    st = h.wait_released(ra["reg"])
+    c.check("old_lifecycle_path", _states(h.reg(ra["reg"], st)) == LIFECYCLE, value=_states(h.reg(ra["reg"], st)))
+    refuse(c, "released_old_not_reachable", lambda: b.call("close", as_ref=ra), "NotOwnerError")
     c.check("replacement_memory_untouched", b.call("digest", name="kv") == sha(pattern(52, N)))
-    ctx.finish_wait(b, ctx.load(b, rb, key))
-    c.check("replacement_registration_works", b.call("digest", name="kv") == ctx.expect(key))
-    b.call("close", reg=rb["reg"])
-    _end(ctx, c, a, b)
+    # (c) an admin takes over the instance from its live holder (b) while b's copy runs
+    l2 = ctx.load_mid(b, rb, key)
+    d = h.spawn(cuda=cuda)
+    d.info = d.call("connect", instance=inst, takeover=True, admin=h.service.admin_token())
+    st = h.status()
+    lost = next(x for x in st["clients"] if x["client"] == b.info["client"])
+    c.check("taken_over_client_lost", not lost["live"] and "taken over" in (lost["lost_reason"] or ""),
+            value=lost["lost_reason"])
+    old = h.reg(rb["reg"], st)
+    c.check("taken_over_registration_closing_with_copy", old["state"] == "closing" and old["in_flight"] == [l2],
+            value=old["state"])
+    refuse(c, "taken_over_client_refused", lambda: b.call("load", reg=rb["reg"], key=key, offset=0),
+           "ClientLostError")
+    refuse(c, "new_holder_cannot_use_old", lambda: d.call("load", as_ref=rb, key=key, offset=0), "NotOwnerError")
+    refuse(c, "new_holder_cannot_wait_old_request", lambda: d.call("wait", req=l2), "NotOwnerError")
+    h.finish()
+    st = h.wait_released(rb["reg"])
+    c.check("taken_over_lifecycle_path", _states(h.reg(rb["reg"], st)) == LIFECYCLE,
+            value=_states(h.reg(rb["reg"], st)))
+    c.check("old_copy_landed_in_old_memory", b.call("digest", name="kv") == ctx.expect(key))
+    rd = ctx.register(d, mem, seed=53, alloc_id=1, generation=1)
+    ctx.finish_wait(d, ctx.load(d, rd, key))
+    c.check("new_holder_registration_works", d.call("digest", name="kv") == ctx.expect(key))
+    d.call("close", reg=rd["reg"])
+    _end(ctx, c, b, d)
 
 
 def case_close_in_flight(ctx: Ctx, c: Case, mem: str) -> None:
@@ -369,7 +408,7 @@ def case_foreign_uid(ctx: Ctx, c: Case) -> None:
     try:
         got = _as_uid(uid, sp.socket_path)
         c.check("peer_uid_refused_by_service", got == "auth", value=got)
-        with sp.admin_client(instance=1) as adm:
+        with sp.admin_client() as adm:
             st = adm.status("all")
         c.check("refusal_counted", st["stats"]["refused_connections"] == 1)
         c.check("registry_untouched", len(st["clients"]) == 1 and not st["registrations"])
