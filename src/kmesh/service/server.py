@@ -46,7 +46,13 @@ from kmesh.shm import SegmentBusyError
 log = logging.getLogger("kmesh.service")
 _DEFERRED = object()  # a handler's "the reply comes later" (parked wait)
 _READ_ONLY = frozenset({"ping", "heartbeat", "wait", "status", "list"})  # change nothing status/list show
-FAULTS = ("ignore_in_flight",)  # deliberate flaws for negative controls (tests prove the checks can fail)
+# Deliberate flaws for negative controls (tests prove the checks can fail), opt-in only (--fault):
+#   ignore_in_flight  closing counts as drained although copies run (registry)
+#   collect_raises    collecting a finished copy whose key starts with FAULT_KEY_PREFIX raises
+#   tick_raises       the periodic tick raises while a live client named FAULT_TICK_CLIENT exists
+FAULTS = ("ignore_in_flight", "collect_raises", "tick_raises")
+FAULT_KEY_PREFIX = b"kmesh-fault:"
+FAULT_TICK_CLIENT = "kmesh-fault:tick"
 MAX_REGS_PER_CLIENT = 512  # a client's record lists its registration ids: this keeps it under protocol.ITEM_MAX
 VERIFY_BYTES = 64 << 20    # originals re-hashed per `list objects verify` page (at least one): bounded work
 
@@ -219,6 +225,8 @@ class Service:
     def _tick(self, now: float) -> None:
         released = self.registry.counters["released"]
         for c in list(self.registry.clients.values()):
+            if "tick_raises" in self.opts.faults and c.live and c.name == FAULT_TICK_CLIENT:
+                raise RuntimeError(f"injected fault tick_raises (client {c.client_id})")
             if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
                 log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
                 self.version += 1
@@ -583,6 +591,8 @@ class Service:
     def _collect_copies(self) -> None:
         self.version += 1
         for job in self.copies.finished():
+            if "collect_raises" in self.opts.faults and job.obj.key.startswith(FAULT_KEY_PREFIX):
+                raise RuntimeError(f"injected fault collect_raises (request {job.req_id})")
             reg = job.reg
             if reg.memory is None:  # the mapping went away under a running copy: must never happen
                 self.stats["stale_uses"] += 1
