@@ -81,3 +81,22 @@ def test_faults_in_collect_and_tick_are_contained(tmp_path) -> None:
         assert h.no_leaks(st), h.leaks(st)
     log = (tmp_path / "service.log").read_text()
     assert "FAULTS INJECTED" in log and "injected fault collect_raises" in log and "injected fault tick_raises" in log
+
+
+@pytest.mark.timeout(60)
+def test_fault_names_are_inert_without_the_fault_flags(tmp_path) -> None:
+    """The faults are opt-in: without --fault, the trigger names are ordinary names and keys."""
+    with Harness(heartbeat_timeout_s=5.0, log_dir=tmp_path) as h:
+        t, rt = _registered(h, "kmesh-fault:tick", seed=3)
+        req = t.call("save", reg=rt["reg"], key=b"kmesh-fault:save", offset=0, nbytes=N)
+        h.accepted(N)
+        h.finish()
+        assert t.call("wait", req=req)["state"] == "done"
+        time.sleep(0.3)  # several ticks with that client alive
+        st = h.status()
+        assert st["stats"]["internal_errors"] == 0 and any(o["key"] == b"kmesh-fault:save"
+                                                             for o in st["store"]["objects"])
+        t.call("close", reg=rt["reg"])
+        h.wait_released(rt["reg"])
+        t.exit()
+    assert "FAULTS INJECTED" not in (tmp_path / "service.log").read_text()

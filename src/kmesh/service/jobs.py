@@ -45,6 +45,7 @@ class CopyJob:
     accepted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     tensors: tuple[Any, ...] = ()  # src, dst: alive until the engine drained the ticket
+    store_settled: bool = False    # the save committed/aborted, or the load's pin released (exactly once)
     lane: Any = None
 
     @property

@@ -117,6 +117,7 @@ class Service:
         self.admin_token: bytes | None = None  # set by bind(); None refuses every admin op
         self.listener: socket.socket | None = None
         self._fd_baseline = 0
+        self._logged_at: dict[str, float] = {}  # internal-error site -> when it was last logged in full
         # Bumped by everything that may change what status/list show (not copy progress): a client that
         # pages through lists can tell whether it saw one consistent state (ServiceClient.status).
         self.version = 0
@@ -206,11 +207,23 @@ class Service:
                 elif kind == "wake":
                     self._collect_copies()
             except Exception:  # a bug must cost one connection at most, never the service
-                self.stats["internal_errors"] += 1
-                log.error("internal error handling %s:\n%s", kind, traceback.format_exc())
+                self._internal(f"handling {kind}")
                 if kind == "conn" and obj.cid in self.conns:
                     self._drop_conn(obj)
-        self._tick(time.monotonic())
+        try:
+            self._tick(time.monotonic())
+        except Exception:  # _tick guards each of its parts; this is the last line
+            self._internal("tick")
+
+    def _internal(self, site: str, detail: str = "") -> None:
+        """Count and log an internal error (the exception being handled): in full the first time per site,
+        then at most once a second per site, so a fault that recurs on every tick cannot flood the log."""
+        self.stats["internal_errors"] += 1
+        now = time.monotonic()
+        if now - self._logged_at.get(site, -1e9) >= 1.0:
+            self._logged_at[site] = now
+            log.error("internal error in %s%s (%d so far):\n%s", site, f" ({detail})" if detail else "",
+                      self.stats["internal_errors"], traceback.format_exc())
 
     def _timeout(self, now: float) -> float:
         t = 0.2
@@ -220,23 +233,38 @@ class Service:
         for conn in self.conns.values():
             for _, deadline in conn.parked.values():
                 t = min(t, deadline - now)
-        return max(t, 0.0)
+        return max(t, 0.005)  # a deadline whose handling keeps failing must not make the loop spin
 
     def _tick(self, now: float) -> None:
+        """Heartbeat deadlines, parked-wait deadlines, deferred releases. Each client / wait / registration
+        is handled in its own try: an internal error in one is counted and costs the others nothing."""
         released = self.registry.counters["released"]
         for c in list(self.registry.clients.values()):
-            if "tick_raises" in self.opts.faults and c.live and c.name == FAULT_TICK_CLIENT:
-                raise RuntimeError(f"injected fault tick_raises (client {c.client_id})")
-            if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
-                log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
-                self.version += 1
-                self.registry.lose_client(c, "heartbeat lost")
+            try:
+                if "tick_raises" in self.opts.faults and c.live and c.name == FAULT_TICK_CLIENT:
+                    raise RuntimeError(f"injected fault tick_raises (client {c.client_id})")
+                if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
+                    log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
+                    self.version += 1
+                    self.registry.lose_client(c, "heartbeat lost")
+            except Exception:
+                self._internal("tick: heartbeat", f"client {c.client_id}")
         for conn in list(self.conns.values()):
             for req, (seq, deadline) in list(conn.parked.items()):
-                if now >= deadline:
-                    del conn.parked[req]
+                if now < deadline:
+                    continue
+                del conn.parked[req]
+                try:
                     self._send(conn, ok_reply(seq, self.copies.get(req).describe()))
-        self.registry.settle_all()
+                except Exception as e:  # the waiter still gets an answer
+                    self._internal("tick: parked wait", f"request {req}")
+                    self._fail(conn, seq, InternalError(f"answering the wait failed: {type(e).__name__}: {e}"))
+        for reg in [r for r in self.registry.regs.values()
+                    if r.state is State.DRAINED or (r.state is State.CLOSING and not r.in_flight)]:
+            try:  # also retries a closing registration whose settle was cut short by an error
+                self.registry.settle(reg)
+            except Exception:
+                self._internal("tick: settle", f"registration {reg.reg_id}")
         if self.registry.counters["released"] != released:
             self.version += 1
 
@@ -406,8 +434,7 @@ class Service:
         except ServiceError as e:
             self._fail(conn, seq, e)
         except Exception as e:
-            self.stats["internal_errors"] += 1
-            log.error("internal error on conn %d:\n%s", conn.cid, traceback.format_exc())
+            self._internal("a request", f"conn {conn.cid}")
             self._fail(conn, seq, InternalError(f"{type(e).__name__}: {e}"))
         finally:
             close_fds(frame.fds)  # handlers take the fds they keep out of this list
@@ -589,29 +616,75 @@ class Service:
         return {"req": job.req_id, "state": job.state}
 
     def _collect_copies(self) -> None:
+        """Finish the bookkeeping of every drained copy. Each job in its own try, and what must happen
+        regardless (a terminal state, the store settled, the reservation removed, the registration's in-flight
+        entry ended, parked waits answered) runs step by step in _settle_job, so one job's failure can skip
+        neither its own cleanup nor any other job's."""
         self.version += 1
-        for job in self.copies.finished():
-            if "collect_raises" in self.opts.faults and job.obj.key.startswith(FAULT_KEY_PREFIX):
-                raise RuntimeError(f"injected fault collect_raises (request {job.req_id})")
-            reg = job.reg
-            if reg.memory is None:  # the mapping went away under a running copy: must never happen
-                self.stats["stale_uses"] += 1
-            failed = job.ticket.state == "failed" or job.error is not None
-            job.error = job.error or job.ticket.error
-            job.state = "cancelled" if job.cancel_requested else ("failed" if failed else "done")
-            job.finished_at = time.monotonic()
-            job.tensors = ()  # drop our views before the registry may unmap
-            if job.kind == "save":
-                (self.store.commit if job.state == "done" else self.store.abort)(job.obj)
-            else:
-                self.store.release(job.obj)
+        try:
+            jobs = self.copies.finished()
+        except Exception:
+            self._internal("collect: finished()")
+            return
+        for job in jobs:
+            try:
+                self._complete_job(job)
+            except Exception as e:
+                self._internal("collect", f"request {job.req_id}")
+                job.error = f"internal error collecting this copy: {type(e).__name__}: {e}"
+                if job.state == "running" or not job.store_settled:
+                    job.state = "failed"  # its result is not trusted (a save is aborted below)
+            finally:
+                self._settle_job(job)
+
+    def _complete_job(self, job: CopyJob) -> None:
+        if "collect_raises" in self.opts.faults and job.obj.key.startswith(FAULT_KEY_PREFIX):
+            raise RuntimeError(f"injected fault collect_raises (request {job.req_id})")
+        if job.reg.memory is None:  # the mapping went away under a running copy: must never happen
+            self.stats["stale_uses"] += 1
+        failed = job.ticket.state == "failed" or job.error is not None
+        job.error = job.error or job.ticket.error
+        state = "cancelled" if job.cancel_requested else ("failed" if failed else "done")
+        job.tensors = ()  # drop our views before the registry may unmap
+        if job.kind == "save":
+            (self.store.commit if state == "done" else self.store.abort)(job.obj)
+        else:
+            self.store.release(job.obj)
+        job.store_settled = True
+        job.state = state
+
+    def _settle_job(self, job: CopyJob) -> None:
+        def terminal() -> None:
+            if job.state == "running":
+                job.state, job.error = "failed", job.error or "internal error"
+            job.finished_at = job.finished_at or time.monotonic()
+            job.tensors = ()
             self.stats[f"copies_{job.state}"] += 1
-            self.copies.reservations.remove(reg.reg_id, job.req_id)
-            self.registry.end_work(reg, job.req_id)
-            for conn in self.conns.values():
+
+        def store() -> None:
+            if job.store_settled:
+                return
+            job.store_settled = True
+            if job.kind == "load":
+                self.store.release(job.obj)
+            elif self.store.objects.get(job.obj.key) is job.obj:  # pending, or a commit cut short: not trusted
+                self.store.abort(job.obj)
+
+        steps = [("terminal state", terminal), ("store", store),
+                 ("reservation", lambda: self.copies.reservations.remove(job.reg.reg_id, job.req_id)),
+                 ("end of work", lambda: self.registry.end_work(job.reg, job.req_id))]
+        for name, step in steps:
+            try:
+                step()
+            except Exception:
+                self._internal(f"collect: {name}", f"request {job.req_id}")
+        for conn in list(self.conns.values()):
+            try:
                 parked = conn.parked.pop(job.req_id, None)
                 if parked is not None:
                     self._send(conn, ok_reply(parked[0], job.describe()))
+            except Exception:
+                self._internal("collect: answer wait", f"request {job.req_id}")
 
     def _own_job(self, c: Client, req_id: int) -> CopyJob:
         job = self.copies.get(req_id)
