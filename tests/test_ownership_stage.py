@@ -1,8 +1,11 @@
 """Stage `ownership` on the CPU profile (real service and client processes), plus a negative control: the
 same case against a service with the "no in-flight accounting on close" flaw must fail."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,3 +107,78 @@ def test_service_cli_start_status_stop(tmp_path):
         stopped = kmesh("stop")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     assert not (rd / "kmesh.sock").exists() and not (rd / "kmesh.admin").exists()
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_wrongly_accepted_copy_is_accounted_so_later_cases_do_not_time_out(tmp_path, monkeypatch):
+    """If the service wrongly accepts a copy that a case expects refused, the case must fail on that check and
+    the gate's token accounting must still cover the copy: the next case must pass, not time out. Emulated
+    here by turning the foreign client's load into a load into its own registration (which is accepted)."""
+    from kmesh.service.worker import Worker
+
+    orig = Worker.call
+
+    def call(self, cmd, **args):
+        if cmd == "load" and "as_ref" in args and getattr(self, "own_reg", None) is not None:
+            args = {k: v for k, v in args.items() if k != "as_ref"} | {"reg": self.own_reg}
+        r = orig(self, cmd, **args)
+        if cmd == "register":
+            self.own_reg = r["reg"]
+        return r
+
+    monkeypatch.setattr(Worker, "call", call)
+    res = Result("ownership", "cpu", {})
+    with Harness(log_dir=tmp_path) as h:
+        ctx = ownership.Ctx(h)
+        with res.case("foreign-client/memfd-wrongly-accepts") as c:
+            ownership.case_foreign_client(ctx, c, "memfd")
+        with res.case("register-use-close/memfd-after") as c:
+            ownership.case_register_use_close(ctx, c, "memfd")
+    flawed, after = res.cases
+    assert flawed.passed is False and flawed.checks["foreign_load_refused"]["value"] == "accepted"
+    assert flawed.error is None, flawed.error  # the wrongly accepted copy drained: no timeout in this case
+    assert after.passed is True, (after.error, [k for k, v in after.checks.items() if v["ok"] is False])
+
+
+def test_pidfd_case_kills_its_socket_holder_when_it_fails_early(tmp_path, monkeypatch):
+    """case_death_seen_by_pidfd forks a process that holds the client's socket; a failure anywhere after the
+    fork (here: load_mid raises) must still kill it."""
+    from kmesh.service.worker import Worker
+
+    holders: list[int] = []
+    orig = Worker.call
+
+    def call(self, cmd, **args):
+        r = orig(self, cmd, **args)
+        if cmd == "fork_holder":
+            holders.append(r)
+        return r
+
+    def broken_load_mid(self, *a, **k):
+        raise RuntimeError("load_mid broke (test)")
+
+    monkeypatch.setattr(Worker, "call", call)
+    monkeypatch.setattr(ownership.Ctx, "load_mid", broken_load_mid)
+    res = Result("ownership", "cpu", {})
+    try:
+        with Harness(log_dir=tmp_path) as h:
+            with res.case("death-seen-by-pidfd") as c:
+                ownership.case_death_seen_by_pidfd(ownership.Ctx(h), c)
+        assert "load_mid broke" in (res.cases[0].error or ""), res.cases[0].error
+        assert len(holders) == 1, holders
+        deadline = time.monotonic() + 5
+        while _running(holders[0]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running(holders[0]), f"socket holder {holders[0]} left running"
+    finally:
+        for pid in holders:  # never leave it behind, whatever the outcome
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
