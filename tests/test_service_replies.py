@@ -131,6 +131,12 @@ def test_every_op_answers_with_store_jobs_and_registrations_at_their_limits(rund
                                      ("clients", adm, "all"), ("released", adm, "all")):
                 items, npages, big = _pages(who, what, scope)
                 largest = max(largest, big)
+                ids = [x[{"objects": "key", "requests": "req", "clients": "client"}.get(what, "reg")] for x in items]
+                assert len(ids) == len(set(ids)), f"{what}: an item listed twice across pages"
+                if what == "objects":
+                    assert set(ids) == {_key(i) for i in range(objects)}
+                if what == "requests":
+                    assert len(ids) == jobs
                 if what in ("objects", "requests"):
                     assert npages > 1, (what, npages)  # these did not fit one frame as one list
             with pytest.raises(NotAuthorizedError):

@@ -154,7 +154,7 @@ class Harness:
                 "reservations": st["reservations"], "copies_running": st["copies_running"],
                 "store_pins": st["store"]["pins"], "stale_uses": st["stats"]["stale_uses"],
                 "extra_fds": st["open_fds"] - st["fd_baseline"] - 2 * st["connections_open"],
-                "violations": len(st["violations"])}
+                "violations": st["violations_count"]}
 
     def no_leaks(self, st: dict[str, Any] | None = None) -> bool:
         return all(v == 0 for v in self.leaks(st).values())

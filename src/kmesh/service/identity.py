@@ -6,8 +6,9 @@
   `Peer.pidfd_source`). A pidfd becomes readable when the process exits: the server polls it in its selector.
 - The token is 32 random bytes issued by hello; every later request on that connection must present it.
 - The admin token is a separate capability: 32 random bytes the service writes at start into a 0600 file in
-  its runtime dir. Admin ops (shutdown, status of all clients, evict) must present it, so a client of the same
-  uid that merely connects (a buggy worker) cannot stop the service or touch other clients' state; tools that
+  its runtime dir. Admin ops (shutdown, status / lists of all clients and of the store, evict, taking over a live
+  client's instance) must present it, so a client of the same uid that merely connects (a buggy worker) cannot
+  stop the service or touch other clients' state; tools that
   administer the service (`kmesh service stop|status`, the stage harness) read the file deliberately.
 """
 from __future__ import annotations
