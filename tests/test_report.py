@@ -2,7 +2,8 @@
 import pandas as pd
 
 from kmesh.bench import PairedTiming
-from kmesh.config import load_config
+from kmesh.config import SkipAllowance, load_config
+from kmesh.report.tables import stage_status
 from kmesh.result import Result
 
 
@@ -47,3 +48,24 @@ def test_render_paired_table_and_plots(tmp_path):
         assert (tmp_path / "cpu" / "plots" / f"drain_storage.{ext}").stat().st_size > 1000
         assert (tmp_path / "cpu" / "plots" / f"summary.{ext}").stat().st_size > 1000
     assert (tables / "drain_cases.tex").read_text().startswith("\\begin{table}")
+
+
+# The report's stage verdict follows the result file's own rule (kmesh.result): skips must be allowed and a
+# stage must prove something.
+def _summary(outcomes: list[str], allow: tuple[str, ...] = ()) -> dict:
+    res = Result("demo", "cpu", {}, allow_skips=tuple(SkipAllowance(p, "test") for p in allow))
+    for i, o in enumerate(outcomes):
+        with res.case(f"case-{i}") as c:
+            if o == "skip":
+                c.skip("not here")
+            c.check("x", o == "pass")
+    return res.summary()
+
+
+def test_stage_status_matches_the_result_rule() -> None:
+    assert stage_status(_summary(["pass", "pass"])) == "passed"
+    assert stage_status(_summary(["pass", "fail"])) == "FAILED"
+    assert stage_status(_summary(["pass", "skip"])).startswith("FAILED (1 skip(s) not allowed")
+    assert stage_status(_summary(["pass", "skip"], allow=("case-1",))) == "passed (1 allowed skip(s))"
+    assert stage_status(_summary(["skip"], allow=("case-*",))) == "FAILED (no case passed)"
+    assert stage_status(_summary([])) == "no cases"
