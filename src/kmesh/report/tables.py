@@ -11,13 +11,25 @@ from typing import Any, Iterable
 import pandas as pd
 
 
+def stage_status(s: dict[str, Any]) -> str:
+    """A stage's verdict as its result file's summary gives it (kmesh.result): a stage whose cases did not fail
+    but proved nothing, or skipped what its profile does not allow, has FAILED too."""
+    if not s["cases"]:
+        return "no cases"
+    if s["failed"]:
+        return "FAILED"
+    if s.get("skips_unallowed"):
+        return f"FAILED ({len(s['skips_unallowed'])} skip(s) not allowed)"
+    if not s["passed"]:
+        return "FAILED (no case passed)"
+    return "passed" if not s["skipped"] else f"passed ({s['skipped']} allowed skip(s))"
+
+
 def summary_frame(results: Iterable[dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for r in results:
         s, prov = r["summary"], r["provenance"]
-        status = "FAILED" if s["failed"] else ("passed" if not s["skipped"] else "passed (with skips)")
-        if not s["cases"]:
-            status = "no cases"
+        status = stage_status(s)
         kmesh = prov.get("kmesh", {})
         rows.append({
             "stage": r["stage"], "status": status, "cases": s["cases"], "passed": s["passed"],
