@@ -21,7 +21,7 @@ doctor: env
 	python -m kmesh doctor
 
 # Not in CI (far too slow for 2 cores). mutmut keeps its results in mutants/ and retests only what changed.
-MUTATION_JOBS ?= 2
+MUTATION_JOBS ?= 1
 mutation: env  ## mutation testing of layout, rope, restore, service registry, transfer engine (pyproject [tool.mutmut])
 	$(VENV)/bin/python -m pip install --quiet --require-hashes --no-deps -r requirements/mutation.lock
 	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS); \
