@@ -416,3 +416,289 @@ def test_cuda_gated_copy_drain_timeout_then_success():
     eng.drain([t])
     assert torch.equal(dst, pattern(8 << 20))
     eng.close()
+
+
+# -- drain selection, partial failures, reports (in process) ---------------------------------------------------
+class _Hooked(FaultPlan):
+    """A FaultPlan that runs `on_check(n)` at the n-th completion check and fails the check when it returns True:
+    lets a test act exactly when drain asks "finished?" (no timing guesses)."""
+
+    def __init__(self, on_check, **kw):
+        super().__init__(**kw)
+        self.on_check, self.checks = on_check, 0
+
+    def take(self, name):
+        if name == "fail_completion_check":
+            self.checks += 1
+            return bool(self.on_check(self.checks))
+        return super().take(name)
+
+
+def test_drain_timeout_finalizes_the_tickets_that_finished_and_keeps_the_rest_held():
+    eng, gate = gated()
+    src, dst1 = bufs()
+    dst2 = torch.full((N,), POISON, dtype=torch.uint8)
+    t1 = eng.submit(src, dst1, owner="a")
+    t2 = eng.submit(src, dst2, owner="a")  # FIFO worker: t2 gets no tokens until t1 has all of its chunks
+    gate.allow(16)
+    assert t1._stopped.wait(10)
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(DrainTimeoutError) as ei:
+        eng.drain([t2, t1], timeout=0.05)
+    assert time.monotonic() - t0 < 0.9  # the timeout bounds the wait
+    assert ei.value.pending == [t2] and t1.state == "done" and t2.state == "pending"
+    assert eng.holds(dst1) == 0 and eng.holds(dst2) == 1 and eng.holds(src) == 1  # only t2's holds remain
+    assert eng.pending() == [t2] and torch.equal(dst1, src) and bool((dst2 == POISON).all())
+    gate.open()
+    r = eng.drain()
+    assert r.done == [t2] and r.holds_released == 2 and torch.equal(dst2, src) and eng.live_holds() == 0
+    eng.close()
+
+
+def test_completion_check_failure_mid_drain_keeps_holds_from_that_ticket_on():
+    gate = ChunkGate()
+    plan = _Hooked(lambda n: n == 2, chunk_bytes=CHUNK)  # the second "finished?" fails
+    eng = TransferEngine("cpu", plan, gate=gate)
+    src, dst1 = bufs()
+    dst2, dst3 = torch.empty_like(dst1), torch.empty_like(dst1)
+    ts = [eng.submit(src, d, owner="a") for d in (dst1, dst2, dst3)]
+    gate.open()
+    assert all(t._stopped.wait(10) for t in ts)  # all copies stopped: one check per ticket
+    with pytest.raises(CompletionCheckError) as ei:
+        eng.drain()
+    assert ei.value.pending == ts[1:] and ts[0].state == "done" and eng.holds(dst1) == 0
+    assert [t.state for t in ts[1:]] == ["pending", "pending"] and eng.holds(dst2) == 1 and eng.holds(dst3) == 1
+    assert eng.drain().done == ts[1:] and eng.live_holds() == 0
+    eng.close()
+
+
+def test_drain_report_lists_tickets_once_in_id_order_with_every_hold_and_its_time():
+    import time
+
+    eng, gate = gated()
+    src, dst1 = bufs()
+    dst2 = torch.empty_like(dst1)
+    t1 = eng.submit(src, dst1, owner="a")
+    t2 = eng.submit(src, dst2, owner="a")
+    gate.open()
+    w0 = time.perf_counter()
+    r = eng.drain([t2, t1, t2])
+    wall = time.perf_counter() - w0
+    assert r.done == [t1, t2] and r.failed == [] and r.ok and r.holds_released == 4
+    assert 0 <= r.seconds <= wall
+    eng.close()
+
+
+def test_drain_selects_by_owner_and_skips_tickets_already_drained():
+    eng, gate = gated()
+    src, dst1 = bufs()
+    dst2 = torch.empty_like(dst1)
+    ta = eng.submit(src, dst1, owner="a")
+    tb = eng.submit(src, dst2, owner="b")
+    gate.open()
+    assert eng.drain([ta, tb], owner="a").done == [ta] and tb.state == "pending" and eng.holds(dst2) == 1
+    assert eng.drain([ta]).done == []  # drained already: nothing to wait for, no error
+    other = TransferEngine("cpu")
+    buf = torch.zeros(100, dtype=torch.uint8)
+    foreign = other.submit(buf[:50], buf[50:], owner="a")
+    other.drain([foreign])
+    assert eng.drain([foreign]).done == []  # a finished ticket of another engine holds nothing here
+    assert eng.drain(owner="a").done == [] and eng.drain(owner="b").done == [tb] and eng.drain().done == []
+    other.close()
+    eng.close()
+
+
+def test_drain_with_a_deadline_waits_for_a_copy_that_finishes_before_it():
+    gate = ChunkGate()
+    # The copy is held at the gate until drain first asks whether it has finished: it is still running then.
+    plan = _Hooked(lambda n: gate.open() if n == 1 else None, chunk_bytes=CHUNK)
+    eng = TransferEngine("cpu", plan, gate=gate)
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="a")
+    r = eng.drain([t], timeout=30)
+    assert r.done == [t] and plan.checks >= 2 and torch.equal(dst, src) and eng.live_holds() == 0
+    eng.close()
+
+
+def test_release_names_every_pending_holder_in_id_order():
+    eng, gate = gated()
+    src, dst1 = bufs()
+    dst2 = torch.empty_like(dst1)
+    t1 = eng.submit(src, dst1, owner="a")
+    t2 = eng.submit(src, dst2, owner="b")
+    with pytest.raises(BufferHeldError, match="held by 2 hold") as ei:
+        eng.release(src)
+    assert ei.value.pending == [t1, t2] and eng.holds(src[:1]) == 2 and eng.holds(dst1[-1:]) == 1
+    gate.open()
+    eng.drain()
+    eng.close()
+
+
+def test_close_with_a_timeout_refuses_while_a_copy_runs_and_keeps_the_engine_open():
+    eng, gate = gated()
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="a")
+    with pytest.raises(DrainTimeoutError):
+        eng.close(timeout=0.05)
+    t2 = eng.submit(src, torch.empty_like(dst), owner="a")  # still open: the close did not happen
+    gate.open()
+    eng.close(timeout=30)
+    assert t.state == t2.state == "done" and eng.live_holds() == 0 and eng._worker is None
+    with pytest.raises(EngineClosedError):
+        eng.submit(src, dst, owner="a")
+
+
+# -- submit: what a ticket records, chunking, producers ---------------------------------------------------------
+def test_ticket_records_bytes_route_and_chunk_count():
+    eng = TransferEngine("cpu")
+    src = torch.arange(1024, dtype=torch.float32)
+    dst = torch.zeros(4096, dtype=torch.uint8)  # same bytes, another dtype: the copy is bytewise
+    t = eng.submit(src, dst, owner="r9")
+    assert (t.owner, t.nbytes, t.route, t.chunks_total) == ("r9", 4096, "cpu->cpu", 1)
+    eng.drain([t])
+    assert t.chunks_done == 1 and torch.equal(dst.view(torch.float32), src)
+    eng.close()
+
+
+@pytest.mark.parametrize("n, chunks", [(N, 16), (N + 100, 17), (CHUNK - 1, 1), (1, 1), (0, 1)])
+def test_chunked_copy_covers_every_byte_once(n, chunks):
+    eng, gate = gated()
+    src, dst = bufs(n)
+    t = eng.submit(src, dst, owner="a")
+    assert t.chunks_total == chunks
+    gate.open()
+    assert eng.drain([t]).done == [t] and t.chunks_done == chunks and torch.equal(dst, src)
+    eng.close()
+
+
+def test_a_chunk_fault_without_a_gate_still_copies_in_chunks():
+    eng = TransferEngine("cpu", FaultPlan(chunk_bytes=CHUNK, fail_copy_at_chunk=5))
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="a")
+    assert t.chunks_total == 16
+    r = eng.drain([t])
+    assert r.failed == [t] and t.chunks_done == 5 and bool((dst[5 * CHUNK:] == POISON).all())
+    eng.close()
+
+
+def test_a_copy_after_another_engines_ticket_reads_what_that_copy_wrote():
+    first, gate = gated()
+    second = TransferEngine("cpu")
+    a, b = bufs()
+    c = torch.zeros(N, dtype=torch.uint8)
+    t1 = first.submit(a, b, owner="p")
+    t2 = second.submit(b, c, owner="q", after=t1)  # b is t1's destination: wait for t1 to stop
+    assert not t2._stopped.wait(0.05)
+    gate.open()
+    second.drain([t2])
+    assert torch.equal(c, a) and t1._stopped.is_set()
+    first.drain([t1])
+    first.close()
+    second.close()
+
+
+def test_more_submit_argument_errors():
+    eng = TransferEngine("cpu")
+    buf = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(TransferArgumentError, match="owner"):
+        eng.submit(buf[:50], buf[50:], owner=7)
+    with pytest.raises(TransferArgumentError, match="unsupported device"):
+        eng.submit(torch.zeros(50, dtype=torch.uint8, device="meta"), buf[50:], owner="r")
+    with pytest.raises(TransferArgumentError, match="unsupported device"):
+        eng.submit(buf[50:], torch.zeros(50, dtype=torch.uint8, device="meta"), owner="r")
+    zero = TransferEngine("cpu", FaultPlan(chunk_bytes=0))
+    with pytest.raises(TransferArgumentError, match="chunk_bytes"):
+        zero.submit(buf[:50], buf[50:], owner="r")
+    assert eng.live_holds() == zero.live_holds() == 0 and eng.pending() == zero.pending() == []
+    empty = eng.submit(buf[:0], buf[0:0], owner="r")  # zero bytes never overlap
+    assert eng.drain([empty]).done == [empty]
+    zero.close()
+    eng.close()
+
+
+def test_a_submit_that_cannot_enqueue_leaves_no_ticket_and_no_holds():
+    eng = TransferEngine("cpu")
+    src, dst = bufs()
+
+    def refuse(job):
+        raise RuntimeError("queue gone")
+
+    eng._enqueue = refuse
+    with pytest.raises(TransferError, match="could not enqueue") as ei:
+        eng.submit(src, dst, owner="a")
+    assert not isinstance(ei.value, SubmitError) and ei.value.pending == []
+    assert eng.live_holds() == 0 and eng.pending() == []
+    eng.release(dst)
+    eng.close()
+
+
+def test_kill_fault_requests_sigkill_of_this_process_after_exactly_n_chunks(monkeypatch):
+    # In process, the SIGKILL is intercepted (it would end the test run): the fault must aim it at this very
+    # process after the n-th chunk, and nothing more may be copied.
+    kills = []
+
+    def fake_kill(pid, sig):
+        kills.append((pid, sig))
+        raise RuntimeError("killed (intercepted)")
+
+    monkeypatch.setattr(os, "kill", fake_kill)
+    eng, gate = gated(kill_after_chunks=3)
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="a")
+    gate.open()
+    r = eng.drain([t])
+    assert kills == [(os.getpid(), signal.SIGKILL)] and r.failed == [t] and t.chunks_done == 3
+    assert torch.equal(dst[:3 * CHUNK], src[:3 * CHUNK]) and bool((dst[3 * CHUNK:] == POISON).all())
+    monkeypatch.undo()
+    eng.close()
+
+
+# -- shared memory in process: ledger slots and views -------------------------------------------------------------
+def _close_when_unreferenced(seg, limit=10.0):
+    import time
+
+    t0 = time.monotonic()
+    while True:  # an observed state (the mapping can be closed) with a failing deadline
+        try:
+            seg.close()
+            return
+        except shm.SegmentBusyError:
+            assert time.monotonic() - t0 < limit, "a view of the segment stayed alive after its copy drained"
+            time.sleep(0.001)
+
+
+def test_ledger_publishes_each_hold_by_segment_range_until_its_drain():
+    ledger = SharedLedger.create(slots=8)
+    seg = shm.Segment.create(2 * N)
+    gate = ChunkGate()
+    eng = TransferEngine("cpu", FaultPlan(chunk_bytes=CHUNK), gate=gate, ledger=ledger)
+    src = seg.tensor(torch.uint8, (N,))
+    dst = seg.tensor(torch.uint8, (N,), N)
+    src.copy_(pattern())
+    t = eng.submit(src[CHUNK:], dst[:N - CHUNK], owner="a")
+    plain = eng.submit(pattern(), torch.empty(N, dtype=torch.uint8), owner="b")  # not shared memory: no slots
+    held = sorted(ledger.holds(pid=os.getpid()), key=lambda h: h.role)
+    assert [(h.role, h.ticket_id, h.tag, h.start, h.end) for h in held] == [
+        ("dst", t.id, seg.tag, N, 2 * N - CHUNK), ("src", t.id, seg.tag, CHUNK, N)]
+    assert len(t._ledger_slots) == 2 and plain._ledger_slots == []
+    gate.open()
+    eng.drain()
+    assert ledger.holds(pid=os.getpid()) == [] and t._ledger_slots == []
+    assert torch.equal(dst[:N - CHUNK], pattern()[CHUNK:])
+    eng.close()
+    del src, dst
+    _close_when_unreferenced(seg)
+    ledger.close()
+
+
+def test_the_worker_keeps_no_view_of_drained_memory():
+    # A view kept by the engine after its drain would stop the owner from unmapping memory it may reuse.
+    seg = shm.Segment.create(2 * N)
+    eng = TransferEngine("cpu")
+    src, dst = seg.tensor(torch.uint8, (N,)), seg.tensor(torch.uint8, (N,), N)
+    eng.drain([eng.submit(src, dst, owner="a")])
+    del src, dst
+    _close_when_unreferenced(seg)  # no further copy arrives to displace the last job
+    eng.close()
