@@ -13,7 +13,8 @@ import pytest
 from kmesh.service.errors import (CapacityError, InstanceInUseError, NotOwnerError, RegistrationClosedError,
                                   StaleGenerationError, UnknownRegistrationError)
 from kmesh.service.identity import Peer
-from kmesh.service.registry import Client, Registration, Registry, State
+from kmesh.service.protocol import clip
+from kmesh.service.registry import IN_FLIGHT_LISTED, Client, Registration, Registry, State
 
 TOKEN = b"t" * 32
 ALLOC = 0x7F00_0000_1000
@@ -382,3 +383,61 @@ def test_violations_name_each_broken_invariant() -> None:
     w.memory = object()
     assert r2.violations() == []  # closing is what a lost client's registration should be
 
+
+
+# -- what status and list show: descriptions and the summary must tell the true state --------------------------
+def test_descriptions_show_state_work_and_mapping_truthfully() -> None:
+    r, unmap = make()
+    c = r.add_client(5, "vllm-0", peer(42), TOKEN, 9, 0.0)
+    x = active(r, c)
+    for req in range(IN_FLIGHT_LISTED + 6, 0, -1):
+        r.begin_work(x, req)
+    r.close(x, "closed by client")
+    d = x.describe()
+    assert {k: d[k] for k in ("reg", "client", "alloc_id", "gen", "kind", "nbytes", "state", "reason", "mapped")} == {
+        "reg": x.reg_id, "client": c.client_id, "alloc_id": ALLOC, "gen": 1, "kind": "memfd", "nbytes": 4096,
+        "state": "closing", "reason": "closed by client", "mapped": True}
+    assert d["in_flight"] == list(range(1, IN_FLIGHT_LISTED + 1)) and d["in_flight_count"] == IN_FLIGHT_LISTED + 6
+    assert d["history"] == [["registered", "register"], ["active", "activate"], ["closing", "closed by client"]]
+    assert reg(r, c, alloc=2).describe()["mapped"] is False
+    assert c.describe() == {"client": c.client_id, "instance": 5, "name": "vllm-0", "pid": 42, "uid": 1000,
+                            "live": True, "lost_reason": None, "connected": True, "regs": sorted(c.regs)}
+    r.detach_connection(c)
+    cd = c.describe()
+    assert (cd["live"], cd["lost_reason"], cd["connected"]) == (False, "disconnect", False)
+    long = "y" * 5000
+    y = active(r, client(r, 6, 6), alloc=3)
+    r.close(y, long)
+    t = r.tombstones[y.reg_id].describe()
+    assert {k: t[k] for k in ("reg", "client", "alloc_id", "gen", "state", "in_flight", "in_flight_count",
+                              "mapped")} == {"reg": y.reg_id, "client": y.client_id, "alloc_id": 3, "gen": 1,
+                                             "state": "released", "in_flight": [], "in_flight_count": 0,
+                                             "mapped": False}
+    assert t["reason"] == clip(long) and len(t["reason"]) < len(long)  # bounded, as listed items must be
+    assert [h[0] for h in t["history"]] == ["registered", "active", "closing", "drained", "released"]
+    assert t["history"][2][1] == clip(long)
+
+
+def test_summary_counts_by_state_for_one_client_or_all() -> None:
+    r, unmap = make()
+    a, b = client(r, 1, 1), client(r, 2, 2)
+    reg(r, a, alloc=1)
+    busy = active(r, a, alloc=2)
+    r.begin_work(busy, 1)
+    r.close(busy, "closed by client")
+    unmap.refuse = "views alive"
+    r.close(active(r, b, alloc=1), "closed by client")  # stays drained
+    unmap.refuse = None
+    r.close(reg(r, b, alloc=2), "closed by client")  # released
+    r.begin_work(active(r, b, alloc=3), 2)
+    r.lose_client(b, "heartbeat lost")  # closing, its copy still runs
+    s = r.summary()
+    assert s["by_state"] == {"registered": 1, "active": 0, "closing": 2, "drained": 1}
+    assert s["counts"] == {"clients": 2, "clients_live": 1, "registrations": 4, "released": 1}
+    assert s["counters"] == r.counters and s["counters"] is not r.counters
+    sa = r.summary(a.client_id)
+    assert sa["by_state"] == {"registered": 1, "active": 0, "closing": 1, "drained": 0}
+    assert sa["counts"] == {"clients": 1, "clients_live": 1, "registrations": 2, "released": 0}
+    sb = r.summary(b.client_id)
+    assert sb["by_state"] == {"registered": 0, "active": 0, "closing": 1, "drained": 1}
+    assert sb["counts"] == {"clients": 1, "clients_live": 0, "registrations": 2, "released": 1}
