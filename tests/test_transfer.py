@@ -562,6 +562,19 @@ def test_ticket_records_bytes_route_and_chunk_count():
     eng.close()
 
 
+def test_default_engine_copies_on_cpu_with_a_worker_that_never_keeps_the_process_alive():
+    eng = TransferEngine()
+    assert eng.device == torch.device("cpu")
+    src, dst = bufs()
+    t = eng.submit(src, dst, owner="a")
+    assert eng._worker.daemon  # an engine left unclosed must not block interpreter exit
+    eng.drain([t])
+    eng.close()
+    if not torch.cuda.is_available():  # a cuda engine is a known device kind, refused for want of a GPU
+        with pytest.raises(TransferArgumentError, match="needs a CUDA device"):
+            TransferEngine("cuda")
+
+
 @pytest.mark.parametrize("n, chunks", [(N, 16), (N + 100, 17), (CHUNK - 1, 1), (1, 1), (0, 1)])
 def test_chunked_copy_covers_every_byte_once(n, chunks):
     eng, gate = gated()
@@ -580,6 +593,7 @@ def test_a_chunk_fault_without_a_gate_still_copies_in_chunks():
     assert t.chunks_total == 16
     r = eng.drain([t])
     assert r.failed == [t] and t.chunks_done == 5 and bool((dst[5 * CHUNK:] == POISON).all())
+    assert t.error == "TransferError: copy failed at chunk 5 (injected fault)"  # the copy's own error, typed
     eng.close()
 
 
@@ -687,8 +701,14 @@ def test_ledger_publishes_each_hold_by_segment_range_until_its_drain():
     eng.drain()
     assert ledger.holds(pid=os.getpid()) == [] and t._ledger_slots == []
     assert torch.equal(dst[:N - CHUNK], pattern()[CHUNK:])
+    last = seg.tensor(torch.uint8, (1,), 2 * N - 1)  # one byte at the very end of the segment is held too
+    t1 = eng.submit(src[:1], last, owner="c")
+    assert sorted((h.role, h.start, h.end) for h in ledger.holds(pid=os.getpid())) == [
+        ("dst", 2 * N - 1, 2 * N), ("src", 0, 1)]
+    eng.drain([t1])
+    assert ledger.live() == 0
     eng.close()
-    del src, dst
+    del src, dst, last
     _close_when_unreferenced(seg)
     ledger.close()
 
