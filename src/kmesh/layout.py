@@ -206,11 +206,14 @@ class KVLayout:
         lstride = starts[1] - starts[0] if len(views) > 1 else None
         if len(views) > 1 and any(b - a != lstride for a, b in zip(starts, starts[1:])):
             raise LayoutError("layer views are not evenly spaced in memory")
+        if lstride is not None and lstride <= 0:   # aliased (shared) or descending: not distinct layers
+            raise LayoutError(f"layer views must lie at increasing addresses; layer 1 starts {lstride} bytes "
+                              f"after layer 0")
         byte = {"B": v0.stride(0) * es, "H": v0.stride(1) * es, "N": v0.stride(2) * es,
                 "L": lstride if lstride is not None else 0}
         sizes = {"L": len(views), "B": B, "H": H, "N": N}
         # Axes of size 1 have no meaningful stride; order the rest by stride, largest first.
-        if lstride is None or lstride <= 0:
+        if lstride is None:
             order_axes = ["L", *sorted(("B", "H", "N"), key=lambda a: -byte[a])]
         else:
             order_axes = sorted(("L", "B", "H", "N"), key=lambda a: -byte[a])
