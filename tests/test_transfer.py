@@ -505,6 +505,10 @@ def test_drain_selects_by_owner_and_skips_tickets_already_drained():
     foreign = other.submit(buf[:50], buf[50:], owner="a")
     other.drain([foreign])
     assert eng.drain([foreign]).done == []  # a finished ticket of another engine holds nothing here
+    pending_foreign = other.submit(buf[:50], buf[50:], owner="a")
+    with pytest.raises(TransferArgumentError, match="not a ticket of this engine"):  # checked after a skip too
+        eng.drain([ta, pending_foreign])
+    other.drain([pending_foreign])
     assert eng.drain(owner="a").done == [] and eng.drain(owner="b").done == [tb] and eng.drain().done == []
     other.close()
     eng.close()
@@ -583,6 +587,24 @@ def test_chunked_copy_covers_every_byte_once(n, chunks):
     assert t.chunks_total == chunks
     gate.open()
     assert eng.drain([t]).done == [t] and t.chunks_done == chunks and torch.equal(dst, src)
+    eng.close()
+
+
+def test_without_faults_or_gate_a_copy_is_one_piece_of_any_size():
+    eng = TransferEngine("cpu")
+    src, dst = bufs(3 << 20)  # larger than the default chunk size, which applies only with faults or a gate
+    one_src, one_dst = bufs(1)
+    ts = [eng.submit(src, dst, owner="a"), eng.submit(one_src, one_dst, owner="a")]
+    assert [t.chunks_total for t in ts] == [1, 1]
+    assert eng.drain(ts).done == ts and torch.equal(dst, src) and torch.equal(one_dst, one_src)
+    eng.close()
+
+
+def test_one_byte_chunks_are_allowed():
+    eng = TransferEngine("cpu", FaultPlan(chunk_bytes=1))
+    src, dst = bufs(8)
+    t = eng.submit(src, dst, owner="a")
+    assert t.chunks_total == 8 and eng.drain([t]).done == [t] and t.chunks_done == 8 and torch.equal(dst, src)
     eng.close()
 
 
