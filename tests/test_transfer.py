@@ -522,7 +522,7 @@ def test_drain_with_a_deadline_waits_for_a_copy_that_finishes_before_it():
     src, dst = bufs()
     t = eng.submit(src, dst, owner="a")
     r = eng.drain([t], timeout=30)
-    assert r.done == [t] and plan.checks >= 2 and torch.equal(dst, src) and eng.live_holds() == 0
+    assert r.done == [t] and plan.checks >= 1 and torch.equal(dst, src) and eng.live_holds() == 0
     eng.close()
 
 
