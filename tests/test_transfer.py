@@ -744,3 +744,23 @@ def test_the_worker_keeps_no_view_of_drained_memory():
     del src, dst
     _close_when_unreferenced(seg)  # no further copy arrives to displace the last job
     eng.close()
+
+
+def test_a_submit_refused_for_a_full_ledger_leaves_no_holds_behind():
+    # Regression: the refusal came after the holds went on; nothing could drain them (no ticket was returned),
+    # so the buffers could never be released.
+    ledger = SharedLedger.create(slots=1)  # room for the source's slot only
+    seg = shm.Segment.create(2 * N)
+    eng = TransferEngine("cpu", ledger=ledger)
+    src, dst = seg.tensor(torch.uint8, (N,)), seg.tensor(torch.uint8, (N,), N)
+    with pytest.raises(TransferArgumentError, match="ledger full"):
+        eng.submit(src, dst, owner="a")
+    assert eng.live_holds() == 0 and ledger.live() == 0 and eng.pending() == []
+    eng.release(src)
+    eng.release(dst)
+    t = eng.submit(src[:1], pattern(1), owner="a")  # the ledger slot is free again
+    eng.drain([t])
+    eng.close()
+    del src, dst
+    _close_when_unreferenced(seg)
+    ledger.close()
