@@ -121,8 +121,12 @@ class TransferEngine:
         t = Ticket(id=next(_ids), owner=owner, nbytes=s.numel(), route=f"{src.device}->{dst.device}",
                    chunks_total=max(1, -(-s.numel() // chunk)))
         producer = self._producer(after)
-        self._hold(t, src, "src")
-        self._hold(t, dst, "dst")
+        try:
+            self._hold(t, src, "src")
+            self._hold(t, dst, "dst")
+        except Exception:  # e.g. the hold ledger is full: nothing was accepted, so no hold may stay behind
+            self._finalize(t)
+            raise
         with self._lock:
             self._tickets[t.id] = t
         job = _Job(t, s, d, producer, chunk)
