@@ -535,6 +535,7 @@ def test_release_names_every_pending_holder_in_id_order():
     with pytest.raises(BufferHeldError, match="held by 2 hold") as ei:
         eng.release(src)
     assert ei.value.pending == [t1, t2] and eng.holds(src[:1]) == 2 and eng.holds(dst1[-1:]) == 1
+    assert eng.pending() == [t1, t2] and eng.pending("b") == [t2]
     gate.open()
     eng.drain()
     eng.close()
@@ -544,14 +545,32 @@ def test_close_with_a_timeout_refuses_while_a_copy_runs_and_keeps_the_engine_ope
     eng, gate = gated()
     src, dst = bufs()
     t = eng.submit(src, dst, owner="a")
-    with pytest.raises(DrainTimeoutError):
-        eng.close(timeout=0.05)
+    outcome = []
+
+    def close_briefly():
+        try:
+            eng.close(timeout=0.05)
+            outcome.append("closed")
+        except DrainTimeoutError:
+            outcome.append("timed out")
+
+    closer = threading.Thread(target=close_briefly)
+    closer.start()
+    closer.join(10)
+    if closer.is_alive():  # let the copy finish so the test ends, then fail
+        gate.open()
+        closer.join()
+        pytest.fail("close(timeout=0.05) did not pass its timeout to the drain")
+    assert outcome == ["timed out"]
     t2 = eng.submit(src, torch.empty_like(dst), owner="a")  # still open: the close did not happen
     gate.open()
     eng.close(timeout=30)
     assert t.state == t2.state == "done" and eng.live_holds() == 0 and eng._worker is None
     with pytest.raises(EngineClosedError):
         eng.submit(src, dst, owner="a")
+    eng.close()  # closing again is harmless
+    with eng:
+        pass
 
 
 # -- submit: what a ticket records, chunking, producers ---------------------------------------------------------
@@ -563,6 +582,9 @@ def test_ticket_records_bytes_route_and_chunk_count():
     assert (t.owner, t.nbytes, t.route, t.chunks_total) == ("r9", 4096, "cpu->cpu", 1)
     eng.drain([t])
     assert t.chunks_done == 1 and torch.equal(dst.view(torch.float32), src)
+    back = torch.zeros(1024, dtype=torch.float32)
+    eng.drain([eng.submit(dst, back, owner="r9")])  # and back: byte counts, not element counts, must match
+    assert torch.equal(back, src)
     eng.close()
 
 
@@ -640,9 +662,9 @@ def test_more_submit_argument_errors():
     buf = torch.zeros(100, dtype=torch.uint8)
     with pytest.raises(TransferArgumentError, match="owner"):
         eng.submit(buf[:50], buf[50:], owner=7)
-    with pytest.raises(TransferArgumentError, match="unsupported device"):
+    with pytest.raises(TransferArgumentError, match="src is on unsupported device"):  # names the culprit
         eng.submit(torch.zeros(50, dtype=torch.uint8, device="meta"), buf[50:], owner="r")
-    with pytest.raises(TransferArgumentError, match="unsupported device"):
+    with pytest.raises(TransferArgumentError, match="dst is on unsupported device"):
         eng.submit(buf[50:], torch.zeros(50, dtype=torch.uint8, device="meta"), owner="r")
     zero = TransferEngine("cpu", FaultPlan(chunk_bytes=0))
     with pytest.raises(TransferArgumentError, match="chunk_bytes"):
