@@ -398,3 +398,188 @@ def test_kernel_refuses_cpu_cache():
     plan = plan_restore(_poisoned(LAY), LAY, seg, [0, 1, 2, 3], [5, 6, 7, 8], ROPE)
     with pytest.raises(DeviceMismatchError):
         launch_restore(plan)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where restore and capture put / take bytes, against the independent reference (kmesh.reference.addressing)
+
+from kmesh.reference import addressing as ref  # noqa: E402
+
+WHERE_LAYOUTS = [
+    KVLayout.paged("LBNHC", 3, 4, 8, 2, 32, "bfloat16", offset=64),
+    KVLayout.paged("BHLNC", 3, 4, 8, 2, 32, "fp8_e4m3", k_scale=0.05, v_scale=0.1),
+    KVLayout.cpu(3, 4, 8, 2, 32, "float32", order="BLHNC"),
+    KVLayout.mla("LBHNC", 3, 4, 8, 16, 32, "float16"),               # rotary part = channels [16, 48)
+]
+
+
+def _b(t):
+    return t.contiguous().view(torch.uint8)     # poisoned caches hold NaN patterns: compare bytes
+
+
+def _rope_for(lay):
+    # a partial rotary over the key channels from rope_offset: channels [rope_offset, rope_offset + 16) move
+    return RopeConfig(lay.head_dim - lay.rope_offset, 16, 10000.0, "gptj", None, 4096)
+
+
+@pytest.mark.parametrize("lay", WHERE_LAYOUTS, ids=lambda x: f"{x.packing}-{x.order}-{x.dtype}")
+def test_restore_writes_exactly_the_reference_cells(lay):
+    # slot 0, the last slot and both sides of a block boundary; padding in between; layers [1, 3)
+    slots = torch.tensor([0, -1, lay.num_slots - 1, 7, 8, -1, 17])
+    T, kept = slots.numel(), slots >= 0
+    src = lay.with_(num_layers=2)
+    seg = capture(_poisoned(src, seed=5), src, torch.arange(T), torch.arange(100, 100 + T))
+    new = seg.positions.clone()
+    new[2::2] += 37                                         # tokens 2, 4, 6 move; 0, 1, 3, 5 keep their place
+    raw = _poisoned(lay)
+    before = raw.clone()
+    plan = restore(raw, lay, seg, slots, new, _rope_for(lay), first_layer=1)
+    assert plan.num_written_tokens == int(kept.sum())
+    k, v = ref.read(raw, lay, slots[kept], [1, 2])
+    if v is not None:
+        assert torch.equal(_b(v), _b(seg.v[kept]))          # values byte for byte
+    still = (new == seg.positions)[kept]
+    assert torch.equal(_b(k[still]), _b(seg.k[kept][still]))     # unmoved keys byte for byte
+    lo, hi = lay.rope_offset, lay.rope_offset + 16
+    moved_k, moved_seg = _b(k[~still]), _b(seg.k[kept][~still])
+    es = lay.element_size
+    assert torch.equal(moved_k[..., : lo * es], moved_seg[..., : lo * es])      # channels before the rotary part
+    assert torch.equal(moved_k[..., hi * es:], moved_seg[..., hi * es:])        # and past rotary_dim: untouched
+    mask = ref.touched_mask(raw.numel(), lay, slots[kept], [1, 2])
+    assert torch.equal(raw[~mask], before[~mask]), "bytes outside the destination cells changed"
+
+
+@pytest.mark.parametrize("lay", WHERE_LAYOUTS, ids=lambda x: f"{x.packing}-{x.order}-{x.dtype}")
+def test_capture_reads_the_reference_cells(lay):
+    raw = _poisoned(lay, seed=9)
+    before = raw.clone()
+    slots = torch.tensor([lay.num_slots - 1, 0, 8, 7])
+    seg = capture(raw, lay, slots, torch.arange(4), layers=[2, 0])
+    k, v = ref.read(raw, lay, slots, [2, 0])
+    assert torch.equal(_b(seg.k), _b(k))
+    assert (seg.v is None) == (lay.head_dim_v == 0)
+    if v is not None:
+        assert torch.equal(_b(seg.v), _b(v))
+    assert (seg.dtype, seg.k_scale, seg.v_scale) == (lay.dtype, lay.k_scale, lay.v_scale)
+    assert torch.equal(raw, before)
+
+
+def test_capture_refuses_slots_outside_the_cache():
+    raw = _poisoned(LAY)
+    for bad in ([-1, 0], [0, LAY.num_slots], [LAY.num_slots - 1, LAY.num_slots + 5], [-1]):
+        with pytest.raises(SlotRangeError):          # -1 would read the last block, num_slots past the end
+            capture(raw, LAY, bad, list(range(len(bad))))
+    empty = capture(raw, LAY, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    assert empty.num_tokens == 0 and empty.k.shape == (0, 2, 2, 64)
+
+
+def test_capture_keeps_integer_positions_exactly():
+    # 2^53 + 1 has no float64: an index path through floats would change it
+    big = [2**53 + 1, 2**62 + 3, 5, 2**63 - 1]
+    raw = _poisoned(LAY)
+    for kind in (big, np.array(big, dtype=np.int64), np.array(big, dtype=np.uint64), torch.tensor(big)):
+        assert capture(raw, LAY, [0, 1, 2, 3], kind).positions.tolist() == big
+
+
+@pytest.mark.parametrize("extreme", [
+    [7, 8, 9, 2**63 - 1], [7, 8, 9, -(2**63)],
+    np.array([7, 8, 9, 2**63 - 1], dtype=np.uint64), torch.tensor([7, 8, 9, 2**63 - 1], dtype=torch.uint64),
+], ids=["list-max", "list-min", "np-uint64-max", "torch-uint64-max"])
+def test_int64_extremes_are_positions_off_the_table_not_malformed(extreme):
+    # the largest / smallest int64 is a valid integer: refused by the rope table's range, not as malformed
+    e = _refused(RopeRangeError, new=extreme)
+    assert not isinstance(e, PositionError)
+
+
+def test_torch_index_tensors_of_the_wrong_kind_are_refused():
+    for bad in (torch.tensor([True, False, True, False]), torch.tensor([0, 1, 2, 3], dtype=torch.complex64),
+                torch.tensor([0, 1, 2, 2**64 - 1], dtype=torch.uint64)):   # the last would wrap to -1 (padding)
+        _refused(SlotError, slots=bad)
+        _refused(PositionError, new=bad)
+    plan = restore(_poisoned(LAY), LAY, _segment(LAY, 4)[0], torch.tensor([0, 1, 2, 3], dtype=torch.uint64),
+                   torch.tensor([7, 8, 9, 10], dtype=torch.uint64), ROPE)
+    assert plan.slots.dtype == torch.int64 and plan.slots.tolist() == [0, 1, 2, 3]
+
+
+def test_duplicate_slot_zero_is_refused():
+    _refused(DuplicateSlotError, slots=torch.tensor([0, 5, 0, -1]))
+
+
+@pytest.mark.parametrize("slots, named", [
+    ([0, -5, 2, 3], "-5"), ([0, 1, 2, 999], "999"), ([-1, 1, 2, 999], "999"), ([-2, 1, 2, 3], "-2"),
+    ([-7, 1, 2, 999], "-7"),
+])
+def test_slot_range_error_names_the_offending_slot(slots, named):
+    e = _refused(SlotRangeError, slots=torch.tensor(slots))
+    assert f"slot {named} " in str(e)
+
+
+def test_plan_restore_defaults_to_the_first_layer():
+    raw = _poisoned(LAY)
+    plan = plan_restore(raw, LAY, _segment(LAY, 4)[0], [0, 1, 2, 3], [7, 8, 9, 10], ROPE)
+    assert plan.first_layer == 0
+    plan.run()                                        # the default backend is the torch path
+    ref_raw = _poisoned(LAY)
+    restore(ref_raw, LAY, _segment(LAY, 4)[0], [0, 1, 2, 3], [7, 8, 9, 10], ROPE, first_layer=0, backend="torch")
+    assert torch.equal(raw, ref_raw)
+
+
+def test_run_refuses_unknown_backends_and_cuda_on_a_cpu_cache():
+    raw = _poisoned(LAY)
+    before = raw.clone()
+    plan = plan_restore(raw, LAY, _segment(LAY, 4)[0], [0, 1, 2, 3], [7, 8, 9, 10], ROPE)
+    with pytest.raises(RestoreError, match="backend"):
+        plan.run("triton")
+    with pytest.raises(DeviceMismatchError, match="CUDA cache"):
+        plan.run("cuda")
+    assert torch.equal(raw, before)
+
+
+def test_bytes_moved_by_hand():
+    # T=4, L=2, H=2, K 64 + V 64 bfloat16: segment 4·2·2·128·2 = 4096 bytes.
+    # Tables: cos and sin [4, 32] float32 = 2·128·4 = 1024, plus 8-byte slot + 1-byte moved flag per token = 36.
+    plan = plan_restore(_poisoned(LAY), LAY, _segment(LAY, 4)[0], [0, -1, 2, 3], [7, 8, 9, 10], ROPE)
+    assert plan.bytes_moved() == {"read": 4096 + 1060, "written": 4096, "total": 2 * 4096 + 1060}
+
+
+# ---------------------------------------------------------------------------------------------------
+# KVSegment: shape checks, layer slices, devices
+
+def test_segment_refuses_mismatched_values_positions_and_scales():
+    k = torch.zeros(4, 2, 2, 8, dtype=torch.float16)
+    v = torch.zeros(4, 2, 2, 8, dtype=torch.float16)
+    pos = torch.arange(4)
+    bad = [
+        dict(v=torch.zeros(3, 2, 2, 8, dtype=torch.float16)),          # another token count
+        dict(v=torch.zeros(4, 2, 2, dtype=torch.float16)),             # 3-D, its [T, L, H] matching k's
+        dict(v=[[0.0] * 8] * 4),                                       # not a tensor
+        dict(positions=torch.arange(4)[:, None]),                      # [T, 1]
+        dict(positions=[0, 1, 2, 3]),
+        dict(positions=torch.tensor([True, False, True, True])),
+        dict(k_scale=float("inf")), dict(v_scale=-1.0), dict(k_scale=0.0), dict(v_scale=float("nan")),
+    ]
+    for kw in bad:
+        args = dict(k=k, v=v, positions=pos, dtype="float16") | kw
+        with pytest.raises(SegmentError):
+            KVSegment(**args)
+    KVSegment(k, v, pos.to(torch.int32), "float16", 2, 0.5)           # integer positions of any width, int scales
+
+
+def test_segment_layers_slice_every_part():
+    seg, _ = _segment(LAY.with_(num_layers=4, dtype="fp8_e5m2", k_scale=0.5, v_scale=0.25), 3)
+    part = seg.layers(1, 3)
+    assert torch.equal(part.k, seg.k[:, 1:3]) and torch.equal(part.v, seg.v[:, 1:3])
+    assert part.positions is seg.positions
+    assert (part.dtype, part.k_scale, part.v_scale, part.num_layers) == ("fp8_e5m2", 0.5, 0.25, 2)
+    mla = KVSegment(torch.zeros(3, 4, 1, 12, dtype=torch.bfloat16), None, torch.arange(3), "bfloat16")
+    sub = mla.layers(2, 4)
+    assert sub.v is None and sub.k.shape == (3, 2, 1, 12)
+
+
+def test_segment_to_moves_every_tensor_and_keeps_scales():
+    seg, _ = _segment(LAY.with_(dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25), 2)
+    m = seg.to("meta")
+    assert {m.k.device.type, m.v.device.type, m.positions.device.type} == {"meta"}
+    assert (m.dtype, m.k_scale, m.v_scale) == ("fp8_e4m3", 0.5, 0.25)
+    mla = KVSegment(torch.zeros(2, 1, 1, 12, dtype=torch.bfloat16), None, torch.arange(2), "bfloat16").to("meta")
+    assert mla.v is None and mla.k.device.type == "meta"
