@@ -786,3 +786,33 @@ def test_a_submit_refused_for_a_full_ledger_leaves_no_holds_behind():
     del src, dst
     _close_when_unreferenced(seg)
     ledger.close()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("busy", ["copy", "default"])
+def test_cuda_drain_waits_until_the_copy_itself_ran(chunked, busy):
+    # GPU work queued ahead on one stream delays whatever is queued behind it there. Busy copy stream: the copy
+    # runs late, so a completion event recorded anywhere but after it on that stream (or none: "all chunks
+    # issued") lets drain drop the holds before the DMA ran. Busy default stream: chunks issued off the copy
+    # stream would run late while its event completes at once. Either way the destination would be poison.
+    g = ChunkGate() if chunked else None
+    eng = TransferEngine("cuda", FaultPlan(chunk_bytes=1 << 20) if chunked else None, gate=g)
+    src = pattern(8 << 20).cuda()
+    dst = torch.full((8 << 20,), POISON, dtype=torch.uint8).pin_memory()
+    torch.cuda.synchronize()
+    if busy == "copy":
+        with torch.cuda.stream(eng._stream):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the copy
+        t = eng.submit(src, dst, owner="g")
+    else:
+        torch.cuda._sleep(1_000_000_000)  # on the default stream
+        t = eng.submit(src, dst, owner="g", after=torch.cuda.Stream())  # the producer: an idle stream
+    if g is not None:
+        g.open()
+    r = eng.drain([t])
+    assert r.done == [t] and t._event is not None and t._event.query()
+    assert torch.equal(dst, pattern(8 << 20)) and eng.live_holds() == 0
+    eng.close()
+    torch.cuda.synchronize()
