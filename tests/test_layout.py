@@ -181,6 +181,7 @@ OVERRIDE_LAYOUTS = [
     KVLayout.paged("BHLNC", 3, 4, 16, 2, 8, "float16", block_stride=4 * 3 * 16 * 16 * 2 * 2, layer_stride=1024),
     KVLayout.cpu(3, 4, 16, 2, 8, "float16", order="BLHNC", offset=32, block_stride=3 * 2 * 16 * 16 * 2 + 64),
     KVLayout.mla("LBNHC", 3, 4, 16, 8, 4, "fp8_e4m3", offset=7, layer_stride=4 * 16 * 12 + 40),
+    KVLayout.paged("LBHNC", 3, 4, 16, 2, 8, "float16", head_dim_v=1),     # the narrowest V
 ]
 
 
@@ -215,7 +216,7 @@ def test_both_access_paths_read_the_reference_addresses(lay):
     lb, ln = lay.split_slots(slots)
     assert torch.equal(lb, b) and torch.equal(ln, n)
     # path 2: vLLM-style layer views, on a layer subset in a non-sorted order
-    k2, v2 = lay.read_tokens(raw, slots.to(torch.int32), layers=[2, 0])
+    k2, v2 = lay.read_tokens(raw, slots.to(torch.uint8), layers=[2, 0])   # any integer dtype (uint8 is no mask)
     k_ref2, v_ref2 = ref.read(raw, lay, slots, [2, 0])
     assert torch.equal(_bytes(k2), _bytes(k_ref2))
     assert (v2 is None) == (v_ref2 is None)
