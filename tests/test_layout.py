@@ -173,15 +173,16 @@ def test_fp8_quantize_saturates_and_rounds_like_the_cast(fmt, top):
 from kmesh.reference import addressing as ref  # noqa: E402
 
 # Layouts whose construction keywords matter: offsets, padded pages (block_stride / layer_stride beyond
-# dense), head_dim_v != head_dim, and kw passed through the cpu/mla factories.
+# dense), head_dim_v != head_dim, and kw passed through the cpu/mla factories. (head_dim_v != head_dim is
+# built with the constructor here: a factory failing at import would hide which test caught it.)
 OVERRIDE_LAYOUTS = [
     KVLayout.paged("LBHNC", 3, 4, 16, 2, 8, "float32", offset=64, block_stride=2 * 16 * 16 * 4 + 128),
     KVLayout.paged("BLNHC", 3, 4, 16, 2, 8, "bfloat16", layer_stride=2 * 16 * 16 * 2 + 96),
-    KVLayout.paged("LHBNC", 3, 4, 16, 2, 8, "fp8_e5m2", head_dim_v=4, offset=5),
+    KVLayout("paged", "LHBNC", 3, 4, 16, 2, 8, 4, "fp8_e5m2", offset=5),
     KVLayout.paged("BHLNC", 3, 4, 16, 2, 8, "float16", block_stride=4 * 3 * 16 * 16 * 2 * 2, layer_stride=1024),
     KVLayout.cpu(3, 4, 16, 2, 8, "float16", order="BLHNC", offset=32, block_stride=3 * 2 * 16 * 16 * 2 + 64),
     KVLayout.mla("LBNHC", 3, 4, 16, 8, 4, "fp8_e4m3", offset=7, layer_stride=4 * 16 * 12 + 40),
-    KVLayout.paged("LBHNC", 3, 4, 16, 2, 8, "float16", head_dim_v=1),     # the narrowest V
+    KVLayout("paged", "LBHNC", 3, 4, 16, 2, 8, 1, "float16"),             # the narrowest V
 ]
 
 
@@ -351,7 +352,7 @@ def _views_layout_agree(src, got, raw):
     KVLayout.paged("LHBNC", 1, 4, 16, 2, 8, "float16"),
     KVLayout.paged("BLNHC", 3, 4, 16, 2, 8, "float32", layer_stride=2 * 16 * 16 * 4 + 512),   # padded layers
     KVLayout.paged("LBHNC", 3, 4, 16, 2, 8, "float32", layer_stride=4 * 2 * 16 * 16 * 4 + 256),
-    KVLayout.paged("LBNHC", 2, 4, 16, 2, 8, "bfloat16", head_dim_v=4),
+    KVLayout("paged", "LBNHC", 2, 4, 16, 2, 8, 4, "bfloat16"),
     KVLayout.mla("LBNHC", 2, 4, 16, 8, 4, "fp8_e4m3", offset=3),
     KVLayout.cpu(2, 4, 16, 2, 8, "float16", order="BHLNC"),
 ], ids=_id)
