@@ -24,8 +24,10 @@ doctor: env
 MUTATION_JOBS ?= 1
 mutation: env  ## mutation testing of layout, rope, restore, service registry, transfer engine (pyproject [tool.mutmut])
 	$(VENV)/bin/python -m pip install --quiet --require-hashes --no-deps -r requirements/mutation.lock
-	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS); \
-	  rc=$$?; python scripts/mutation_report.py $(MUTATION_REPORT_ARGS) && exit $$rc
+	mkdir -p results/mutation
+	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS) > results/mutation/mutmut.log 2>&1; \
+	  rc=$$?; tr '\r' '\n' < results/mutation/mutmut.log | grep -a -E "mutations/second|Stopping|failed to" | tail -3; \
+	  python scripts/mutation_report.py $(MUTATION_REPORT_ARGS) && exit $$rc
 
 lock:  ## regenerate requirements/cpu.lock from requirements/cpu.in
 	$(VENV)/bin/python scripts/lock.py cpu
