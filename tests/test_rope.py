@@ -640,3 +640,403 @@ def test_fp8_equals_dequantize_rotate_requantize(fp8):
     k[0, 0, 0] = k[0, 0, 16] = limit
     out = shift(k, torch.tensor([5]), torch.tensor([6]), rope).float()
     assert out[0, 0, 16] == limit and torch.isfinite(out).all()
+
+
+# --- settings decide the rotation: each checked against kmesh.reference.rotary or by hand ----------------
+# Every RopeConfig below is built inside its test (not at import), so the frequencies, mscale and guards are
+# computed while the test runs.
+
+from types import SimpleNamespace  # noqa: E402
+
+from kmesh.reference import rotary as refrot  # noqa: E402
+
+L2K = 2048  # a yarn context where the default beta_fast (32, not 33) moves the band edge: floor 8.06 vs 7.96
+FREQ_CASES = [
+    (64, 1e4, None), (16, 1e4, None), (128, 5e5, None), (32, 1e6, None),
+    (64, 1e4, {"rope_type": "linear", "factor": 4.0}), (64, 1e4, {"rope_type": "linear", "factor": 0.5}),
+    (128, 5e5, dict(LLAMA3)), (64, 1e4, {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0}),
+    # yarn with the defaults (beta_fast 32, beta_slow 1, truncate on) left to the code
+    (64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L2K}),
+    (64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L2K, "truncate": False}),
+    (64, 1e4, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": L2K, "beta_fast": 16,
+               "beta_slow": 2}),
+    # short original context: i(beta_fast) < 1, the band starts at channel 0
+    (64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+    # slow base: the band [5.7, 17.7] is wider than the channels and clipped at d - 1 = 15 (not d/2 - 1)
+    (16, 10.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    # L < 2π: both edges clip to channel 0, a zero-width band (a step: channel 0 kept, the rest interpolated)
+    (64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6}),
+    (64, 1e4, {"rope_type": "dynamic", "factor": 2.0, "max_trained_positions": 16384}),
+    (64, 1e4, {"rope_type": "dynamic", "factor": 2.0}),
+]
+
+
+def test_frequencies_equal_the_independent_reference_for_every_setting():
+    for rd, theta, sc in FREQ_CASES:
+        rope = RopeConfig(rd + 16, rd, theta, "neox", None if sc is None else dict(sc), MAX32K)
+        want = refrot.frequencies(rd, theta, sc, MAX32K)
+        got = rope.inv_freq()
+        assert got.dtype == torch.float64 and got.shape == (rd // 2,), (rd, theta, sc)
+        # dynamic's base b' is not a float32, and torch's float32 pow is not correctly rounded: 1 ulp allowed
+        allowed = 1 if sc and sc["rope_type"] == "dynamic" else 0
+        assert refrot.ulp_distance_f32(got, want) <= allowed, (rd, theta, sc)
+    # the base rule by hand for one channel: ω_1 = 1 / 10000^(2/16), float32
+    assert RopeConfig(16, 16, 1e4, "neox", None, 8).inv_freq()[1] == float(np.float32(1 / 1e4 ** (2 / 16)))
+    # inv_freq() is a copy: writing to it does not change the config's rotation
+    rope = RopeConfig(64, 64, 1e4, "neox", None, MAX32K)
+    rope.inv_freq().zero_()
+    assert torch.equal(rope.inv_freq(), refrot.frequencies(64, 1e4))
+
+
+def test_scaled_frequencies_sit_where_each_method_puts_them():
+    """Hand-checked band placement, independent of both implementations' arithmetic."""
+    d = 64
+    base = torch.tensor(refrot.base_frequencies(d, 1e4), dtype=torch.float64)
+    f32 = lambda t: t.float().double()  # noqa: E731
+    yarn = lambda L, **kw: RopeConfig(d, d, 1e4, "neox", {"rope_type": "yarn", "factor": 4.0,  # noqa: E731
+                                                          "original_max_position_embeddings": L, **kw}, MAX32K)
+    # L = 2048: i(32) = 8.06, i(1) = 20.1 -> band [8, 21]: channels <= 8 kept, >= 21 divided by 4, linear between
+    w = yarn(L2K).inv_freq()
+    assert torch.equal(w[:9], base[:9]) and torch.equal(w[21:], f32(base[21:] / 4))
+    g = (21 - torch.arange(9, 21, dtype=torch.float64)) / 13
+    assert torch.equal(w[9:21], f32(base[9:21] * g + base[9:21] / 4 * (1 - g)))
+    # truncate=False keeps the fractional edges i(32) = 8.06, i(1) = 20.1
+    lo, hi = (d * math.log(L2K / (2 * math.pi * r)) / (2 * math.log(1e4)) for r in (32, 1))
+    g = ((hi - torch.arange(32, dtype=torch.float64)) / (hi - lo)).clamp(0, 1)
+    assert torch.allclose(yarn(L2K, truncate=False).inv_freq(), base * g + base / 4 * (1 - g), rtol=1e-7, atol=0)
+    # L = 6 < 2π: zero-width band at channel 0
+    w = yarn(6).inv_freq()
+    assert w[0] == base[0] and torch.equal(w[1:], f32(base[1:] / 4))
+    # the clipped band: i(32) = 5.66 -> 5, i(1) = 17.7 -> 18, clipped to 15: γ_i = (15 - i) / 10 from channel 5
+    b10 = torch.tensor(refrot.base_frequencies(16, 10.0), dtype=torch.float64)
+    w = RopeConfig(16, 16, 10.0, "neox", {"rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 1024}, 4096).inv_freq()
+    g = (15 - torch.arange(5, 8, dtype=torch.float64)) / 10
+    assert torch.equal(w[:6], b10[:6]) and torch.equal(w[5:], f32(b10[5:] * g + b10[5:] / 4 * (1 - g)))
+    # linear: every channel divided by the factor, exactly
+    assert torch.equal(RopeConfig(d, d, 1e4, "neox", {"rope_type": "linear", "factor": 0.5}, 8).inv_freq(), base * 2)
+
+
+def test_llama3_step_counts_a_channel_on_the_edge_as_low_frequency():
+    """low == high: a step at r = high turns; a channel making exactly `high` turns is interpolated (÷ factor)."""
+    base = refrot.base_frequencies(16, 1e4)
+    L = 397.3835052149487  # chosen so that channel 3 makes exactly 2 turns over L
+    assert base[3] * (L / (2 * math.pi)) == 2.0
+    sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+          "original_max_position_embeddings": L}
+    w = RopeConfig(16, 16, 1e4, "neox", sc, 1024).inv_freq().tolist()
+    assert w[:3] == base[:3]
+    assert w[3:] == [float(np.float32(t / 8)) for t in base[3:]]
+
+
+def test_attention_mscale_by_hand():
+    def m(sc):
+        return RopeConfig(64, 64, 1e4, "neox", sc, MAX32K).attention_mscale()
+    y = {"rope_type": "yarn", "original_max_position_embeddings": 4096}
+    assert m({**y, "factor": 4.0}) == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert m({**y, "factor": 1.5}) == pytest.approx(0.1 * math.log(1.5) + 1)  # any extension > 1, not only > 2
+    assert m({**y, "factor": 0.5}) == 1.0  # not extended: no temperature change
+    assert m({**y, "factor": 4.0, "attention_factor": 2.0}) == 2.0  # explicit value wins
+    # DeepSeek: ratio of two temperatures (0.1·m·ln s + 1) / (0.1·m_all·ln s + 1)
+    ds = {**y, "factor": 40.0, "mscale": 0.8, "mscale_all_dim": 0.5}
+    assert m(ds) == pytest.approx((0.08 * math.log(40) + 1) / (0.05 * math.log(40) + 1))
+    assert m(ds) == pytest.approx(refrot.attention_factor(ds))
+    assert m({**y, "factor": 40.0, "mscale": 0.707}) == pytest.approx(0.1 * math.log(40) + 1)  # one alone: plain
+    assert m({**y, "factor": 40.0, "mscale_all_dim": 0.707}) == pytest.approx(0.1 * math.log(40) + 1)
+    for sc in (None, {"rope_type": "linear", "factor": 4.0}, dict(LLAMA3), {"rope_type": "dynamic", "factor": 2.0}):
+        assert m(sc) == 1.0, sc
+
+
+def test_fresh_rotation_carries_the_attention_factor_once():
+    """rotate = m·z·e^{ipω} (reference); with m = 2 the norm doubles; shift of such keys never rescales."""
+    for sc in ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L2K},
+               {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L2K, "attention_factor": 2.0}):
+        rope = RopeConfig(64, 64, 1e4, "neox", sc, 8192)
+        x = torch.randn(16, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(40))
+        pos, new = positions_pair(16, 8192, 41)
+        fresh = rotate(x, pos, rope)
+        assert torch.allclose(fresh, refrot.fresh_rotation(x, pos, rope), rtol=0, atol=1e-12)
+        m = refrot.attention_factor(sc)
+        assert torch.allclose(fresh.norm(dim=-1), m * x.norm(dim=-1), rtol=1e-12)
+        moved = shift(fresh, pos, new, rope)  # float32 tables: float32-sized error, and no second factor
+        assert float(rel_l2(moved, refrot.fresh_rotation(x, new, rope), 64).max()) < 1e-6
+
+
+def _f32_rotation(x: np.ndarray, c: np.ndarray, s: np.ndarray, style: str, rd: int) -> np.ndarray:
+    """Each product and sum rounded to float32 (numpy float32 arithmetic), pairs as the style says."""
+    half = rd // 2
+    xr = x[..., :rd]
+    x1, x2 = (xr[..., :half], xr[..., half:]) if style == "neox" else (xr[..., 0::2], xr[..., 1::2])
+    c, s = c[:, None, :], s[:, None, :]
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    out = x.copy()
+    if style == "neox":
+        out[..., :half], out[..., half:rd] = o1, o2
+    else:
+        out[..., 0:rd:2], out[..., 1:rd:2] = o1, o2
+    return out
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_float32_keys_rotate_in_float32_and_float64_keys_in_float64(style):
+    """The documented arithmetic: float32 math (bit-exact against numpy float32) unless a float64 is involved."""
+    rope = RopeConfig(40, 32, 1e4, style, None, MAX32K)
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(8, 3, 40, generator=g)
+    ang = torch.rand(8, 16, generator=g, dtype=torch.float64) * 6
+    c, s = torch.cos(ang).float(), torch.sin(ang).float()
+    want = _f32_rotation(x.numpy(), c.numpy(), s.numpy(), style, 32)
+    assert np.array_equal(apply_rotation(x, c, s, rope).numpy(), want)
+    # rotate: float32 tables f32(cos(p·ω)) from the reference ω, then float32 math
+    pos = torch.tensor([0, 1, 7, 100, 1000, 5000, 20000, MAX32K - 1])
+    a = pos.double()[:, None] * refrot.frequencies(32, 1e4)[None, :]
+    want = _f32_rotation(x.numpy(), torch.cos(a).float().numpy(), torch.sin(a).float().numpy(), style, 32)
+    assert np.array_equal(rotate(x, pos, rope).numpy(), want)
+    # float64 keys with float32 tables: float64 math throughout
+    x64 = x.double() / 3
+    want64 = _f32_rotation(x64.numpy(), c.double().numpy(), s.double().numpy(), style, 32)
+    assert np.array_equal(apply_rotation(x64, c, s, rope).numpy(), want64)
+    # float32 keys with float64 tables: float64 math, then one rounding to float32
+    want = _f32_rotation(x.double().numpy(), c.double().numpy(), s.double().numpy(), style, 32).astype(np.float32)
+    got = apply_rotation(x, c.double(), s.double(), rope)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
+
+
+def test_shift_tables_are_float32_cos_sin_of_the_move():
+    rope = RopeConfig(64, 64, 1e6, "neox", {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": L2K}, 8192)
+    old = torch.tensor([0, 8191, 5, 300], dtype=torch.int32)  # int32 positions: the move is formed in int64
+    new = torch.tensor([8191, 0, 5, 17], dtype=torch.int32)
+    c, s = shift_tables(old, new, rope)
+    a = torch.tensor([8191.0, -8191.0, 0.0, -283.0], dtype=torch.float64)[:, None] * refrot.frequencies(
+        64, 1e6, rope.scaling)[None, :]
+    assert c.dtype == s.dtype == torch.float32 and c.shape == s.shape == (4, 32)
+    assert torch.equal(c, torch.cos(a).float()) and torch.equal(s, torch.sin(a).float())  # no mscale in a move
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_shift_matches_reference_for_any_key_rank(style):
+    """[T, D], [T, H, D] with T != H, [T, L, H, D]: one rotation per token, broadcast over the rest."""
+    rope = RopeConfig(48, 32, 1e4, style, {"rope_type": "linear", "factor": 2.0}, 8192)
+    g = torch.Generator().manual_seed(43)
+    old, new = positions_pair(6, 8192, 44)
+    for shape in ((6, 48), (6, 2, 48), (6, 3, 2, 48)):
+        x = torch.randn(*shape, dtype=torch.float64, generator=g)
+        cached = refrot.fresh_rotation(x, old, rope)
+        got = shift(cached, old, new, rope)
+        assert got.shape == x.shape and torch.equal(got[..., 32:], x[..., 32:])
+        assert float(rel_l2(got, refrot.fresh_rotation(x, new, rope), 32).max()) < 1e-6, shape  # float32 tables
+        assert torch.allclose(rotate(x, new, rope), refrot.fresh_rotation(x, new, rope), rtol=0, atol=1e-12)
+    # no tokens: nothing to do, and no error
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert shift(torch.zeros(0, 2, 48), empty, empty, rope).shape == (0, 2, 48)
+
+
+def test_bad_positions_and_tables_are_refused_and_named():
+    rope = RopeConfig(64, 64, 1e4, "neox", None, 100)
+    k = torch.zeros(1, 1, 64)
+    ok = torch.tensor([99])
+    with pytest.raises(RopeRangeError, match=r"^old_pos holds position 100\b"):  # a single token is checked too
+        shift(k, torch.tensor([100]), ok, rope)
+    with pytest.raises(RopeRangeError, match=r"^new_pos holds position -1\b"):
+        shift(k, ok, torch.tensor([-1]), rope)
+    two = torch.zeros(2, 1, 64)
+    with pytest.raises(RopeRangeError, match=r"^new_pos holds position -3\b"):  # the offending one is named
+        shift(two, torch.tensor([0, 1]), torch.tensor([0, -3]), rope)
+    with pytest.raises(RopeRangeError, match=r"^new_pos holds position 100\b"):
+        shift(two, torch.tensor([0, 1]), torch.tensor([0, 100]), rope)
+    with pytest.raises(RopeRangeError, match=r"^positions holds position 100\b"):
+        rotate(k, torch.tensor([100]), rope)
+    with pytest.raises(RopeError):
+        shift(k, torch.tensor([True]), ok, rope)  # bool is not a position
+    with pytest.raises(RopeError):
+        rotate(torch.tensor(1.0), ok, rope)  # no token axis
+    x = torch.zeros(4, 2, 64)
+    c = torch.ones(4, 32)
+    with pytest.raises(RopeError):
+        apply_rotation(x, c, torch.zeros(32, 4), rope)  # sin transposed: same size, wrong layout
+    with pytest.raises(RopeError):
+        apply_rotation(x, torch.zeros(32, 4), c, rope)
+    with pytest.raises(RopeError):
+        apply_rotation(x, c, [0.0] * 4, rope)
+    with pytest.raises(RopeError):
+        apply_rotation(x, [0.0] * 4, c, rope)
+
+
+def test_fp8_saturates_both_signs():
+    """A pair at ∓limit turned by 1 rad: the growing component (≈ ±1.38·limit) saturates to ±limit."""
+    rope = RopeConfig(32, 32, 1e4, "neox", None, 16)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(fp8).max
+        for sign in (1.0, -1.0):
+            k = torch.zeros(1, 1, 32, dtype=fp8)
+            k[0, 0, 0] = k[0, 0, 16] = sign * limit
+            out = shift(k, torch.tensor([5]), torch.tensor([6]), rope).float()
+            assert out[0, 0, 16] == sign * limit and bool(torch.isfinite(out).all()), (fp8, sign)
+            # the shrinking component: limit·(cos 1 - sin 1), rounded to the format
+            assert out[0, 0, 0] == torch.tensor(sign * limit * (math.cos(1) - math.sin(1))).to(fp8).float()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(head_dim=64, rotary_dim=0),
+    dict(head_dim=0, rotary_dim=0),
+    dict(head_dim=64.0, rotary_dim=64),
+    dict(rotary_dim=64.0),
+    dict(theta=1.0), dict(theta=float("inf")), dict(theta="10000"),
+    dict(max_position=0), dict(max_position=8.0),
+    dict(scaling={"rope_type": "linear", "factor": float("inf")}),
+    dict(scaling={"rope_type": "linear", "factor": 0.0}),
+    dict(scaling={"rope_type": "dynamic", "factor": 2.0, "alpha": 1.0}),
+    dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8}),
+])
+def test_guards_refuse(kwargs):
+    with pytest.raises(RopeError):
+        RopeConfig(**{**dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling=None, max_position=8),
+                      **kwargs})
+
+
+def test_guards_accept_the_edges_of_the_valid_ranges():
+    for kw in (dict(head_dim=2, rotary_dim=2), dict(rotary_dim=64), dict(theta=1.5), dict(max_position=1),
+               dict(style="gptj"), dict(scaling={"rope_type": "linear", "factor": 0.5}),
+               dict(scaling={**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0})):
+        full = {**dict(head_dim=64, rotary_dim=64, theta=1e4, style="neox", scaling=None, max_position=8), **kw}
+        rope = RopeConfig(**full)
+        assert rope.inv_freq().shape == (full["rotary_dim"] // 2,)
+        want = refrot.frequencies(full["rotary_dim"], full["theta"], full["scaling"], 8)
+        assert torch.allclose(rope.inv_freq(), want, rtol=1e-6, atol=0), kw
+
+
+def test_scaling_is_normalised_and_owned():
+    """Legacy 'type', int factor, rope_theta/partial_rotary_factor/rope_dim (not scaling fields) are cleaned up;
+    the config keeps its own copy, so the caller editing its dict later changes nothing."""
+    sc = {"type": "yarn", "factor": 4, "original_max_position_embeddings": L2K, "rope_theta": 1e4,
+          "partial_rotary_factor": 0.5, "rope_dim": 32}
+    rope = RopeConfig(64, 64, 1e4, "neox", sc, MAX32K)
+    assert rope.scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L2K}
+    assert type(rope.scaling["factor"]) is float and rope.scaling_type == "yarn"
+    before = rope.inv_freq()
+    sc["factor"] = 16.0
+    assert rope.scaling["factor"] == 4.0 and torch.equal(rope.inv_freq(), before)
+    assert torch.equal(before, refrot.frequencies(64, 1e4, {"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": L2K}))
+    assert rope.attention_mscale() == pytest.approx(0.1 * math.log(4.0) + 1)
+    for plain in ({}, {"rope_type": "default"}, {"type": "default"}, {"factor": 2.0}):
+        r = RopeConfig(64, 64, 1e4, "neox", plain, 8)
+        assert r.scaling is None and r.scaling_type == "default", plain
+        assert torch.equal(r.inv_freq(), refrot.frequencies(64, 1e4))
+    dyn = RopeConfig(64, 64, 1e4, "neox", {"rope_type": "dynamic", "factor": 2.0}, 8)
+    assert dyn.scaling == {"rope_type": "dynamic", "factor": 2.0}
+
+
+def test_from_hf_config_reads_what_decides_the_rotation():
+    # no rope_theta anywhere: the HF default 10000
+    r = RopeConfig.from_hf_config({"hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 64})
+    assert r == RopeConfig(64, 64, 1e4, "neox", None, 64)
+    assert torch.equal(r.inv_freq(), refrot.frequencies(64, 1e4))
+    # attribute-style config object (not a Mapping), also without rope_theta
+    obj = SimpleNamespace(hidden_size=512, num_attention_heads=8, max_position_embeddings=64)
+    assert RopeConfig.from_hf_config(obj) == RopeConfig(64, 64, 1e4, "neox", None, 64)
+    obj = SimpleNamespace(hidden_size=512, num_attention_heads=8, max_position_embeddings=64, rope_theta=5e5,
+                          partial_rotary_factor=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    r = RopeConfig.from_hf_config(obj)
+    assert (r.theta, r.rotary_dim, r.max_position, r.scaling) == (5e5, 32, 128, {"rope_type": "linear", "factor": 2.0})
+    # explicit head_dim wins over hidden_size / heads (Qwen3 shape)
+    r = RopeConfig.from_hf_config({"head_dim": 128, "hidden_size": 2048, "num_attention_heads": 32,
+                                   "max_position_embeddings": 64, "rope_theta": 1e6})
+    assert (r.head_dim, r.rotary_dim) == (128, 128)
+    # rope_parameters win over legacy rope_scaling; rope_dim sets the rotary width; a null factor means 1
+    cfg = {"hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 1024,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "partial_rotary_factor": None,
+           "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1000,
+                               "rope_theta": 1e5, "rope_dim": 16}}
+    r = RopeConfig.from_hf_config(cfg)
+    assert (r.theta, r.head_dim, r.rotary_dim, r.max_position, r.scaling_type) == (1e5, 64, 16, 2000, "yarn")
+    assert torch.equal(r.inv_freq(), refrot.frequencies(16, 1e5, r.scaling))
+    cfg["rope_parameters"] = {"rope_theta": 1e5}
+    assert RopeConfig.from_hf_config(cfg).rotary_dim == 64  # partial_rotary_factor None: all channels
+    cfg["rope_parameters"] = {"rope_theta": 1e5, "partial_rotary_factor": 0.25}  # transformers-5 keeps it here
+    assert RopeConfig.from_hf_config(cfg).rotary_dim == 16
+    for bad in ({"hidden_size": 512, "max_position_embeddings": 64},                 # no head count
+                {"num_attention_heads": 8, "max_position_embeddings": 64},           # no hidden size
+                {"head_dim": 64, "max_position_embeddings": 64, "partial_rotary_factor": 1.5},
+                {"head_dim": 64, "max_position_embeddings": 64, "partial_rotary_factor": -0.5},
+                # an out-of-range factor is refused even where rope_dim would make it unused
+                {"head_dim": 64, "max_position_embeddings": 64, "partial_rotary_factor": 1.5,
+                 "rope_parameters": {"rope_dim": 32}}):
+        with pytest.raises(RopeError):
+            RopeConfig.from_hf_config(bad)
+
+
+def _errors_by_hand(got: torch.Tensor, want: torch.Tensor, rd: int) -> dict[str, float]:
+    d = (got.double() - want)[..., :rd]
+    w = want[..., :rd]
+    l2 = d.norm(dim=-1) / w.norm(dim=-1)
+    elem = d.abs().amax(dim=-1) / w.abs().amax(dim=-1)
+    return {"max_rel_l2": float(l2.max()), "mean_rel_l2": float(l2.mean()), "max_rel_elem": float(elem.max())}
+
+
+def test_measure_accuracy_reports_the_errors_of_what_it_ran():
+    """Record what measure_accuracy hands its fresh/reference rotations, recompute every reported number by
+    hand from that, and check the sampling promises (extreme moves, positions in range, seeded)."""
+    rope = RopeConfig(48, 32, 1e4, "gptj", None, 4096)  # partial: errors over rotary channels only
+    calls = []
+
+    def reference(x, pos):
+        calls.append(("reference", x.clone(), pos.clone()))
+        return refrot.fresh_rotation(x, pos, rope)
+
+    def fresh(x, pos):  # a fresh rotation in the measured dtype, off by a small angle so errors are visible
+        calls.append(("fresh", x.clone(), pos.clone()))
+        return refrot.fresh_rotation(x.double(), torch.clamp(pos + 1, max=4095), rope).to(x.dtype)
+
+    r = measure_accuracy(rope, torch.bfloat16, 4096, 12, seed=5, fresh=fresh, reference=reference)
+    refs = [c for c in calls if c[0] == "reference"]
+    frs = [c for c in calls if c[0] == "fresh"]
+    assert len(refs) == 2 and len(frs) == 2
+    x = refs[0][1]
+    assert x.dtype == torch.float64 and x.shape == (12, 2, 48)  # two heads by default
+    assert torch.equal(x.to(torch.bfloat16).double(), x)  # keys exactly representable in the measured dtype
+    assert all(torch.equal(c[1], x) for c in refs)
+    assert all(c[1].dtype == torch.bfloat16 and torch.equal(c[1].double(), x) for c in frs)
+    by_first = {int(c[2][0]): c[2] for c in refs}
+    old, new = by_first[0], by_first[4095]  # the extreme moves 0 -> max-1 and max-1 -> 0 are always in
+    assert int(old[1]) == 4095 and int(new[1]) == 0
+    assert {int(c[2][0]) for c in frs} == {0, 4095}
+    assert int(torch.cat([old, new]).min()) >= 0 and int(torch.cat([old, new]).max()) < 4096
+    ref_new = refrot.fresh_rotation(x, new, rope)
+    cached_exact = refrot.fresh_rotation(x, old, rope).to(torch.bfloat16)
+    cached_fresh = fresh(x.to(torch.bfloat16), old)
+    for name, got in (("shift_exact", shift(cached_exact, old, new, rope)),
+                      ("fresh", fresh(x.to(torch.bfloat16), new)),
+                      ("shift_fresh", shift(cached_fresh, old, new, rope))):
+        for k, v in _errors_by_hand(got, ref_new, 32).items():
+            assert r[f"{name}_{k}"] == pytest.approx(v, rel=1e-12), (name, k)
+    assert r["fresh_max_rel_l2"] > 0.1 > r["shift_exact_max_rel_l2"]  # the numbers tell the cases apart
+    assert {k: r[k] for k in ("dtype", "max_pos", "n", "heads", "seed", "scaling", "style", "rotary_dim",
+                              "unit_roundoff")} == {"dtype": "bfloat16", "max_pos": 4096, "n": 12, "heads": 2,
+                                                    "seed": 5, "scaling": "default", "style": "gptj",
+                                                    "rotary_dim": 32, "unit_roundoff": 2.0 ** -8}
+    # seeded: the same call reports the same numbers
+    assert measure_accuracy(rope, torch.bfloat16, 4096, 12, seed=5, fresh=fresh, reference=reference) == r
+
+
+def test_measure_accuracy_samples_the_whole_range_and_checks_its_arguments():
+    rope = RopeConfig(16, 16, 1e4, "neox", None, 64)
+    seen = []
+    r = measure_accuracy(rope, torch.float32, 2, 2, seed=0, heads=1,
+                         reference=lambda x, p: (seen.append(p.clone()), refrot.fresh_rotation(x, p, rope))[1])
+    assert r["max_pos"] == 2 and r["n"] == 2 and r["heads"] == 1  # smallest allowed range and count
+    seen.clear()
+    measure_accuracy(rope, torch.float32, 2, 64, seed=0,
+                     reference=lambda x, p: (seen.append(p.clone()), refrot.fresh_rotation(x, p, rope))[1])
+    assert all(set(p[2:].tolist()) == {0, 1} for p in seen)  # random positions cover [0, max_pos), 0 included
+    for bad in (dict(max_pos=1), dict(max_pos=65), dict(n=1)):
+        with pytest.raises(RopeError):
+            measure_accuracy(rope, torch.float32, **{**dict(max_pos=64, n=8, seed=0), **bad})
+
+
+def test_configs_hash_by_value():
+    """Equal configs (scaling dicts included) hash alike, so they work as dict keys / in sets."""
+    a = RopeConfig(64, 64, 1e4, "neox", {"rope_type": "linear", "factor": 2.0}, 8)
+    b = RopeConfig(64, 64, 1e4, "neox", {"type": "linear", "factor": 2}, 8)
+    assert a == b and hash(a) == hash(b) and len({a, b, RopeConfig(64, 64, 1e4, "neox", None, 8)}) == 2
