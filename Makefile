@@ -21,10 +21,12 @@ doctor: env
 	python -m kmesh doctor
 
 # Not in CI (far too slow for 2 cores). mutmut keeps its results in mutants/ and retests only what changed.
-MUTATION_JOBS ?= 1
+MUTATION_JOBS ?= 2
 mutation: env  ## mutation testing of layout, rope, restore, service registry, transfer engine (pyproject [tool.mutmut])
 	$(VENV)/bin/python -m pip install --quiet --require-hashes --no-deps -r requirements/mutation.lock
-	mkdir -p results/mutation
+	# mutants/src must exist before Python starts: a PYTHONPATH entry that is missing at start-up is cached as
+	# "nothing here", and the tests (and the service processes they start) would then import the unmutated code.
+	mkdir -p results/mutation mutants/src
 	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS) > results/mutation/mutmut.log 2>&1; \
 	  rc=$$?; tr '\r' '\n' < results/mutation/mutmut.log | grep -a -E "mutations/second|Stopping|failed to" | tail -3; \
 	  python scripts/mutation_report.py $(MUTATION_REPORT_ARGS) && exit $$rc
