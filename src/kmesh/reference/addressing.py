@@ -96,33 +96,13 @@ def axis_strides(layout: Any) -> dict[str, int]:
 def byte_offset(layout: Any, part: Part, layer: int, slot: int, head: int, channel: int) -> int:
     """Byte address (from the buffer's byte 0) of one K or V element: plain Python integers."""
     block, n = block_and_offset(slot, layout.block_size)
-    s, es = axis_strides(layout), element_bytes(layout.dtype)
     _channels(layout, part)
-    area = layout.offset + layer * s["L"] + block * s["B"] + head * s["H"]
-    if layout.packing == "cpu":
-        if layout.order[3] != "N":
-            raise AddressError(f"cpu packing needs N next to C, order is {layout.order}")
-        N, D = layout.block_size, layout.head_dim
-        inside = channel * N + n if part == "k" else N * D + n * D + channel
-        return area + inside * es
-    inside = channel if part == "k" else layout.head_dim + channel
-    return area + n * s["N"] + inside * es
+    return _address(layout, part, layer, block, n, head, channel)
 
 
-def element_offsets(layout: Any, part: Part, slots: torch.Tensor, layers: Sequence[int],
-                    device: torch.device | str | None = None) -> torch.Tensor:
-    """int64 [T, L', H, C]: byte address of every K (or V) element of the slots in the given layers.
-
-    The same formula as byte_offset, on tensors."""
-    dev = torch.device(device) if device is not None else slots.device
-    C = _channels(layout, part)
-    b, n = blocks_and_offsets(slots.to(dev), layout.block_size)
+def _address(layout: Any, part: Part, l: Any, b: Any, n: Any, h: Any, c: Any) -> Any:
+    """The address formula itself, on Python ints or broadcasting int64 tensors alike."""
     s, es = axis_strides(layout), element_bytes(layout.dtype)
-    l = torch.as_tensor(list(layers), dtype=torch.int64, device=dev)
-    h = torch.arange(layout.num_kv_heads, dtype=torch.int64, device=dev)
-    c = torch.arange(C, dtype=torch.int64, device=dev)
-    b, n = b[:, None, None, None], n[:, None, None, None]
-    l, h, c = l[None, :, None, None], h[None, None, :, None], c[None, None, None, :]
     area = layout.offset + l * s["L"] + b * s["B"] + h * s["H"]
     if layout.packing == "cpu":
         if layout.order[3] != "N":
@@ -132,6 +112,21 @@ def element_offsets(layout: Any, part: Part, slots: torch.Tensor, layers: Sequen
         return area + inside * es
     inside = c if part == "k" else layout.head_dim + c
     return area + n * s["N"] + inside * es
+
+
+def element_offsets(layout: Any, part: Part, slots: torch.Tensor, layers: Sequence[int],
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [T, L', H, C]: byte address of every K (or V) element of the slots in the given layers
+    (byte_offset's formula, broadcast over tensors)."""
+    dev = torch.device(device) if device is not None else slots.device
+    C = _channels(layout, part)
+    b, n = blocks_and_offsets(slots.to(dev), layout.block_size)
+    l = torch.as_tensor(list(layers), dtype=torch.int64, device=dev)
+    h = torch.arange(layout.num_kv_heads, dtype=torch.int64, device=dev)
+    c = torch.arange(C, dtype=torch.int64, device=dev)
+    b, n = b[:, None, None, None], n[:, None, None, None]
+    l, h, c = l[None, :, None, None], h[None, None, :, None], c[None, None, None, :]
+    return _address(layout, part, l, b, n, h, c)
 
 
 def _byte_index(layout: Any, part: Part, slots: torch.Tensor, layers: Sequence[int], size: int,
