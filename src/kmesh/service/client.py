@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kmesh.service.errors import (ConnectionLostError, ServiceUnavailableError, WaitTimeoutError,
                                   error_from_reply)
@@ -273,16 +273,19 @@ class ServiceClient:
             fields.update(self._admin())
         return self.call("list", **fields)
 
-    def list_all(self, what: str, scope: str = "self", **opts: Any) -> list[dict[str, Any]]:
-        """Every item of a list, page after page (items added or removed meanwhile may or may not show)."""
-        out: list[dict[str, Any]] = []
+    def pages(self, what: str, scope: str = "self", **opts: Any) -> Iterator[dict[str, Any]]:
+        """The pages of a list, first to last (a caller may stop early)."""
         after = None
         while True:
             page = self.list_page(what, scope, after=after, **opts)
-            out += page["items"]
+            yield page
             if page["next"] is None:
-                return out
+                return
             after = page["next"]
+
+    def list_all(self, what: str, scope: str = "self", **opts: Any) -> list[dict[str, Any]]:
+        """Every item of a list, page after page (items added or removed meanwhile may or may not show)."""
+        return [item for page in self.pages(what, scope, **opts) for item in page["items"]]
 
     def status(self, scope: str = "self", verify: bool = False, attempts: int = 20) -> dict[str, Any]:
         """Own registrations and requests ("self"), or everything ("all": admin only), assembled from the
@@ -297,14 +300,12 @@ class ServiceClient:
 
             def pages(what: str, first_only: bool = False, **opts: Any) -> list[dict[str, Any]]:
                 out: list[dict[str, Any]] = []
-                after = None
-                while True:
-                    page = self.list_page(what, scope, after=after, **opts)
+                for page in self.pages(what, scope, **opts):
                     seen.add(page["version"])
                     out += page["items"]
-                    if first_only or page["next"] is None or len(seen) > 1:  # changed meanwhile: start over
-                        return out
-                    after = page["next"]
+                    if first_only or len(seen) > 1:  # changed meanwhile: this attempt starts over
+                        break
+                return out
 
             st["clients"] = pages("clients")
             st["registrations"] = pages("registrations")
