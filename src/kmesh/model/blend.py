@@ -1,0 +1,165 @@
+"""KMesh repair: our own implementation of CacheBlend's selective recomputation, plus the controls it is
+compared with, all through one layer-wise runner (kmesh.model.runner).
+
+A request's cache holds restored K/V (already moved to the new positions by kmesh.restore) at the positions
+`restored` marks; every other position has no data. `blend()` prefills the request layer by layer:
+
+kmesh   layers before the first check layer: every position recomputed (their inputs differ from the
+        leader's, so nothing restored can be trusted yet). At a check layer: fresh K (or V) of every
+        restored position is compared with the restored one, ‖fresh − restored‖² over heads and channels
+        in float32, and the top ceil(ratio × restored) positions stay recomputed from then on. Positions
+        WITHOUT restored data, and the last position (its hidden state gives the next token), are always
+        recomputed. Queries attend with the TRUE causal mask by position.
+stock   stock CacheBlend as LMCache implements it: check layer(s) as configured (1), top int(ratio × T) over
+        ALL positions by post-RoPE K deviation, positions without cached data hold zeros (they are only
+        recomputed if the ranking picks them), recomputed queries attend with a bottom-right-aligned causal
+        mask (a dense flash-attn call with causal=True and q_len < k_len); next-token logits come from the
+        last recomputed row, as its dense path returns them.
+naive   restored positions reuse their (shifted) K/V at every layer, no repair; others recomputed.
+full    every position recomputed at every layer: the reference (a plain prefill through the runner).
+
+Per-layer recompute masks (bool [layers, T]) are returned. The loop has no host synchronisation once it
+starts (selection is a device top-k of static size), so one request's whole blend can be captured in a CUDA
+graph (kmesh.model.graphs).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+from kmesh.model.errors import ModelError
+from kmesh.model.runner import KVCache, LayerRunner
+
+Arm = Literal["full", "naive", "stock", "kmesh"]
+ARMS: tuple[str, ...] = ("full", "naive", "stock", "kmesh")
+
+
+class RepairConfigError(ModelError):
+    """A repair setting is out of range (check layer, ratio, deviation)."""
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    check_layers: tuple[int, ...] = (1,)
+    recompute_ratio: float | tuple[float, ...] = 0.15   # one ratio, or one per check layer (non-increasing)
+    deviation: Literal["k", "v"] = "k"
+
+    def ratios(self) -> tuple[float, ...]:
+        r = self.recompute_ratio
+        return tuple(r) if isinstance(r, (tuple, list)) else (float(r),) * len(self.check_layers)
+
+    def validate(self, num_layers: int) -> None:
+        if not self.check_layers or sorted(set(self.check_layers)) != list(self.check_layers):
+            raise RepairConfigError(f"check_layers must be a non-empty increasing list, got {self.check_layers}")
+        if not all(isinstance(c, int) and 0 <= c < num_layers for c in self.check_layers):
+            raise RepairConfigError(f"check_layers {self.check_layers} outside the model's {num_layers} layers")
+        ratios = self.ratios()
+        if len(ratios) != len(self.check_layers):
+            raise RepairConfigError(f"{len(ratios)} ratios for {len(self.check_layers)} check layers")
+        if not all(0.0 < r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
+            raise RepairConfigError(f"recompute ratios must be in (0, 1] and non-increasing, got {ratios}")
+        if self.deviation not in ("k", "v"):
+            raise RepairConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RepairConfig":
+        r = d.get("recompute_ratio", 0.15)
+        return cls(tuple(d.get("check_layers", (1,))), tuple(r) if isinstance(r, list) else float(r),
+                   d.get("deviation", "k"))
+
+
+@dataclass
+class BlendResult:
+    logits: torch.Tensor            # next-token logits [vocab] (model dtype)
+    masks: torch.Tensor             # bool [layers, T]: positions recomputed at each layer
+    arm: str
+    recomputed: list[int] = field(default_factory=list)   # per layer, filled by counts()
+
+    def counts(self) -> list[int]:
+        self.recomputed = [int(x) for x in self.masks.sum(1).tolist()]
+        return self.recomputed
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """What blend() decides before its loop from the host-side restored mask (static sizes only)."""
+
+    arm: str
+    T: int
+    forced: torch.Tensor        # int64 positions always recomputed (kmesh: missing + last; naive: missing)
+    keep: tuple[int, ...]       # per check layer: how many rows survive the selection
+    check_layers: tuple[int, ...]
+    deviation: str
+
+
+def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig, num_layers: int,
+         device: torch.device) -> BlendPlan:
+    if arm not in ARMS:
+        raise ModelError(f"arm must be one of {ARMS}, got {arm!r}")
+    config.validate(num_layers)
+    r = torch.as_tensor(restored, dtype=torch.bool).cpu()
+    T = r.numel()
+    if T == 0:
+        raise ModelError("empty prompt")
+    forced = ~r
+    if arm == "kmesh":
+        forced[T - 1] = True
+    n_forced, n_restored = int(forced.sum()), int((~forced).sum())
+    if arm == "kmesh":
+        keep = tuple(n_forced + math.ceil(q * n_restored) for q in config.ratios())
+    elif arm == "stock":
+        keep = tuple(max(int(T * q), 1) for q in config.ratios())
+    else:
+        keep = ()
+    checks = config.check_layers if arm in ("kmesh", "stock") else ()
+    return BlendPlan(arm, T, forced.nonzero()[:, 0].to(device), keep, tuple(checks), config.deviation)
+
+
+def _select(p: BlendPlan, i: int, rows_pos: torch.Tensor, fresh: torch.Tensor, cached: torch.Tensor,
+            forced_rows: torch.Tensor | None) -> torch.Tensor:
+    """Sorted row indices that stay recomputed after check layer i."""
+    dev = ((fresh.float() - cached.float()) ** 2).sum(dim=(1, 2))
+    if forced_rows is not None:  # kmesh: forced positions always survive, the rest compete
+        dev = dev.masked_fill(forced_rows, float("inf"))
+    k = min(p.keep[i], rows_pos.numel())
+    return torch.sort(torch.topk(dev, k, sorted=False).indices).values
+
+
+@torch.no_grad()
+def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequence[bool] | torch.Tensor,
+          config: RepairConfig = RepairConfig(), arm: str = "kmesh", plan_: BlendPlan | None = None) -> BlendResult:
+    """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc)."""
+    p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device)
+    T, dev = p.T, runner.device
+    ids = ids.to(dev)
+    if ids.numel() != T or cache.capacity < T:
+        raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
+    all_pos = torch.arange(T, device=dev)
+    is_forced = torch.zeros(T, dtype=torch.bool, device=dev)
+    is_forced[p.forced] = True
+    if p.arm == "stock":  # no data is zeros, not whatever the buffer held
+        for layer in range(runner.num_layers):
+            cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
+                        torch.zeros_like(cache.v[layer][p.forced]))
+    active = p.forced if p.arm == "naive" else all_pos
+    h = runner.embed(ids[active])
+    rot = runner.rotary(active)
+    masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
+    mask_kind = "bottom_right" if p.arm == "stock" else "position"
+    for layer in range(runner.num_layers):
+        q, k, v = runner.qkv(layer, h, active, rot)
+        if layer in p.check_layers:
+            i = p.check_layers.index(layer)
+            fresh, cached = (k, cache.k[layer][active]) if p.deviation == "k" else (v, cache.v[layer][active])
+            rows = _select(p, i, active, fresh, cached, is_forced[active] if p.arm == "kmesh" else None)
+            q, k, v, h = q[rows], k[rows], v[rows], h[rows]
+            rot = (rot[0][rows], rot[1][rows])
+            active = active[rows]
+        cache.write(layer, active, k, v)
+        masks[layer, active] = True
+        kc, vc = cache.layer_kv(layer, T)
+        h = runner.finish_layer(layer, h, runner.attend(q, active, kc, vc, mask=mask_kind))
+    return BlendResult(runner.logits(h[-1:])[0], masks, p.arm)

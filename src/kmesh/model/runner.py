@@ -1,0 +1,204 @@
+"""A layer-wise runner over Hugging Face Llama / Qwen2 weights: the model KMesh repairs restored state with.
+
+transformers runs a whole forward at once; CacheBlend-style repair needs to stop between layers, compute
+Q/K/V for a chosen subset of positions, keep restored K/V for the others and attend over all of them. The
+runner calls the checkpoint's own modules (projections, norms, MLP, rotary table) one layer at a time and
+does the rest itself:
+
+    runner = LayerRunner(model)
+    cache = runner.new_cache(capacity)                 # a paged LBNHC KV cache (kmesh.layout), slot = position
+    h = runner.embed(ids)                              # [n, hidden]
+    q, k, v = runner.qkv(layer, h, positions)          # post-RoPE, [n, heads, D]
+    cache.write(layer, positions, k, v)
+    a = runner.attend(layer, q, positions, cache, num_keys)   # TRUE causal mask: key position <= query position
+    h = runner.finish_layer(layer, h, a)
+    logits = runner.logits(h[-1:])
+
+Attention masks are built from positions, never from row order: a query at position p sees keys at
+positions <= p whatever subset of queries is computed. `mask="bottom_right"` reproduces what a dense
+flash-attn call with causal=True does for q_len < k_len (query i of n sees keys <= k_len - n + i) — the
+stock-CacheBlend control needs it, KMesh never uses it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from kmesh.layout import KVLayout
+from kmesh.model.errors import ModelError
+from kmesh.rope import RopeConfig
+
+MaskKind = Literal["position", "bottom_right"]
+_TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class KVCache:
+    """One request's private K/V: a paged LBNHC cache (K|V packed per token) with slot = position.
+
+    `raw` is the byte buffer kmesh.restore writes into; `k[l]` / `v[l]` are [slots, heads, D] views of it,
+    so what restore wrote is exactly what attention reads.
+    """
+
+    layout: KVLayout
+    raw: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.num_slots
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, n) of one layer, [n, heads, D] views."""
+        return self.k[layer][:n], self.v[layer][:n]
+
+    def stacked(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V of slots [0, n), [layers, n, heads, D] (for comparisons)."""
+        return (torch.stack([k[:n] for k in self.k]).clone(), torch.stack([v[:n] for v in self.v]).clone())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LayerRunner:
+    """Llama / Qwen2 (incl. SmolLM2) weights run layer by layer (see module doc)."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        if cfg.model_type not in ("llama", "qwen2"):
+            raise ModelError(f"the layer-wise runner knows llama and qwen2 models, not {cfg.model_type!r}")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ModelError("sliding-window attention is not supported by the layer-wise runner")
+        self.model = model
+        self.inner = model.model
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim ** -0.5
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        if self.dtype not in _TORCH_DTYPE:
+            raise ModelError(f"runner dtype must be float32/bfloat16/float16, got {self.dtype}")
+        self.rope = RopeConfig.from_hf_config(cfg)
+
+    # -- state -------------------------------------------------------------------------------------------
+    def cache_layout(self, capacity: int, block_size: int = 16) -> KVLayout:
+        blocks = -(-capacity // block_size)
+        return KVLayout.paged("LBNHC", self.num_layers, blocks, block_size, self.num_kv_heads, self.head_dim,
+                              _TORCH_DTYPE[self.dtype])
+
+    def new_cache(self, capacity: int, block_size: int = 16, fill: float = 0.0) -> KVCache:
+        """A zeroed (or `fill`ed: poison) cache for `capacity` positions."""
+        layout = self.cache_layout(capacity, block_size)
+        raw = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+        return self.cache_over(raw, layout, fill)
+
+    def cache_over(self, raw: torch.Tensor, layout: KVLayout, fill: float | None = 0.0) -> KVCache:
+        """The cache views over an existing byte buffer (fill=None keeps its contents)."""
+        L, S, H, D = layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim
+        elems = layout.elements(raw)
+        if fill is not None:
+            elems.fill_(fill)
+        kv = elems[: L * S * H * 2 * D].view(L, S, H, 2 * D)
+        return KVCache(layout, raw, [kv[i, :, :, :D] for i in range(L)], [kv[i, :, :, D:] for i in range(L)])
+
+    # -- one layer -----------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(ids.to(self.device))
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] of the checkpoint's own rotary table (what transformers' forward applies)."""
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(dummy, positions.to(self.device)[None])
+        return cos[0], sin[0]
+
+    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+            rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-RoPE q [n, heads, D], k and v [n, kv_heads, D] of hidden rows h [n, hidden] at `positions`."""
+        blk = self.inner.layers[layer]
+        x = blk.input_layernorm(h)
+        att = blk.self_attn
+        n = h.shape[0]
+        q = att.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = att.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = att.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        cos, sin = rot if rot is not None else self.rotary(positions)
+        cos, sin = cos[:, None], sin[:, None]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_pos: torch.Tensor | None = None, mask: MaskKind = "position") -> torch.Tensor:
+        """Attention of queries q [n, heads, D] over keys k/v [m, kv_heads, D]: output [n, heads·D].
+
+        position: query at position p sees keys at positions <= p (key_pos defaults to 0..m-1).
+        bottom_right: query i (rows in order) sees keys 0..m-n+i, whatever its position.
+        """
+        n, m = q.shape[0], k.shape[0]
+        if mask == "position":
+            kp = torch.arange(m, device=q.device) if key_pos is None else key_pos
+            allowed = kp[None, :] <= q_pos.to(q.device)[:, None]
+        elif mask == "bottom_right":
+            allowed = (torch.arange(m, device=q.device)[None, :]
+                       <= torch.arange(n, device=q.device)[:, None] + (m - n))
+        else:
+            raise ModelError(f"mask must be 'position' or 'bottom_right', got {mask!r}")
+        kk = k.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None]
+        vv = v.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=allowed, scale=self.scale)
+        return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm + MLP + residual."""
+        blk = self.inner.layers[layer]
+        h = h + blk.self_attn.o_proj(attn)
+        return h + blk.mlp(blk.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.inner.norm(h))
+
+    # -- whole requests -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Plain full prefill of ids [T] at positions 0..T-1 into `cache`: next-token logits [vocab]."""
+        T = ids.shape[0]
+        pos = torch.arange(T, device=self.device)
+        rot = self.rotary(pos)
+        h = self.embed(ids)
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, pos, rot)
+            cache.write(layer, pos, k, v)
+            kc, vc = cache.layer_kv(layer, T)
+            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc))
+        return self.logits(h[-1:])[0]
+
+    @torch.no_grad()
+    def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int,
+               mask: MaskKind = "position") -> list[int]:
+        """Greedy continuation after a prefill of `length` positions whose next-token logits are given."""
+        if length + max_new_tokens > cache.capacity + 1:
+            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
+        tokens = [int(first_logits.argmax())]
+        for i in range(max_new_tokens - 1):
+            p = torch.tensor([length + i], device=self.device)
+            h = self.embed(torch.tensor([tokens[-1]], device=self.device))
+            rot = self.rotary(p)
+            for layer in range(self.num_layers):
+                q, k, v = self.qkv(layer, h, p, rot)
+                cache.write(layer, p, k, v)
+                kc, vc = cache.layer_kv(layer, length + i + 1)
+                h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, mask=mask))
+            tokens.append(int(self.logits(h)[0].argmax()))
+        return tokens
