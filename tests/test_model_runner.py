@@ -1,0 +1,556 @@
+"""kmesh.model.runner and kmesh.model.blend: the layer-wise runner against transformers' own forward, the true
+causal mask by position, and blend()'s arms over a restored state built honestly (leader prefill → capture →
+restore at new positions → blend).
+
+Tiny random float32 Llama / Qwen2 models are built in-test (weights drawn so that logits and tokens are not
+degenerate: unit-variance embeddings, 1/sqrt(fan_in) projections, random norm weights and q/k/v biases); the
+embedded SmolLM2-135M (converted by the model stage into results/models/smollm2-135m-instruct) is used when
+that folder exists and skipped otherwise.
+
+Measured on CPU (torch 2.13, transformers 5.19), asserted with margin:
+  tiny llama / qwen2: next-token logits vs transformers max |Δ| ~6e-7 (bound 1e-5); per-layer K and V 0.0
+  (bound 1e-5); layer-0 K restored from a leader at other positions vs fresh K ~1.4e-6 (bound 1e-5).
+  SmolLM2: logits max |Δ| ~3.4e-5 of |logit| ≤ 25 (bound 2e-4); K and V 0.0 (bound 1e-4); 8 greedy tokens equal.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kmesh.model.blend import ARMS, RepairConfig, RepairConfigError, blend, plan
+from kmesh.model.errors import ModelError
+from kmesh.model.runner import LayerRunner
+from kmesh.restore import capture, restore
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / "results" / "models" / "smollm2-135m-instruct"
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=512)
+LOGIT_TOL = 1e-5        # tiny float32 models, measured ~6e-7
+KV_TOL = 1e-5           # measured 0.0
+SHIFT_TOL = 1e-5        # restored (rope-shifted) layer-0 K vs a fresh rotation, measured ~1.4e-6
+SMOL_LOGIT_TOL = 2e-4   # measured ~3.4e-5
+SMOL_KV_TOL = 1e-4      # measured 0.0
+CHECK = 1               # RepairConfig()'s single check layer
+RATIO = 0.15
+
+
+# --- models ------------------------------------------------------------------------------------------------
+
+def _tiny_model(kind: str, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    model = model.float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request):
+    model = _tiny_model(request.param)
+    if request.param == "qwen2":  # the q/k/v biases are really there and really nonzero
+        att = model.model.layers[0].self_attn
+        assert all(m.bias is not None and float(m.bias.detach().abs().max()) > 0.1 for m in (att.q_proj, att.k_proj, att.v_proj))
+    else:
+        assert model.model.layers[0].self_attn.q_proj.bias is None
+    return SimpleNamespace(kind=request.param, model=model, runner=LayerRunner(model))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not (SMOLLM2 / "config.json").is_file() or not (SMOLLM2 / "model.safetensors").is_file():
+        pytest.skip(f"no converted SmolLM2 at {SMOLLM2} (run the model stage)")
+    from kmesh.model import smollm2
+
+    model, tok = smollm2.load_converted(SMOLLM2)
+    return SimpleNamespace(model=model, tok=tok, runner=LayerRunner(model), smollm2=smollm2)
+
+
+def _ids(n: int, seed: int, vocab: int = TINY["vocab_size"]) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _pkv_kv(pkv, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cached K, V of one layer as [T, kv_heads, D] (batch 0)."""
+    if hasattr(pkv, "layers"):          # transformers 5 DynamicCache
+        k, v = pkv.layers[layer].keys, pkv.layers[layer].values
+    else:                               # legacy tuple cache
+        k, v = pkv[layer][0], pkv[layer][1]
+    return k[0].transpose(0, 1), v[0].transpose(0, 1)
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+# --- 1. runner vs transformers ----------------------------------------------------------------------------
+
+def test_prefill_matches_transformers_forward(tiny):
+    ids = _ids(40, 1)
+    cache = tiny.runner.new_cache(64)
+    logits = tiny.runner.prefill(ids, cache)
+    with torch.no_grad():
+        out = tiny.model(ids[None], use_cache=True)
+    ref = out.logits[0, -1]
+    assert logits.shape == ref.shape == (TINY["vocab_size"],) and logits.dtype == torch.float32
+    assert float(ref.abs().max()) > 1.0   # not a degenerate near-zero model
+    assert float((logits - ref).abs().max()) <= LOGIT_TOL
+    for layer in range(tiny.runner.num_layers):
+        hk, hv = _pkv_kv(out.past_key_values, layer)
+        assert hk.shape == (40, TINY["num_key_value_heads"], TINY["head_dim"])
+        assert float((cache.k[layer][:40] - hk).abs().max()) <= KV_TOL, layer   # post-RoPE keys
+        assert float((cache.v[layer][:40] - hv).abs().max()) <= KV_TOL, layer
+    # slots beyond the prompt were never written (cache zeroed by new_cache)
+    assert all(torch.count_nonzero(cache.k[l][40:]) == 0 for l in range(tiny.runner.num_layers))
+
+
+def test_decode_matches_generate(tiny):
+    ids = _ids(40, 2)
+    cache = tiny.runner.new_cache(48)
+    tokens = tiny.runner.decode(cache, 40, tiny.runner.prefill(ids, cache), 8)
+    with torch.no_grad():
+        gen = tiny.model.generate(ids[None], attention_mask=torch.ones(1, 40, dtype=torch.long), max_new_tokens=8,
+                                  do_sample=False, pad_token_id=0)
+    assert tokens == gen[0, 40:].tolist()
+    assert len(set(tokens)) >= 4, tokens   # a real continuation, not one token repeated
+    # 8 tokens after 40 write positions 40..46: 47 slots are exactly enough, 46 are not
+    tight = tiny.runner.new_cache(47, block_size=1)
+    assert tight.capacity == 47
+    assert tiny.runner.decode(tight, 40, tiny.runner.prefill(ids, tight), 8) == tokens
+    with pytest.raises(ModelError, match="cannot hold"):
+        tiny.runner.decode(tiny.runner.new_cache(46, block_size=1), 40, torch.zeros(TINY["vocab_size"]), 8)
+
+
+def test_smollm2_runner_matches_transformers(smol):
+    ids = smol.smollm2.chat_ids(smol.tok, "What is the capital of France?")[0]
+    T = ids.numel()
+    cache = smol.runner.new_cache(T + 8)
+    logits = smol.runner.prefill(ids, cache)
+    with torch.no_grad():
+        out = smol.model(ids[None], use_cache=True)
+    assert float((logits - out.logits[0, -1]).abs().max()) <= SMOL_LOGIT_TOL
+    for layer in range(smol.runner.num_layers):
+        hk, hv = _pkv_kv(out.past_key_values, layer)
+        assert float((cache.k[layer][:T] - hk).abs().max()) <= SMOL_KV_TOL, layer
+        assert float((cache.v[layer][:T] - hv).abs().max()) <= SMOL_KV_TOL, layer
+    tokens = smol.runner.decode(cache, T, logits, 8)
+    ref, text = smol.smollm2.greedy(smol.model, smol.tok, ids[None], 8)
+    assert tokens == ref, (tokens, ref)
+    assert "paris" in smol.tok.decode(tokens).lower(), text
+
+
+# --- 2. true causal mask by position ---------------------------------------------------------------------
+
+def _layer1_inputs(runner: LayerRunner, ids: torch.Tensor):
+    """Hidden rows entering layer 1 (after a full layer 0) and positions."""
+    pos = torch.arange(ids.numel())
+    h = runner.embed(ids)
+    q, k, v = runner.qkv(0, h, pos)
+    return runner.finish_layer(0, h, runner.attend(q, pos, k, v)), pos
+
+
+@torch.no_grad()
+def test_subset_of_queries_attends_by_position(tiny):
+    r = tiny.runner
+    h, pos = _layer1_inputs(r, _ids(40, 3))
+    q, k, v = r.qkv(1, h, pos)
+    every = r.attend(q, pos, k, v)
+    sub = torch.tensor([2, 9, 17, 23, 30])   # not the last rows
+    qs, ks, vs = r.qkv(1, h[sub], pos[sub])
+    assert torch.allclose(qs, q[sub], atol=1e-6, rtol=0) and torch.allclose(ks, k[sub], atol=1e-6, rtol=0)
+    assert torch.allclose(vs, v[sub], atol=1e-6, rtol=0)
+    part = r.attend(qs, pos[sub], k, v)
+    assert part.shape == (5, TINY["num_attention_heads"] * TINY["head_dim"])
+    assert torch.allclose(part, every[sub], atol=1e-6, rtol=0)
+    # an explicit reference: softmax over keys at positions <= p, kv head = query head // groups
+    for row, p in enumerate(sub.tolist()):
+        for head in range(r.num_heads):
+            kvh = head // r.groups
+            w = torch.softmax((k[: p + 1, kvh] @ qs[row, head]) * r.scale, 0)
+            ref = w @ v[: p + 1, kvh]
+            got = part[row, head * r.head_dim:(head + 1) * r.head_dim]
+            assert torch.allclose(got, ref, atol=1e-5, rtol=0), (p, head)
+    # bottom-right alignment of the same subset is a different mask: rows see keys 0..35+i, not 0..p
+    br = r.attend(qs, pos[sub], k, v, mask="bottom_right")
+    assert float((br - part).abs().max()) > 1e-2
+    # ... and for all rows in order the two masks are the same mask
+    assert torch.equal(r.attend(q, pos, k, v, mask="bottom_right"), every)
+    # key positions, not key order: permuted keys with their positions give the same output
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(r.attend(qs, pos[sub], k[perm], v[perm], key_pos=pos[perm]), part, atol=1e-6, rtol=0)
+    with pytest.raises(ModelError, match="mask must be"):
+        r.attend(qs, pos[sub], k, v, mask="causal")
+
+
+# --- 3. blend over an honestly restored state -------------------------------------------------------------
+
+def _case(runner: LayerRunner, child_prefix: int = 13, child_suffix: int = 7, seed: int = 10,
+          fill: float = 0.0) -> SimpleNamespace:
+    """Leader = 8 + doc(24) + 8 tokens; child = child_prefix + the same doc + child_suffix tokens. The doc's K/V
+    are captured from the leader's prefill at positions 8..31 and restored into the child's cache at
+    child_prefix..child_prefix+23 (keys re-rotated by restore with the runner's rope)."""
+    vocab = runner.config.vocab_size
+    doc = _ids(24, seed, vocab)
+    leader = torch.cat([_ids(8, seed + 1, vocab), doc, _ids(8, seed + 2, vocab)])
+    child = torch.cat([_ids(child_prefix, seed + 3, vocab), doc, _ids(child_suffix, seed + 4, vocab)])
+    T, a, b, n = child.numel(), 8, child_prefix, 24
+    lc = runner.new_cache(leader.numel())
+    runner.prefill(leader, lc)
+    seg = capture(lc.raw, lc.layout, list(range(a, a + n)), list(range(a, a + n)))
+    assert seg.k.shape == (n, runner.num_layers, runner.num_kv_heads, runner.head_dim)
+    restored_cache = runner.new_cache(T + 8, fill=fill)
+    restore(restored_cache.raw, restored_cache.layout, seg, list(range(b, b + n)), list(range(b, b + n)), runner.rope)
+    restored = torch.zeros(T, dtype=torch.bool)
+    restored[b:b + n] = True
+    full_cache = runner.new_cache(T + 8)
+    full = runner.prefill(child, full_cache)
+    return SimpleNamespace(child=child, T=T, restored=restored, pristine=restored_cache, full=full,
+                           full_cache=full_cache, leader_cache=lc, doc_slots=torch.arange(b, b + n),
+                           leader_slots=torch.arange(a, a + n))
+
+
+def _copy(runner: LayerRunner, cache):
+    return runner.cache_over(cache.raw.clone(), cache.layout, fill=None)
+
+
+def test_restored_state_is_honest(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    d, s = c.doc_slots, c.leader_slots
+    # layer 0 K depends only on token and position: the shifted leader K is the child's fresh K
+    assert float((c.pristine.k[0][d] - c.full_cache.k[0][d]).abs().max()) <= SHIFT_TOL
+    assert torch.equal(c.pristine.v[0][d], c.full_cache.v[0][d])
+    # the keys really moved, and deeper layers carry the leader's context: there is something to repair
+    assert float((c.pristine.k[0][d] - c.leader_cache.k[0][s]).abs().max()) > 0.1
+    assert float((c.pristine.k[2][d] - c.full_cache.k[2][d]).abs().max()) > 0.1
+    assert torch.count_nonzero(c.pristine.k[1][:c.T][~c.restored]) == 0   # nothing written outside the doc
+
+
+@pytest.mark.parametrize("arm", ["full", "kmesh", "naive", "stock"])
+def test_blend_shapes_and_arm(tiny, arm):
+    r, c = tiny.runner, _case(tiny.runner)
+    res = blend(r, c.child, _copy(r, c.pristine), c.restored, arm=arm)
+    assert res.arm == arm and res.masks.dtype == torch.bool and res.masks.shape == (r.num_layers, c.T)
+    assert res.logits.shape == (TINY["vocab_size"],) and torch.isfinite(res.logits).all()
+    assert res.counts() == res.masks.sum(1).tolist() == res.recomputed
+
+
+def test_full_arm_is_prefill_bit_for_bit(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cache = _copy(r, c.pristine)
+    res = blend(r, c.child, cache, c.restored, arm="full")
+    assert torch.equal(res.logits, c.full) and res.masks.all()
+    assert all(torch.equal(a, b) for a, b in zip(cache.stacked(c.T), c.full_cache.stacked(c.T)))
+
+
+def test_kmesh_with_ratio_one_is_full(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    res = blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(recompute_ratio=1.0), arm="kmesh")
+    assert res.masks.all()
+    assert torch.equal(res.logits, c.full)
+    kl_default = _kl(c.full, blend(r, c.child, _copy(r, c.pristine), c.restored, arm="kmesh").logits)
+    assert kl_default > 0   # the default ratio does not recompute everything: the logits really differ
+
+
+def _kmesh_expected_keep(restored: torch.Tensor) -> int:
+    T = restored.numel()
+    forced = ~restored
+    forced[T - 1] = True
+    return int(forced.sum()) + math.ceil(RATIO * int((~forced).sum()))
+
+
+@pytest.mark.parametrize("shape", [(13, 7), (13, 0), (0, 5)], ids=["suffix", "ends-in-doc", "starts-with-doc"])
+def test_kmesh_masks(tiny, shape):
+    r, c = tiny.runner, _case(tiny.runner, *shape)
+    cache = _copy(r, c.pristine)
+    res = blend(r, c.child, cache, c.restored, arm="kmesh")
+    m, T = res.masks, c.T
+    keep = _kmesh_expected_keep(c.restored)
+    missing = int((~c.restored).sum())
+    n_rest_wo_last = int(c.restored.sum()) - int(c.restored[-1])
+    assert keep == missing + int(c.restored[-1]) + math.ceil(RATIO * n_rest_wo_last)
+    assert m[0].all()
+    for layer in range(CHECK, r.num_layers):
+        assert int(m[layer].sum()) == keep, (layer, res.counts())
+        assert torch.equal(m[layer], m[CHECK])
+    assert m[:, ~c.restored].all() and m[:, T - 1].all()
+    # the restored rows kept are the top ceil(0.15·n) by ‖fresh K − restored K‖² at the check layer, where
+    # fresh K = full prefill's (every layer before the check layer was recomputed for every position)
+    cand = c.restored.clone()
+    cand[T - 1] = False
+    dev = ((c.full_cache.k[CHECK][:T] - c.pristine.k[CHECK][:T]) ** 2).sum((1, 2))
+    dev[~cand] = -1
+    top = set(torch.topk(dev, math.ceil(RATIO * int(cand.sum()))).indices.tolist())
+    assert set(torch.nonzero(m[CHECK] & cand)[:, 0].tolist()) == top
+
+
+def test_kmesh_cache_after_blend(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cache = _copy(r, c.pristine)
+    res = blend(r, c.child, cache, c.restored, arm="kmesh")
+    T = c.T
+    sel = res.masks[CHECK]
+    kept = c.restored & ~sel          # restored, not recomputed: must be untouched from the check layer on
+    over = c.restored & sel           # restored, recomputed: overwritten
+    assert int(kept.sum()) > 0 and int(over.sum()) > 0
+    for layer in range(r.num_layers):
+        k, v, k0, v0 = cache.k[layer][:T], cache.v[layer][:T], c.pristine.k[layer][:T], c.pristine.v[layer][:T]
+        if layer < CHECK:             # everything recomputed: the full prefill's K/V
+            assert torch.allclose(k, c.full_cache.k[layer][:T], atol=1e-6, rtol=0)
+            assert torch.allclose(v, c.full_cache.v[layer][:T], atol=1e-6, rtol=0)
+            continue
+        assert torch.equal(k[kept], k0[kept]) and torch.equal(v[kept], v0[kept]), layer
+        diff = (k[over] - k0[over]).abs().flatten(1).amax(1)
+        assert (diff > 0).all(), layer
+        assert torch.count_nonzero(k[~c.restored].flatten(1).abs().amax(1) == 0) == 0   # missing: written
+    # at the check layer the recomputed rows are the full prefill's rows exactly (same inputs)
+    assert torch.allclose(cache.k[CHECK][:T][sel], c.full_cache.k[CHECK][:T][sel], atol=1e-6, rtol=0)
+    # nothing beyond the prompt written
+    assert all(torch.count_nonzero(cache.k[l][T:]) == 0 for l in range(r.num_layers))
+
+
+def test_kmesh_multiple_check_layers(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cfg = RepairConfig(check_layers=(1, 2), recompute_ratio=(0.5, 0.15))
+    res = blend(r, c.child, _copy(r, c.pristine), c.restored, cfg, arm="kmesh")
+    missing = int((~c.restored).sum())
+    n = int(c.restored.sum())   # last is missing here
+    assert res.counts() == [c.T, missing + math.ceil(0.5 * n), missing + math.ceil(0.15 * n),
+                            missing + math.ceil(0.15 * n)]
+    assert not (res.masks[2] & ~res.masks[1]).any() and torch.equal(res.masks[3], res.masks[2])
+
+
+def test_naive_masks_and_cache(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cache = _copy(r, c.pristine)
+    res = blend(r, c.child, cache, c.restored, arm="naive")
+    T = c.T
+    for layer in range(r.num_layers):
+        assert torch.equal(res.masks[layer], ~c.restored), layer
+        assert torch.equal(cache.k[layer][:T][c.restored], c.pristine.k[layer][:T][c.restored])
+        assert torch.equal(cache.v[layer][:T][c.restored], c.pristine.v[layer][:T][c.restored])
+    # layer 0 of a missing position depends on its token only
+    miss = ~c.restored
+    assert torch.allclose(cache.k[0][:T][miss], c.full_cache.k[0][:T][miss], atol=1e-6, rtol=0)
+    assert 0 < _kl(c.full, res.logits)
+
+
+def test_stock_masks_and_zeroes(tiny):
+    r = tiny.runner
+    c = _case(r, fill=7.0)    # a poisoned child cache: stock must zero what has no data, not inherit the buffer
+    cache = _copy(r, c.pristine)
+    T = c.T
+    assert (c.pristine.k[CHECK][:T][~c.restored] == 7.0).all()
+    res = blend(r, c.child, cache, c.restored, arm="stock")
+    keep = int(RATIO * T)
+    assert keep == 6
+    for layer in range(r.num_layers):
+        assert int(res.masks[layer].sum()) == (T if layer < CHECK else keep), (layer, res.counts())
+    assert torch.equal(res.masks[CHECK + 1], res.masks[CHECK])
+    # selection: top int(0.15·T) over ALL positions by ‖fresh K − cached K‖², missing positions cached as zeros
+    cached = c.pristine.k[CHECK][:T].clone()
+    cached[~c.restored] = 0
+    dev = ((c.full_cache.k[CHECK][:T] - cached) ** 2).sum((1, 2))
+    assert set(torch.nonzero(res.masks[CHECK])[:, 0].tolist()) == set(torch.topk(dev, keep).indices.tolist())
+    miss = ~c.restored
+    for layer in range(r.num_layers):
+        k, v = cache.k[layer][:T], cache.v[layer][:T]
+        not_re = miss & ~res.masks[layer]
+        if layer < CHECK:
+            assert not not_re.any()
+            assert torch.allclose(k[miss], c.full_cache.k[layer][:T][miss], atol=1e-6, rtol=0)
+        else:
+            assert not_re.any(), layer
+            assert torch.count_nonzero(k[not_re]) == 0 and torch.count_nonzero(v[not_re]) == 0, layer
+            kept = c.restored & ~res.masks[layer]
+            assert torch.equal(k[kept], c.pristine.k[layer][:T][kept])
+    assert (cache.k[0][T:] == 7.0).all()   # beyond the prompt: untouched
+
+
+# --- 4. repair is meaningful on the real model -------------------------------------------------------------
+
+def test_smollm2_kmesh_repair_beats_naive(smol):
+    """Measured (CPU): T=95, doc 51 tokens at 8 in the leader and 22 in the child; KL(full‖naive) ≈ 0.0105,
+    KL(full‖kmesh) ≈ 0.0037 (52 of 95 positions recomputed after layer 1), KL(full‖stock) ≈ 8.1;
+    kmesh's and naive's top-1 equal full's."""
+    r, tok = smol.runner, smol.tok
+
+    def enc(s: str) -> torch.Tensor:
+        return tok(s, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+
+    doc = enc("The Zorblat river flows north through the city of Quenmar. Quenmar is famous for its copper bells, "
+              "which are rung every evening at seven. The bell founders of Quenmar use a secret alloy containing "
+              "tin and silver.")
+    lp = enc("<|im_start|>system\nBackground notes follow.\n")
+    cp = enc("<|im_start|>system\nYou are a helpful assistant. Read the passage below carefully and answer the "
+             "user's question.\n")
+    q = enc("<|im_end|>\n<|im_start|>user\nWhat are the bells of Quenmar made of?<|im_end|>\n<|im_start|>assistant\n")
+    leader, child = torch.cat([lp, doc, enc("<|im_end|>\n")]), torch.cat([cp, doc, q])
+    a, b, n, T = lp.numel(), cp.numel(), doc.numel(), child.numel()
+    assert a != b
+    lc = r.new_cache(leader.numel())
+    r.prefill(leader, lc)
+    seg = capture(lc.raw, lc.layout, list(range(a, a + n)), list(range(a, a + n)))
+    pristine = r.new_cache(T)
+    restore(pristine.raw, pristine.layout, seg, list(range(b, b + n)), list(range(b, b + n)), r.rope)
+    restored = torch.zeros(T, dtype=torch.bool)
+    restored[b:b + n] = True
+    full = r.prefill(child, r.new_cache(T))
+    assert torch.equal(blend(r, child, _copy(r, pristine), restored, arm="full").logits, full)
+    kl = {arm: _kl(full, blend(r, child, _copy(r, pristine), restored, arm=arm).logits)
+          for arm in ("naive", "kmesh", "stock")}
+    km = blend(r, child, _copy(r, pristine), restored, arm="kmesh")
+    assert kl["naive"] > 0 and kl["kmesh"] < kl["naive"], kl
+    assert int(km.logits.argmax()) == int(full.argmax()), kl
+    assert kl["kmesh"] < kl["stock"], kl
+
+
+# --- 5. configuration and argument errors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [
+    RepairConfig(check_layers=()),
+    RepairConfig(check_layers=(2, 1)),
+    RepairConfig(check_layers=(1, 1)),
+    RepairConfig(check_layers=(-1,)),
+    RepairConfig(check_layers=(4,)),             # the tiny models have 4 layers: 0..3
+    RepairConfig(check_layers=(1.0,)),
+    RepairConfig(recompute_ratio=0.0),
+    RepairConfig(recompute_ratio=-0.1),
+    RepairConfig(recompute_ratio=1.5),
+    RepairConfig(recompute_ratio=float("nan")),
+    RepairConfig(check_layers=(1, 2), recompute_ratio=(0.1, 0.2)),   # increasing
+    RepairConfig(check_layers=(1, 2), recompute_ratio=(0.3, 0.2, 0.1)),
+    RepairConfig(check_layers=(1,), recompute_ratio=(0.3, 0.2)),
+    RepairConfig(deviation="q"),
+], ids=lambda c: f"{c.check_layers}-{c.recompute_ratio}-{c.deviation}")
+def test_bad_repair_config(tiny, cfg):
+    with pytest.raises(RepairConfigError):
+        cfg.validate(4)
+    assert issubclass(RepairConfigError, ModelError)
+    c = _case(tiny.runner)
+    cache = _copy(tiny.runner, c.pristine)
+    for arm in ("kmesh", "stock"):
+        with pytest.raises(RepairConfigError):
+            blend(tiny.runner, c.child, cache, c.restored, cfg, arm=arm)
+    assert torch.equal(cache.raw, c.pristine.raw)   # refused before anything was written
+
+
+def test_good_repair_configs_and_from_dict():
+    for cfg in (RepairConfig(), RepairConfig(check_layers=(0, 3), recompute_ratio=(0.5, 0.5)),
+                RepairConfig(recompute_ratio=1.0, deviation="v")):
+        cfg.validate(4)
+    d = RepairConfig.from_dict({"check_layers": [1, 2], "recompute_ratio": [0.3, 0.1], "deviation": "v"})
+    assert d == RepairConfig((1, 2), (0.3, 0.1), "v") and d.ratios() == (0.3, 0.1)
+    assert RepairConfig.from_dict({}) == RepairConfig() and RepairConfig().ratios() == (0.15,)
+    assert ARMS == ("full", "naive", "stock", "kmesh")
+
+
+def test_blend_argument_errors(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cache = _copy(r, c.pristine)
+    with pytest.raises(ModelError, match="arm must be one of"):
+        blend(r, c.child, cache, c.restored, arm="cacheblend")
+    with pytest.raises(ModelError):
+        blend(r, c.child[:-1], cache, c.restored)          # ids shorter than the restored mask
+    with pytest.raises(ModelError):
+        blend(r, c.child, r.new_cache(c.T - 1, block_size=1), c.restored)
+    with pytest.raises(ModelError, match="empty"):
+        plan("kmesh", torch.zeros(0, dtype=torch.bool), RepairConfig(), r.num_layers, r.device)
+    assert torch.equal(cache.raw, c.pristine.raw)
+
+
+def test_plan_keep_sizes():
+    restored = torch.zeros(44, dtype=torch.bool)
+    restored[13:37] = True
+    p = plan("kmesh", restored, RepairConfig(), 4, torch.device("cpu"))
+    assert p.keep == (20 + math.ceil(0.15 * 24),) and p.check_layers == (1,)
+    assert p.forced.tolist() == list(range(13)) + list(range(37, 44))
+    s = plan("stock", restored, RepairConfig(), 4, torch.device("cpu"))
+    assert s.keep == (6,) and s.forced.tolist() == p.forced.tolist()
+    n = plan("naive", restored, RepairConfig(), 4, torch.device("cpu"))
+    assert n.keep == () and n.check_layers == ()
+    allr = torch.ones(10, dtype=torch.bool)
+    assert plan("kmesh", allr, RepairConfig(), 4, torch.device("cpu")).forced.tolist() == [9]
+    assert plan("stock", allr, RepairConfig(), 4, torch.device("cpu")).keep == (1,)   # max(int(1.5), 1)
+
+
+# --- 6. negative control: one flipped bit is seen downstream -----------------------------------------------
+
+def _flip(t: torch.Tensor, bit: int) -> None:
+    t.view(torch.int32).bitwise_xor_(1 << bit)
+
+
+@pytest.mark.parametrize("bit", [0, 22])   # lowest and highest float32 mantissa bit
+def test_one_flipped_restored_bit_changes_blend(tiny, bit):
+    r, c = tiny.runner, _case(tiny.runner)
+    base_cache = _copy(r, c.pristine)
+    base = blend(r, c.child, base_cache, c.restored, arm="kmesh")
+    kept = torch.nonzero(c.restored & ~base.masks[CHECK])[:, 0]
+    pos = int(kept[len(kept) // 2])
+    layer = 2                                       # after the check layer: read as restored
+    bad = _copy(r, c.pristine)
+    cell = bad.k[layer][pos, 1, 3:4]
+    before = cell.clone()
+    _flip(cell, bit)
+    assert not torch.equal(cell, before) and int(torch.count_nonzero(bad.raw != c.pristine.raw)) == 1
+    res = blend(r, c.child, bad, c.restored, arm="kmesh")
+    assert torch.equal(res.masks, base.masks)
+    changed_kv = any(not torch.equal(a[:, :c.T][res.masks], b[:, :c.T][res.masks])
+                     for a, b in zip(bad.stacked(c.T), base_cache.stacked(c.T)))
+    assert not torch.equal(res.logits, base.logits) or changed_kv
+    if bit == 22:
+        assert not torch.equal(res.logits, base.logits)
+        assert not torch.equal(bad.k[layer + 1][c.T - 1], base_cache.k[layer + 1][c.T - 1])
+    # the same flip at layer 0 (recomputed for every position before the check layer) is overwritten
+    early = _copy(r, c.pristine)
+    _flip(early.k[0][pos, 1, 3:4], bit)
+    again = blend(r, c.child, early, c.restored, arm="kmesh")
+    assert torch.equal(again.logits, base.logits) and torch.equal(early.raw, base_cache.raw)
+
+
+# --- suspected bugs (strict xfail: they fail today) -------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="naive arm never recomputes the last position: when the prompt's last "
+                   "position is restored, blend returns the logits of the last MISSING position (h[-1] of the "
+                   "recomputed rows), not next-token logits of position T-1 (all restored: IndexError)")
+def test_naive_with_last_position_restored_gives_next_token_logits(tiny):
+    r = tiny.runner
+    ids = _ids(32, 20)
+    lc = r.new_cache(32)
+    full = r.prefill(ids, lc)
+    # exact reuse: the same prompt at the same positions, every position but 0 restored from its own prefill
+    seg = capture(lc.raw, lc.layout, list(range(1, 32)), list(range(1, 32)))
+    cache = r.new_cache(32)
+    restore(cache.raw, cache.layout, seg, list(range(1, 32)), list(range(1, 32)), r.rope)
+    restored = torch.ones(32, dtype=torch.bool)
+    restored[0] = False
+    res = blend(r, ids, cache, restored, arm="naive")
+    assert torch.allclose(res.logits, full, atol=LOGIT_TOL, rtol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="kmesh _select masks forced rows with +inf but torch.topk ranks NaN above "
+                   "inf: NaN deviations (a NaN-poisoned restored K) evict missing positions and the last position "
+                   "from the recompute set, breaking 'always recomputed'")
+def test_kmesh_forced_positions_survive_nan_deviation(tiny):
+    r, c = tiny.runner, _case(tiny.runner)
+    cache = _copy(r, c.pristine)
+    cache.k[CHECK][c.doc_slots[:10]] = float("nan")   # more NaN rows than ceil(0.15 · 24) = 4
+    res = blend(r, c.child, cache, c.restored, arm="kmesh")
+    assert res.masks[:, ~c.restored].all() and res.masks[:, c.T - 1].all()
