@@ -525,11 +525,8 @@ def test_one_flipped_restored_bit_changes_blend(tiny, bit):
     assert torch.equal(again.logits, base.logits) and torch.equal(early.raw, base_cache.raw)
 
 
-# --- suspected bugs (strict xfail: they fail today) -------------------------------------------------------
+# --- regressions: bugs found by these tests, fixed in blend.py ------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="naive arm never recomputes the last position: when the prompt's last "
-                   "position is restored, blend returns the logits of the last MISSING position (h[-1] of the "
-                   "recomputed rows), not next-token logits of position T-1 (all restored: IndexError)")
 def test_naive_with_last_position_restored_gives_next_token_logits(tiny):
     r = tiny.runner
     ids = _ids(32, 20)
@@ -545,9 +542,6 @@ def test_naive_with_last_position_restored_gives_next_token_logits(tiny):
     assert torch.allclose(res.logits, full, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="kmesh _select masks forced rows with +inf but torch.topk ranks NaN above "
-                   "inf: NaN deviations (a NaN-poisoned restored K) evict missing positions and the last position "
-                   "from the recompute set, breaking 'always recomputed'")
 def test_kmesh_forced_positions_survive_nan_deviation(tiny):
     r, c = tiny.runner, _case(tiny.runner)
     cache = _copy(r, c.pristine)

@@ -52,9 +52,15 @@ class RepairConfig:
         return tuple(r) if isinstance(r, (tuple, list)) else (float(r),) * len(self.check_layers)
 
     def validate(self, num_layers: int) -> None:
+        try:
+            self._validate(num_layers)
+        except (TypeError, ValueError) as e:  # mixed / non-numeric entries
+            raise RepairConfigError(f"invalid repair config {self}: {e}") from e
+
+    def _validate(self, num_layers: int) -> None:
         if not self.check_layers or sorted(set(self.check_layers)) != list(self.check_layers):
             raise RepairConfigError(f"check_layers must be a non-empty increasing list, got {self.check_layers}")
-        if not all(isinstance(c, int) and 0 <= c < num_layers for c in self.check_layers):
+        if not all(type(c) is int and 0 <= c < num_layers for c in self.check_layers):
             raise RepairConfigError(f"check_layers {self.check_layers} outside the model's {num_layers} layers")
         ratios = self.ratios()
         if len(ratios) != len(self.check_layers):
@@ -105,7 +111,7 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
     if T == 0:
         raise ModelError("empty prompt")
     forced = ~r
-    if arm == "kmesh":
+    if arm in ("kmesh", "naive"):  # the last position's hidden state gives the next token: always computed
         forced[T - 1] = True
     n_forced, n_restored = int(forced.sum()), int((~forced).sum())
     if arm == "kmesh":
@@ -122,6 +128,8 @@ def _select(p: BlendPlan, i: int, rows_pos: torch.Tensor, fresh: torch.Tensor, c
             forced_rows: torch.Tensor | None) -> torch.Tensor:
     """Sorted row indices that stay recomputed after check layer i."""
     dev = ((fresh.float() - cached.float()) ** 2).sum(dim=(1, 2))
+    # topk ranks NaN above +inf: a NaN deviation (broken restored data) must rank below the forced rows.
+    dev = torch.nan_to_num(dev, nan=torch.finfo(dev.dtype).max)
     if forced_rows is not None:  # kmesh: forced positions always survive, the rest compete
         dev = dev.masked_fill(forced_rows, float("inf"))
     k = min(p.keep[i], rows_pos.numel())
@@ -161,5 +169,7 @@ def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequ
         cache.write(layer, active, k, v)
         masks[layer, active] = True
         kc, vc = cache.layer_kv(layer, T)
-        h = runner.finish_layer(layer, h, runner.attend(q, active, kc, vc, mask=mask_kind))
+        # Known on the host: the rows are still every position in order (before any selection / full arm).
+        all_rows = p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])
+        h = runner.finish_layer(layer, h, runner.attend(q, active, kc, vc, mask=mask_kind, all_rows=all_rows))
     return BlendResult(runner.logits(h[-1:])[0], masks, p.arm)

@@ -10,7 +10,8 @@ does the rest itself:
     h = runner.embed(ids)                              # [n, hidden]
     q, k, v = runner.qkv(layer, h, positions)          # post-RoPE, [n, heads, D]
     cache.write(layer, positions, k, v)
-    a = runner.attend(layer, q, positions, cache, num_keys)   # TRUE causal mask: key position <= query position
+    kc, vc = cache.layer_kv(layer, num_keys)
+    a = runner.attend(q, positions, kc, vc)            # TRUE causal mask: key position <= query position
     h = runner.finish_layer(layer, h, a)
     logits = runner.logits(h[-1:])
 
@@ -140,13 +141,23 @@ class LayerRunner:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               key_pos: torch.Tensor | None = None, mask: MaskKind = "position") -> torch.Tensor:
+               key_pos: torch.Tensor | None = None, mask: MaskKind = "position",
+               all_rows: bool = False) -> torch.Tensor:
         """Attention of queries q [n, heads, D] over keys k/v [m, kv_heads, D]: output [n, heads·D].
 
         position: query at position p sees keys at positions <= p (key_pos defaults to 0..m-1).
         bottom_right: query i (rows in order) sees keys 0..m-n+i, whatever its position.
+        all_rows: the caller knows the queries are exactly positions 0..m-1 in order (and keys 0..m-1), where
+        every mask above is the plain causal one: the fused causal kernel runs instead of an explicit mask.
         """
         n, m = q.shape[0], k.shape[0]
+        if all_rows:
+            if n != m or key_pos is not None:
+                raise ModelError(f"all_rows needs queries and keys at positions 0..{m - 1}, got {n} queries")
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                                                 enable_gqa=self.groups > 1)
+            return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
         if mask == "position":
             kp = torch.arange(m, device=q.device) if key_pos is None else key_pos
             allowed = kp[None, :] <= q_pos.to(q.device)[:, None]
@@ -181,7 +192,7 @@ class LayerRunner:
             q, k, v = self.qkv(layer, h, pos, rot)
             cache.write(layer, pos, k, v)
             kc, vc = cache.layer_kv(layer, T)
-            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc))
+            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc, all_rows=True))
         return self.logits(h[-1:])[0]
 
     @torch.no_grad()

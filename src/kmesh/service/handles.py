@@ -103,6 +103,13 @@ class HostBuffer:
         self._check(offset, n)
         return ctypes.string_at(self.address + offset, n)
 
+    def as_tensor(self) -> Any:
+        """A uint8 torch tensor over the mapping (no copy); valid until close()."""
+        import torch
+
+        self._check(0, self.nbytes)
+        return torch.frombuffer((ctypes.c_uint8 * self.nbytes).from_address(self.address), dtype=torch.uint8)
+
     def _check(self, offset: int, n: int) -> None:
         if self.address == 0:
             raise HandleError("buffer is closed")

@@ -1,0 +1,131 @@
+"""One child request end to end: stage its shared segments, copy them private, restore, repair, decode.
+
+    out = run_child(ctx, child, source, staging, private)
+
+Any SegmentLoadError or transfer failure on the way ends in a full recompute of the prompt — but only once
+nothing is pending on the child's memory: the private copy's tickets are drained first (copy_private
+does so even when submit fails after accepting), and if a drain cannot finish the child fails instead of
+recomputing into memory a copy may still write. The model state is poisoned (NaN) before use, and the slots
+past the request are canaries that must still be NaN afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kmesh.errors import KMeshError
+from kmesh.model.blend import BlendResult, RepairConfig, blend
+from kmesh.model.runner import KVCache, LayerRunner
+from kmesh.segments import Catalog, SegmentLoadError, SegmentSource, copy_private, restore_child, stage_segments
+from kmesh.transfer.engine import TransferEngine
+from kmesh.transfer.errors import TransferError
+from kmesh.workload import Child
+
+POISON = float("nan")
+
+
+class ChildStateError(KMeshError):
+    """A child's model state broke an invariant (poison left inside the request, a canary overwritten)."""
+
+
+@dataclass
+class ChildContext:
+    runner: LayerRunner
+    catalog: Catalog
+    engine: TransferEngine
+    repair: RepairConfig
+    max_new_tokens: int
+    restore_backend: str = "torch"
+
+
+@dataclass
+class ChildOutcome:
+    child: str
+    source: str
+    arm: str
+    k: torch.Tensor              # [layers, T, kv_heads, D] after the prefill (copies)
+    v: torch.Tensor
+    logits: torch.Tensor         # next-token logits [vocab]
+    tokens: list[int]
+    masks: torch.Tensor          # bool [layers, T]
+    restored: torch.Tensor       # bool [T]: positions whose K/V came from the segments
+    fallback: str | None = None  # why the child recomputed fully (None: the segments were used)
+    events: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {"child": self.child, "source": self.source, "arm": self.arm, "fallback": self.fallback,
+                "events": self.events, "tokens": self.tokens, "restored": int(self.restored.sum()),
+                "recomputed_per_layer": [int(x) for x in self.masks.sum(1).tolist()]}
+
+
+def _check_poison(cache: KVCache, used: int) -> None:
+    """No NaN inside [0, used) of any layer; every slot after it still NaN (nothing wrote outside)."""
+    for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
+        if torch.isnan(k[:used]).any() or torch.isnan(v[:used]).any():
+            raise ChildStateError(f"layer {layer}: poison left inside the request's {used} slots")
+        if not (torch.isnan(k[used:]).all() and torch.isnan(v[used:]).all()):
+            raise ChildStateError(f"layer {layer}: a canary slot past {used} was overwritten")
+
+
+def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,
+                       arm: str) -> tuple[BlendResult, list[int]]:
+    ids = torch.tensor(child.ids, device=ctx.runner.device)
+    res = blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+    tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens)
+    return res, tokens
+
+
+def _outcome(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
+             res: BlendResult, tokens: list[int], fallback: str | None, events: list[str]) -> ChildOutcome:
+    T = len(child.ids)
+    _check_poison(cache, T + ctx.max_new_tokens - 1)
+    k, v = cache.stacked(T)
+    return ChildOutcome(child.name, source, arm, k, v, res.logits.clone(), tokens, res.masks.clone(), restored,
+                        fallback, events)
+
+
+def new_cache(ctx: ChildContext, child: Child) -> KVCache:
+    # one canary block beyond what prefill + decode write
+    need = len(child.ids) + ctx.max_new_tokens - 1
+    bs = ctx.catalog.layout.block_size
+    return ctx.runner.new_cache(need + bs, bs, fill=POISON)
+
+
+def full_reference(ctx: ChildContext, child: Child) -> ChildOutcome:
+    """The full-recompute reference of one child (no segments)."""
+    cache = new_cache(ctx, child)
+    restored = torch.zeros(len(child.ids), dtype=torch.bool)
+    res, tokens = prefill_and_decode(ctx, child, cache, restored, "full")
+    return _outcome(ctx, child, "none", "full", cache, restored, res, tokens, None, ["recompute"])
+
+
+def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
+              private: torch.Tensor, arm: str = "kmesh", owner: str | None = None) -> ChildOutcome:
+    """Restore the child's segments from `source` and repair with `arm`; on any load or transfer failure,
+    drain, then recompute the whole prompt (see module doc)."""
+    owner = owner or f"child-{child.name}"
+    events: list[str] = []
+    cache = new_cache(ctx, child)
+    try:
+        stage_segments(source, staging, ctx.catalog, on_staged=lambda e: events.append(f"staged:{e.index}"))
+        copy_private(ctx.engine, staging, private, owner)
+        events.append("private-copy-drained")
+        restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
+        events.append("restored")
+        res, tokens = prefill_and_decode(ctx, child, cache, restored, arm)
+        return _outcome(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
+    except (SegmentLoadError, TransferError) as e:
+        fallback = f"{type(e).__name__}: {e}"
+        events.append(f"failed:{type(e).__name__}")
+    pending = ctx.engine.pending(owner)
+    if pending:
+        ctx.engine.drain(pending, timeout=60.0)   # raises (no recompute) if the copy cannot be finished
+        events.append("drained-after-failure")
+    events.append(f"pending-before-recompute:{len(ctx.engine.pending(owner))}")
+    cache = ctx.runner.cache_over(cache.raw, cache.layout, fill=POISON)   # a partial restore is discarded
+    restored = torch.zeros(len(child.ids), dtype=torch.bool)
+    res, tokens = prefill_and_decode(ctx, child, cache, restored, "full")
+    events.append("recompute")
+    return _outcome(ctx, child, source.name, "full", cache, restored, res, tokens, fallback, events)

@@ -1,0 +1,123 @@
+"""The equivalence stage's side of the cache service: the model process as one client of a real service.
+
+The leader's export buffer is registered (memfd on CPU, CUDA IPC on GPU), each segment saved as one
+immutable original, and the registration closed: the originals live on in the service's store, owned by
+it. Each child registers its own staging buffer, loads into it, and closes it once its loads drained.
+Copies are paced by the harness's gate; `after_accept` lets every accepted copy run (controls pass their own).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from kmesh.segments import CatalogEntry, Export
+from kmesh.service.client import RegRef, ServiceClient
+from kmesh.service.handles import HostBuffer
+from kmesh.service.harness import Harness
+
+
+@dataclass
+class Staging:
+    reg: RegRef
+    tensor: torch.Tensor
+
+
+class ServiceSide:
+    def __init__(self, h: Harness, export: Export, device: torch.device) -> None:
+        self.h, self.export, self.device = h, export, device
+        self.client = ServiceClient.connect(h.socket_path, name="kmesh-equivalence")
+        self._gen = itertools.count(1)
+        self._buffers: list[HostBuffer] = []
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def _register(self, nbytes: int, layout: dict[str, Any]) -> tuple[RegRef, torch.Tensor, Callable[[], None]]:
+        """A fresh registered buffer of nbytes: (ref, tensor view, free)."""
+        if self.device.type == "cuda":
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            ref = self.client.register_cuda(t, alloc_id=t.data_ptr(), generation=next(self._gen), layout=layout)
+            return ref, t, lambda: None
+        buf = HostBuffer(nbytes, name="kmesh-eq")
+        ref = self.client.register_host(buf, alloc_id=buf.address, generation=next(self._gen), layout=layout)
+        return ref, buf.as_tensor(), buf.close
+
+    def _close(self, ref: RegRef, free: Callable[[], None]) -> None:
+        self.client.close(ref)
+        self.h.wait_released(ref.reg, timeout=60.0)
+        free()
+
+    @contextlib.contextmanager
+    def staging(self, name: str, layout: dict[str, Any] | None = None) -> Iterator[Staging]:
+        """A child's registered staging buffer; closed and released (then unmapped) on exit."""
+        ref, t, free = self._register(self.export.catalog.nbytes, layout or self.export.catalog.layout.to_dict())
+        try:
+            yield Staging(ref, t)
+        finally:
+            try:
+                self._close(ref, free)
+            except Exception:  # a dead service cannot release; our own mapping still goes
+                free()
+                if self.h.service.alive():
+                    raise
+
+    # -- copies ----------------------------------------------------------------------------------------
+    def after_accept(self, req: int, nbytes: int) -> None:
+        self.h.accepted(nbytes)
+        self.h.finish()
+
+    def _save(self, ref: RegRef, key: bytes, offset: int, nbytes: int) -> None:
+        req = self.client.save(ref, key, offset, nbytes)
+        self.after_accept(req, nbytes)
+        r = self.client.wait(req, timeout=120.0)
+        if r["state"] != "done":
+            raise RuntimeError(f"saving {key!r} ended {r['state']}: {r.get('error')}")
+
+    def save_leader(self, extra: list[tuple[bytes, int, int, torch.Tensor | None]] = ()) -> dict[bytes, str]:
+        """Save every catalog segment (+ extra objects: (key, offset, nbytes, replacement bytes or None)) from
+        a registered copy of the export buffer; returns the store's committed sha256 per key."""
+        ref, t, free = self._register(self.export.catalog.nbytes, self.export.catalog.layout.to_dict())
+        try:
+            t.copy_(self.export.raw)
+            for e in self.export.catalog.entries:
+                self._save(ref, e.key, e.offset, e.nbytes)
+            for key, off, n, data in extra:
+                if data is not None:
+                    t.copy_(data)
+                self._save(ref, key, off, n)
+        finally:
+            self._close(ref, free)
+        return {k: v[0] for k, v in self.store_digests().items()}
+
+    def save_variant(self, entry: CatalogEntry, key: bytes, nbytes: int | None = None,
+                     flip_byte: int | None = None) -> None:
+        """A deliberately bad object for a failure control: segment bytes, cut to nbytes or with one bit flipped."""
+        data = self.export.raw.clone()
+        if flip_byte is not None:
+            data[entry.offset + flip_byte] ^= 0x01
+        ref, t, free = self._register(self.export.catalog.nbytes, self.export.catalog.layout.to_dict())
+        try:
+            t.copy_(data)
+            self._save(ref, key, entry.offset, entry.nbytes if nbytes is None else nbytes)
+        finally:
+            self._close(ref, free)
+
+    # -- observation -------------------------------------------------------------------------------------
+    def store_digests(self, verify: bool = False) -> dict[bytes, tuple[str, str | None]]:
+        st = self.h.status(verify=verify)
+        return {o["key"]: (o["sha256"], o.get("sha256_now")) for o in st["store"]["objects"]}
+
+    def leaks(self) -> dict[str, Any]:
+        return self.h.leaks()
+
+    def no_leaks(self) -> bool:
+        return self.h.no_leaks()
+
+    def __enter__(self) -> "ServiceSide":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close_connection()
