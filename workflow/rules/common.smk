@@ -31,7 +31,7 @@ STAGE_CODE = {
 # is validated and applied, incl. this profile's skip allowances): an input of EVERY stage, so editing it reruns all.
 SHARED_CODE = [
     "__init__.py", "__main__.py", "cli.py", "config.py", "result.py", "provenance.py", "pins.py", "jsonfile.py",
-    "errors.py", "bench.py", "stages/__init__.py",
+    "errors.py", "bench.py", "progress.py", "stages/__init__.py",
 ]
 SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/profiles/{PROFILE}.yaml"]
 

@@ -56,3 +56,23 @@ def paired_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], titl
     ax.set_ylabel(f"{b} − {a} per pair [ms]")
     ax.set_title(title, fontsize=10)
     return _save(fig, base, formats)
+
+
+def quality_plot(quality: dict[str, dict[str, Any]], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Per arm: KL to full recompute (log scale) and the fraction of positions recomputed."""
+    arms = list(quality)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(arms) + 3), 3.2))
+    kl = [max(quality[a]["kl_mean"], 1e-12) for a in arms]
+    ax1.bar(arms, kl, color="#34495e")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("KL(full ‖ arm), mean over children [nats]")
+    frac = [quality[a].get("recomputed_fraction_mean", 0.0) for a in arms]
+    agree = [quality[a]["top1_agreement"] for a in arms]
+    x = range(len(arms))
+    ax2.bar([i - 0.2 for i in x], frac, width=0.4, color="#b0b0b0", label="recomputed fraction")
+    ax2.bar([i + 0.2 for i in x], agree, width=0.4, color="#3a7d44", label="top-1 agreement")
+    ax2.set_xticks(list(x), arms)
+    ax2.set_ylim(0, 1.05)
+    ax2.legend(frameon=False, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, base, formats)

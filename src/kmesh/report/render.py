@@ -47,6 +47,11 @@ def render_all(cfg: Config) -> list[Path]:
         stage = r["stage"]
         written += tables.write_table(tables.cases_frame(r), tdir / f"{stage}_cases", fmts,
                                       f"Stage {stage}: every case and its outcome.")
+        quality = r["summary"].get("quality")
+        if isinstance(quality, dict) and quality:
+            written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,
+                                          tables.quality_caption(stage))
+            written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
         for name, timing in r.get("timings", {}).items():
             if not isinstance(timing, dict) or timing.get("kind") != "paired":
                 continue

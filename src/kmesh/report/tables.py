@@ -98,3 +98,21 @@ def write_table(df: pd.DataFrame, base: Path, formats: Iterable[str], caption: s
             raise ValueError(f"unknown table format {fmt!r}")
         out.append(p)
     return out
+
+
+QUALITY_COLUMNS = {"top1_agreement": "top-1 agreement", "kl_mean": "KL(full ‖ arm) mean",
+                   "first_divergence_median": "first divergence (median token)", "exact_match": "answer exact-match",
+                   "recomputed_fraction_mean": "recomputed fraction"}
+
+
+def quality_frame(quality: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per repair arm (a stage summary's `quality`): agreement with the full-recompute reference."""
+    rows = [{"arm": arm, "children": q.get("children"), **{label: q.get(key) for key, label in QUALITY_COLUMNS.items()}}
+            for arm, q in quality.items()]
+    return pd.DataFrame(rows)
+
+
+def quality_caption(stage: str) -> str:
+    return (f"Stage {stage}: every arm against full-prompt recompute on the same prompts, same runner and ratio. "
+            "KL in nats over the next-token distribution; first divergence = index of the first generated token "
+            "that differs (= tokens generated when none does); exact-match = the answer appears in the generation.")
