@@ -1,0 +1,544 @@
+"""The equivalence stage's parts on a tiny CPU model: segment export, staging checks, the drained private copy,
+a child's run with its full-recompute fallback, the cache service path, quality helpers and the failure
+controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence_*).
+
+Model: a tiny random float32 LlamaForCausalLM (4 layers, 2 KV heads of 16 channels), built as in
+tests/test_model_runner.py. Workload: ByteTokenizer(300), seed 0, 3 segments of 80 tokens (one fact sentence
+needs ~70 bytes, so 16/32-token segments cannot be built), 2 children of 352 tokens, blocks of 16.
+Export geometry: a block of all 4 layers = 4·16·2·(16+16)·4 B = 16 KiB; a segment = 5 blocks = 80 KiB,
+which the service (chunk_bytes 64 KiB) copies in 2 chunks, so "mid-copy" is a real state.
+
+Known bug (strict xfail at the end): ServiceSegments reports the catalog's size, not the accepted copy's, to
+after_accept, so a truncated object leaves a surplus gate token; the seven failure controls therefore run at
+48 KiB chunks, where the truncated object takes as many chunks as a whole segment.
+Whole file ~10 s on CPU (fixture build ~2 s, each real service ~1-2 s).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kmesh.child import ChildContext, ChildStateError, _check_poison, full_reference, new_cache, run_child
+from kmesh.model.blend import RepairConfig
+from kmesh.model.quality import compare_states, first_divergence, identical, kl_divergence, max_abs_diff
+from kmesh.model.runner import LayerRunner
+from kmesh.restore import capture
+from kmesh.result import Result
+from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
+                            SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
+                            export_segments, sha256_bytes, stage_segments)
+from kmesh.stages import equivalence_controls as controls
+from kmesh.stages.equivalence import leader_prefill
+from kmesh.transfer.engine import TransferEngine
+from kmesh.transfer.errors import SubmitError
+from kmesh.transfer.faults import ChunkGate, FaultPlan
+from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=512)
+SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=2, block_size=16)
+SEED = 0
+MAX_NEW = 8
+BS = 16
+L, H, D = 4, 2, 16
+BLOCK_BYTES = L * BS * H * 2 * D * 4          # 16384
+SEG_BYTES = 80 // BS * BLOCK_BYTES            # 81920
+PREFIX = b"kmesh-eq-test/leader"
+CHUNK = 65536                                 # service copy pacing: 2 chunks per segment
+# The failure controls run at 48 KiB chunks: a segment is 2 chunks and so is the truncated-object control's
+# object (one block short, 64 KiB). At 64 KiB chunks the truncated object takes 1 chunk while ServiceSegments
+# reports the catalog's 80 KiB (2 chunks) to after_accept: one surplus gate token, after which the cancelled
+# control's "provably mid-copy" 2-chunk load runs to its end and the harness times out (see the xfail below).
+CONTROL_CHUNK = 49152
+
+
+# --- fixtures ------------------------------------------------------------------------------------------------
+
+def _tiny_llama(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return model
+
+
+@pytest.fixture(scope="module")
+def env():
+    model = _tiny_llama()
+    runner = LayerRunner(model)
+    workload = build(ByteTokenizer(vocab_size=300), SEED, SPEC)
+    ids = torch.tensor(workload.leader_ids)
+    leader_cache = runner.new_cache(len(ids), BS)
+    runner.prefill(ids, leader_cache)
+    export = export_segments(runner, leader_cache, workload, PREFIX)
+    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
+    refs = {}
+    for child in workload.children:
+        refs[f"full:{child.name}"] = full_reference(ctx, child)
+    staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
+    private = torch.empty_like(staging)
+    inproc = InProcessSegments(export)
+    for child in workload.children:
+        refs[f"kmesh:{child.name}"] = run_child(ctx, child, inproc, staging, private)
+    # what kmesh.stages.equivalence.Setup offers the controls (no config, model files or transformers check)
+    s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
+                        device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
+    yield SimpleNamespace(model=model, runner=runner, workload=workload, leader_cache=leader_cache, export=export,
+                          ctx=ctx, refs=refs, setup=s)
+    ctx.engine.close()
+
+
+def _objects(export):
+    return {e.key: export.raw[e.offset:e.offset + e.nbytes].clone() for e in export.catalog.entries}
+
+
+def test_workload_shape(env):
+    w = env.workload
+    assert [s.tokens for s in w.segments] == [80, 80, 80]
+    assert [s.leader_start for s in w.segments] == [16, 96, 176]
+    assert len(w.leader_ids) == 256
+    assert [len(c.ids) for c in w.children] == [352, 352]
+    assert [c.name for c in w.children] == ["A", "B"]
+    # every child holds every segment, at positions other than the leader's
+    for c in w.children:
+        assert sorted(p.segment for p in c.placements) == [0, 1, 2]
+        assert all(p.start != w.segments[p.segment].leader_start for p in c.placements)
+        assert len(c.restored_positions()) == 240 and len(c.private_positions()) == 112
+
+
+# --- 1. export ------------------------------------------------------------------------------------------------
+
+def test_export_catalog_digests_offsets_and_bytes(env):
+    ex, w = env.export, env.workload
+    cat = ex.catalog
+    assert cat.layout.order == EXPORT_ORDER == "BLNHC"
+    assert cat.layout.byte_strides["B"] == BLOCK_BYTES
+    assert ex.raw.dtype == torch.uint8 and ex.raw.numel() == cat.nbytes == 3 * SEG_BYTES
+    assert [e.key for e in cat.entries] == [PREFIX + b"/segment-%d" % i for i in range(3)]
+    assert [e.offset for e in cat.entries] == [0, SEG_BYTES, 2 * SEG_BYTES]
+    assert [e.nbytes for e in cat.entries] == [SEG_BYTES] * 3
+    assert [e.first_slot for e in cat.entries] == [0, 80, 160]
+    assert [e.leader_start for e in cat.entries] == [16, 96, 176]
+    end = 0
+    for e in cat.entries:
+        assert e.offset % BLOCK_BYTES == 0 and e.nbytes % BLOCK_BYTES == 0
+        assert e.offset >= end                  # non-overlapping, in order
+        end = e.offset + e.nbytes
+        blob = ex.raw[e.offset:e.offset + e.nbytes].numpy().tobytes()
+        assert hashlib.sha256(blob).hexdigest() == e.sha256 == sha256_bytes(ex.raw[e.offset:end])
+    assert end == cat.nbytes
+    assert len({e.sha256 for e in cat.entries}) == 3
+
+    lc = env.leader_cache
+    for e in cat.entries:
+        a = capture(ex.raw, cat.layout, e.slots(), e.leader_positions())
+        b = capture(lc.raw, lc.layout, e.leader_positions(), e.leader_positions())
+        assert a.k.shape == b.k.shape == (80, L, H, D)
+        assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+        assert torch.equal(a.v.view(torch.uint8), b.v.view(torch.uint8))
+        # independent of capture(): the BLNHC bytes read as [B, L, N, H, K|V] floats are the leader's K/V
+        blocks = ex.raw[e.offset:e.offset + e.nbytes].view(torch.float32).view(-1, L, BS, H, 2 * D)
+        per_tok = blocks.permute(1, 0, 2, 3, 4).reshape(L, -1, H, 2 * D)      # [L, tokens, H, 2D]
+        pos = e.leader_positions()
+        for layer in range(L):
+            assert torch.equal(per_tok[layer, :, :, :D], lc.k[layer][pos])
+            assert torch.equal(per_tok[layer, :, :, D:], lc.v[layer][pos])
+    # the stage's own leader_prefill makes the same export
+    again = leader_prefill(env.runner, w, PREFIX)
+    assert torch.equal(again.raw, ex.raw) and again.catalog == cat
+
+
+# --- 2. staging -------------------------------------------------------------------------------------------------
+
+def test_stage_segments_success(env):
+    cat = env.export.catalog
+    staging = torch.zeros(cat.nbytes, dtype=torch.uint8)
+    seen = []
+    stage_segments(InProcessSegments(env.export), staging, cat, on_staged=lambda e: seen.append(e.index))
+    assert seen == [0, 1, 2]
+    assert torch.equal(staging, env.export.raw)
+
+
+def test_stage_segments_missing_corrupt_truncated(env):
+    ex, cat = env.export, env.export.catalog
+    staging = torch.empty(cat.nbytes, dtype=torch.uint8)
+    k0, k1, k2 = (e.key for e in cat.entries)
+
+    objs = _objects(ex)
+    del objs[k1]
+    seen = []
+    with pytest.raises(SegmentMissingError, match="segment-1"):
+        stage_segments(InProcessSegments(ex, objs), staging, cat, on_staged=lambda e: seen.append(e.index))
+    assert seen == [0]
+
+    with pytest.raises(SegmentMissingError):
+        stage_segments(InProcessSegments(ex, {}), staging, cat)
+
+    objs = _objects(ex)
+    objs[k0][SEG_BYTES // 2] ^= 0x01           # one bit
+    with pytest.raises(SegmentCorruptError, match="segment-0"):
+        stage_segments(InProcessSegments(ex, objs), staging, cat)
+
+    objs = _objects(ex)
+    objs[k2] = objs[k2][:-BLOCK_BYTES].clone()  # one block short
+    with pytest.raises(SegmentTruncatedError, match=f"has {SEG_BYTES - BLOCK_BYTES} bytes"):
+        stage_segments(InProcessSegments(ex, objs), staging, cat)
+
+    objs = _objects(ex)
+    objs[k1] = objs[k1][:-1].clone()            # one byte short
+    with pytest.raises(SegmentTruncatedError):
+        stage_segments(InProcessSegments(ex, objs), staging, cat)
+
+    objs = _objects(ex)
+    objs[k2] = torch.cat([objs[k2], torch.zeros(1, dtype=torch.uint8)])   # longer: overruns the buffer
+    with pytest.raises(SegmentTruncatedError, match="overruns"):
+        stage_segments(InProcessSegments(ex, objs), staging, cat)
+
+
+class _Silent:
+    """A source whose copies 'succeed' with the right size but write nothing."""
+
+    name = "silent"
+
+    def load(self, entry, staging):
+        return entry.nbytes
+
+
+def test_stage_segments_poisons_staging_first(env):
+    cat = env.export.catalog
+    staging = env.export.raw.clone()            # already holds exactly the right bytes
+    with pytest.raises(SegmentCorruptError, match="segment-0"):
+        stage_segments(_Silent(), staging, cat)
+    assert bool((staging == 0xA5).all())
+
+
+# --- 3. the private copy ----------------------------------------------------------------------------------------
+
+def test_copy_private_submit_error_raised_only_after_drain():
+    n = 64 * 4096
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    dst = torch.zeros_like(src)
+    gate = ChunkGate()
+    engine = TransferEngine("cpu", FaultPlan(fail_after_submit=1, chunk_bytes=4096), gate=gate)
+    granted = threading.Event()
+
+    def release_later():
+        time.sleep(0.2)
+        granted.set()
+        gate.allow(n // 4096)
+
+    t = threading.Thread(target=release_later)
+    t.start()
+    try:
+        with pytest.raises(SubmitError) as ei:
+            copy_private(engine, src, dst, "child-X")
+        # seen only now: the gated copy could not finish before the grant, and it is drained
+        assert granted.is_set()
+        assert engine.pending() == [] and engine.pending("child-X") == []
+        assert engine.live_holds() == 0
+        assert torch.equal(dst, src)
+        assert [tk.state for tk in ei.value.pending] == ["done"]
+        assert ei.value.pending[0].chunks_done == 64
+    finally:
+        t.join()
+        gate.close()
+        engine.close()
+
+
+def test_copy_private_plain(env):
+    src = env.export.raw
+    dst = torch.zeros_like(src)
+    engine = TransferEngine("cpu")
+    try:
+        copy_private(engine, src, dst, "child-Y")
+        assert torch.equal(dst, src) and engine.pending() == [] and engine.live_holds() == 0
+    finally:
+        engine.close()
+
+
+# --- 4. run_child in-process -----------------------------------------------------------------------------------
+
+def test_run_child_in_process_uses_segments(env):
+    for child in env.workload.children:
+        out = env.refs[f"kmesh:{child.name}"]
+        T = len(child.ids)
+        assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
+        assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[child.restored_positions()] = True
+        assert torch.equal(out.restored, mask) and int(out.restored.sum()) == 240
+        assert len(out.tokens) == MAX_NEW
+        assert out.k.shape == out.v.shape == (L, T, H, D)
+        assert not torch.isnan(out.k).any() and not torch.isnan(out.v).any()
+        # layer 0: everything recomputed; from check layer 1: 112 private (incl. the last) + ceil(0.15·240)
+        assert out.masks.sum(1).tolist() == [352, 148, 148, 148]
+        assert bool(out.masks[:, child.private_positions()].all())
+        # restored (RoPE-shifted) K/V stay at the 204 positions not recomputed: not the full-recompute state
+        ref = env.refs[f"full:{child.name}"]
+        cmp = compare_states(out, ref)
+        assert not identical(cmp) and cmp["k_equal_layers"] < L and cmp["mask_equal_layers"] == 1
+    # deterministic: the same child again is bit-identical
+    child = env.workload.children[0]
+    staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
+    again = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
+    assert identical(compare_states(again, env.refs["kmesh:A"]))
+
+
+def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
+    ex = env.export
+    for idx, child in enumerate(env.workload.children):
+        objs = _objects(ex)
+        bad = ex.catalog.entries[1 + idx]
+        objs[bad.key][123] ^= 0x40
+        staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
+        out = run_child(env.ctx, child, InProcessSegments(ex, objs), staging, torch.empty_like(staging))
+        ref = env.refs[f"full:{child.name}"]
+        assert out.fallback.startswith("SegmentCorruptError"), out.fallback
+        assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
+        assert out.events[:1 + idx] == [f"staged:{i}" for i in range(1 + idx)]
+        assert "private-copy-drained" not in out.events
+        assert out.arm == "full" and not bool(out.restored.any())
+        assert out.tokens == ref.tokens and len(out.tokens) == MAX_NEW
+        assert torch.equal(out.logits, ref.logits)
+        assert identical(compare_states(out, ref))
+
+
+def test_run_child_submit_error_falls_back_after_drain(env):
+    child = env.workload.children[1]
+    engine = TransferEngine("cpu", FaultPlan(fail_after_submit=1, chunk_bytes=4096))
+    try:
+        ctx = dataclasses.replace(env.ctx, engine=engine)
+        staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
+        out = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
+        assert out.fallback.startswith("SubmitError")
+        assert out.events == ["staged:0", "staged:1", "staged:2", "failed:SubmitError",
+                              "pending-before-recompute:0", "recompute"]
+        assert engine.pending() == [] and engine.live_holds() == 0
+        assert identical(compare_states(out, env.refs[f"full:{child.name}"]))
+    finally:
+        engine.close()
+
+
+def test_check_poison_catches_leftover_poison_and_overwritten_canary(env):
+    child = env.workload.children[0]
+    used = len(child.ids) + MAX_NEW - 1
+    cache = new_cache(env.ctx, child)
+    assert cache.capacity >= used + BS
+    for k, v in zip(cache.k, cache.v):
+        k[:used] = 0.5
+        v[:used] = 0.5
+    _check_poison(cache, used)                  # passes
+    cache.v[2][used - 1, 1, 3] = float("nan")
+    with pytest.raises(ChildStateError, match="layer 2: poison left"):
+        _check_poison(cache, used)
+    cache.v[2][used - 1, 1, 3] = 0.5
+    cache.k[3][used, 0, 0] = 1.0
+    with pytest.raises(ChildStateError, match="layer 3: a canary"):
+        _check_poison(cache, used)
+
+
+# --- 5. the cache service ---------------------------------------------------------------------------------------
+
+def _service(chunk_bytes: int = CHUNK):
+    from kmesh.service.harness import Harness
+
+    return Harness(device="cpu", heartbeat_timeout_s=30, chunk_bytes=chunk_bytes)
+
+
+def test_service_children_bit_identical_to_in_process(env):
+    from kmesh.stages.equivalence_service import ServiceSide
+
+    ex, cat = env.export, env.export.catalog
+    private = torch.empty(cat.nbytes, dtype=torch.uint8)
+    with _service() as h, ServiceSide(h, ex, torch.device("cpu")) as svc:
+        saved = svc.save_leader()
+        assert saved == {e.key: e.sha256 for e in cat.entries}
+        assert svc.no_leaks(), svc.leaks()
+        for child in env.workload.children:
+            with svc.staging(f"child-{child.name}") as st:
+                assert st.tensor.numel() == cat.nbytes
+                src = ServiceSegments(svc.client, st.reg, svc.after_accept)
+                b = run_child(env.ctx, child, src, st.tensor, private)
+                assert len(src.requests) == 3
+                assert torch.equal(st.tensor, ex.raw)        # staged bytes are the export
+            assert b.fallback is None and b.source == "service"
+            cmp = compare_states(env.refs[f"kmesh:{child.name}"], b)
+            assert identical(cmp), cmp
+            assert cmp["k_equal_layers"] == cmp["v_equal_layers"] == cmp["mask_equal_layers"] == L
+            assert svc.no_leaks(), svc.leaks()
+        now = svc.store_digests(verify=True)
+        assert {e.key: now[e.key] for e in cat.entries} == {e.key: (e.sha256, e.sha256) for e in cat.entries}
+
+        # failure: an evicted object -> SegmentMissingError fallback, nothing leaked
+        e1 = cat.entries[1]
+        key = e1.key + b"-evicted"
+        svc.save_variant(e1, key)
+        assert key in svc.store_digests()
+        h.admin.evict(key)
+        assert key not in svc.store_digests()
+        entries = tuple(dataclasses.replace(e, key=key) if e.index == 1 else e for e in cat.entries)
+        ctx = dataclasses.replace(env.ctx, catalog=dataclasses.replace(cat, entries=entries))
+        child = env.workload.children[0]
+        with svc.staging("evicted") as st:
+            out = run_child(ctx, child, ServiceSegments(svc.client, st.reg, svc.after_accept), st.tensor, private)
+        assert out.fallback.startswith("SegmentMissingError"), out.fallback
+        assert out.events[0] == "staged:0" and out.events[-1] == "recompute"
+        assert identical(compare_states(out, env.refs["full:A"]))
+        assert svc.no_leaks(), svc.leaks()
+
+        # failure: a staging buffer registered under another geometry -> SegmentLayoutError
+        bad = {**cat.layout.to_dict(), "order": "BLHNC"}
+        with svc.staging("wrong-layout", bad) as st:
+            src = ServiceSegments(svc.client, st.reg, svc.after_accept)
+            with pytest.raises(SegmentLayoutError):
+                src.load(cat.entries[0], st.tensor)
+            out = run_child(env.ctx, child, src, st.tensor, private)
+        assert out.fallback.startswith("SegmentLayoutError") and "pending-before-recompute:0" in out.events
+        assert out.tokens == env.refs["full:A"].tokens
+        assert svc.no_leaks(), svc.leaks()
+        # the originals are still intact after the failures
+        now = svc.store_digests(verify=True)
+        assert all(now[e.key] == (e.sha256, e.sha256) for e in cat.entries)
+
+
+# --- 6. quality helpers and negative controls -------------------------------------------------------------------
+
+def test_quality_helpers(env):
+    x = env.refs["full:A"].logits
+    y = env.refs["kmesh:A"].logits
+    assert kl_divergence(x, x) == 0.0
+    assert kl_divergence(x, y) > 0.0
+    assert kl_divergence(x, x + 3.0) == pytest.approx(0.0, abs=1e-12)   # shift-invariant
+    z = x.clone()
+    z[0] += 5.0
+    assert kl_divergence(x, z) > 1e-6
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([4, 2, 3], [1, 2, 3]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], [1]) == 0
+    assert max_abs_diff(x, x) == 0.0 and max_abs_diff(x, x[:-1]) == math.inf
+    nan = x.clone()
+    nan[7] = float("nan")
+    assert max_abs_diff(x, nan) == math.inf
+
+
+def _flip_bit(t, index):
+    out = t.clone()
+    out.view(-1).view(torch.uint8)[index] ^= 0x01
+    return out
+
+
+def test_compare_states_catches_single_bit_flips(env):
+    base = env.refs["kmesh:A"]
+    assert identical(compare_states(base, dataclasses.replace(base)))
+    for field_name, layer in (("k", 2), ("v", 0)):
+        t = getattr(base, field_name).clone()
+        t[layer] = _flip_bit(t[layer], 4 * 1000 + 0)      # lowest mantissa bit of one element
+        cmp = compare_states(base, dataclasses.replace(base, **{field_name: t}))
+        assert not identical(cmp)
+        assert cmp[f"{field_name}_equal_layers"] == L - 1 and cmp["first_unequal_layer"] == layer
+        assert 0.0 < cmp["max_abs_diff"] < 1e-5
+    cmp = compare_states(base, dataclasses.replace(base, logits=_flip_bit(base.logits, 0)))
+    assert not cmp["logits_equal"] and not identical(cmp)
+    m = base.masks.clone()
+    m[3, 5] = ~m[3, 5]
+    cmp = compare_states(base, dataclasses.replace(base, masks=m))
+    assert cmp["mask_equal_layers"] == L - 1 and cmp["first_unequal_layer"] == 3 and not identical(cmp)
+    r = base.restored.clone()
+    r[0] = ~r[0]
+    assert not identical(compare_states(base, dataclasses.replace(base, restored=r)))
+    toks = list(base.tokens)
+    toks[-1] += 1
+    assert not identical(compare_states(base, dataclasses.replace(base, tokens=toks)))
+    # a NaN in both: byte-equal, yet max_abs_diff is inf -> not identical
+    k = base.k.clone()
+    k[1, 0, 0, 0] = float("nan")
+    cmp = compare_states(dataclasses.replace(base, k=k), dataclasses.replace(base, k=k.clone()))
+    assert cmp["k_equal_layers"] == L and not identical(cmp)
+
+
+def test_negative_controls_case_passes(env):
+    res = Result("equivalence", "test", provenance={})
+    controls.negative_controls(res, env.setup, env.refs)
+    (case,) = res.cases
+    assert case.id == "negative-controls" and case.error is None and case.passed, case.checks
+    assert set(case.checks) == {"identical_to_itself", "k_bit_flip_caught", "v_bit_flip_caught",
+                                "logits_bit_flip_caught", "mask_flip_caught", "token_change_caught",
+                                "staged_byte_flip_caught"}
+
+
+# --- 7. the seven failure controls against a real service --------------------------------------------------------
+
+def test_failure_controls_all_seven_pass(env):
+    from kmesh.stages.equivalence_service import ServiceSide
+
+    res = Result("equivalence", "test", provenance={})
+    with _service(CONTROL_CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
+        svc.save_leader()
+        passed = controls.failure_controls(res, env.setup, svc, env.refs)
+        assert not h.service.alive()            # the last control killed it
+    failed = {c.id: (c.error, {k: v for k, v in c.checks.items() if not v["ok"]}) for c in res.cases if not c.passed}
+    assert failed == {}
+    assert passed == 7
+    assert [c.id for c in res.cases] == [
+        "control-missing-object", "control-corrupt-object", "control-truncated-object",
+        "control-wrong-layout-descriptor", "control-failure-after-device-work-submitted",
+        "control-cancelled-child", "control-service-killed-mid-load"]
+    expect = ["SegmentMissingError", "SegmentCorruptError", "SegmentTruncatedError", "SegmentLayoutError",
+              "SubmitError", "SegmentCancelledError", "SegmentSourceLostError"]
+    assert [c.params["expect"] for c in res.cases] == expect
+    for c in res.cases:
+        assert c.checks["failed_as_expected"]["ok"] and c.checks["recomputed_after_drain"]["ok"]
+        assert ("no_service_leaks" in c.checks) == (c.id != "control-service-killed-mid-load")
+    assert env.ctx.engine.pending() == [] and env.ctx.engine.live_holds() == 0
+
+
+@pytest.mark.xfail(strict=True, reason="ServiceSegments.load passes the catalog entry's nbytes to after_accept, not "
+                   "the size of the copy the service accepted: a short (truncated) object is accounted as more gate "
+                   "chunks than it takes, the surplus token lets a later gated copy run past the point the "
+                   "controller granted (cancelled / killed controls are then not provably mid-copy, or time out)")
+def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
+    from kmesh.stages.equivalence_service import ServiceSide
+
+    cat = env.export.catalog
+    e0, e1 = cat.entries[0], cat.entries[1]
+    seen = []
+    with _service(CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
+        svc.save_leader()
+        key = e0.key + b"-short"
+        svc.save_variant(e0, key, nbytes=e0.nbytes - BLOCK_BYTES)     # 64 KiB: one chunk
+
+        def after(req, nbytes):
+            seen.append(nbytes)
+            svc.after_accept(req, nbytes)
+
+        with svc.staging("short") as st:
+            n = ServiceSegments(svc.client, st.reg, after).load(dataclasses.replace(e0, key=key), st.tensor)
+            # a 2-chunk copy granted one chunk must stop after it
+            req = svc.client.load(st.reg, e1.key, e1.offset)
+            h.accepted(e1.nbytes)
+            h.grant(1)
+            time.sleep(0.5)
+            mid = svc.client.poll(req)
+            h.finish()
+            assert svc.client.wait(req, timeout=30)["state"] == "done"
+        assert svc.no_leaks(), svc.leaks()
+    assert n == SEG_BYTES - BLOCK_BYTES
+    assert (mid["state"], mid["chunks_done"], mid["chunks_total"]) == ("running", 1, 2), mid
+    assert seen == [SEG_BYTES - BLOCK_BYTES]
