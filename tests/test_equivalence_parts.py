@@ -8,9 +8,9 @@ needs ~70 bytes, so 16/32-token segments cannot be built), 2 children of 352 tok
 Export geometry: a block of all 4 layers = 4·16·2·(16+16)·4 B = 16 KiB; a segment = 5 blocks = 80 KiB,
 which the service (chunk_bytes 64 KiB) copies in 2 chunks, so "mid-copy" is a real state.
 
-Known bug (strict xfail at the end): ServiceSegments reports the catalog's size, not the accepted copy's, to
-after_accept, so a truncated object leaves a surplus gate token; the seven failure controls therefore run at
-48 KiB chunks, where the truncated object takes as many chunks as a whole segment.
+Regression (end of file): ServiceSegments once reported the catalog's size, not the accepted copy's, to
+after_accept, so a truncated object left a surplus gate token; the seven failure controls run at 64 KiB chunks,
+where that surplus would let the cancelled / killed controls' copies run past the granted chunk.
 Whole file ~10 s on CPU (fixture build ~2 s, each real service ~1-2 s).
 """
 from __future__ import annotations
@@ -52,11 +52,10 @@ BLOCK_BYTES = L * BS * H * 2 * D * 4          # 16384
 SEG_BYTES = 80 // BS * BLOCK_BYTES            # 81920
 PREFIX = b"kmesh-eq-test/leader"
 CHUNK = 65536                                 # service copy pacing: 2 chunks per segment
-# The failure controls run at 48 KiB chunks: a segment is 2 chunks and so is the truncated-object control's
-# object (one block short, 64 KiB). At 64 KiB chunks the truncated object takes 1 chunk while ServiceSegments
-# reports the catalog's 80 KiB (2 chunks) to after_accept: one surplus gate token, after which the cancelled
-# control's "provably mid-copy" 2-chunk load runs to its end and the harness times out (see the xfail below).
-CONTROL_CHUNK = 49152
+# The failure controls run at 64 KiB chunks: the truncated-object control's object (one block short) takes 1 chunk
+# where a segment takes 2; the gate must be told the accepted copy's size, or its surplus token lets the cancelled
+# control's "provably mid-copy" load run to its end (the regression test at the end of this file).
+CONTROL_CHUNK = 65536
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
@@ -509,10 +508,6 @@ def test_failure_controls_all_seven_pass(env):
     assert env.ctx.engine.pending() == [] and env.ctx.engine.live_holds() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="ServiceSegments.load passes the catalog entry's nbytes to after_accept, not "
-                   "the size of the copy the service accepted: a short (truncated) object is accounted as more gate "
-                   "chunks than it takes, the surplus token lets a later gated copy run past the point the "
-                   "controller granted (cancelled / killed controls are then not provably mid-copy, or time out)")
 def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
     from kmesh.stages.equivalence_service import ServiceSide
 

@@ -182,7 +182,9 @@ class ServiceSegments:
         self.requests.append(req)
         try:
             if self.after_accept is not None:
-                self.after_accept(req, entry.nbytes)
+                # the size the service accepted (the object's), not the catalog's: a paced service needs its
+                # exact chunk count, or a short object would leave spare tokens in the gate
+                self.after_accept(req, int(self.svc.poll(req)["nbytes"]))
             r = self.svc.wait(req, timeout=self.timeout_s)
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost during load of {entry.key!r}: {e}") from e
@@ -233,10 +235,15 @@ def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child
     T = len(child.ids)
     restored = torch.zeros(T, dtype=torch.bool)
     dev = cache.raw.device
-    for seg, start, end in child.segment_slices():
-        e = catalog.entries[seg]
-        saved = capture(private, catalog.layout, e.slots(dev), e.leader_positions(dev))
-        new = torch.arange(start, end, device=dev)
-        restore(cache.raw, cache.layout, saved, new, new, runner.rope, backend=backend)  # child slot = position
-        restored[start:end] = True
+    slices = child.segment_slices()
+    if not slices:
+        return restored
+    # All segments in one capture + one restore: one validation and one kernel launch per child.
+    src = torch.cat([catalog.entries[seg].slots(dev) for seg, _, _ in slices])
+    old = torch.cat([catalog.entries[seg].leader_positions(dev) for seg, _, _ in slices])
+    new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in slices])
+    saved = capture(private, catalog.layout, src, old)
+    restore(cache.raw, cache.layout, saved, new, new, runner.rope, backend=backend)  # child slot = position
+    for _, a, b in slices:
+        restored[a:b] = True
     return restored

@@ -82,7 +82,15 @@ class ByteTokenizer:
         return [self.offset + b for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i - self.offset for i in ids).decode("utf-8", errors="replace")
+        # A model may emit any id of its vocabulary: an id that is no byte decodes as U+FFFD.
+        parts, run = [], bytearray()
+        for i in ids:
+            if 0 <= i - self.offset < 256:
+                run.append(i - self.offset)
+            else:
+                parts += [run.decode("utf-8", errors="replace"), "\ufffd"]
+                run = bytearray()
+        return "".join(parts) + run.decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True)

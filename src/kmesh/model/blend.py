@@ -95,7 +95,8 @@ class BlendPlan:
 
     arm: str
     T: int
-    forced: torch.Tensor        # int64 positions always recomputed (kmesh: missing + last; naive: missing)
+    forced: torch.Tensor        # int64 positions always recomputed (kmesh, naive: missing + last)
+    is_forced: torch.Tensor     # the same as a bool [T] mask
     keep: tuple[int, ...]       # per check layer: how many rows survive the selection
     check_layers: tuple[int, ...]
     deviation: str
@@ -121,7 +122,8 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
     else:
         keep = ()
     checks = config.check_layers if arm in ("kmesh", "stock") else ()
-    return BlendPlan(arm, T, forced.nonzero()[:, 0].to(device), keep, tuple(checks), config.deviation)
+    return BlendPlan(arm, T, forced.nonzero()[:, 0].to(device), forced.to(device), keep, tuple(checks),
+                     config.deviation)
 
 
 def _select(p: BlendPlan, i: int, rows_pos: torch.Tensor, fresh: torch.Tensor, cached: torch.Tensor,
@@ -146,8 +148,7 @@ def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequ
     if ids.numel() != T or cache.capacity < T:
         raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
     all_pos = torch.arange(T, device=dev)
-    is_forced = torch.zeros(T, dtype=torch.bool, device=dev)
-    is_forced[p.forced] = True
+    is_forced = p.is_forced
     if p.arm == "stock":  # no data is zeros, not whatever the buffer held
         for layer in range(runner.num_layers):
             cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
@@ -167,7 +168,7 @@ def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequ
             rot = (rot[0][rows], rot[1][rows])
             active = active[rows]
         cache.write(layer, active, k, v)
-        masks[layer, active] = True
+        masks[layer].index_fill_(0, active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
         kc, vc = cache.layer_kv(layer, T)
         # Known on the host: the rows are still every position in order (before any selection / full arm).
         all_rows = p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])

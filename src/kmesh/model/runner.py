@@ -142,15 +142,23 @@ class LayerRunner:
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                key_pos: torch.Tensor | None = None, mask: MaskKind = "position",
-               all_rows: bool = False) -> torch.Tensor:
+               all_rows: bool = False, last_query: bool = False) -> torch.Tensor:
         """Attention of queries q [n, heads, D] over keys k/v [m, kv_heads, D]: output [n, heads·D].
 
         position: query at position p sees keys at positions <= p (key_pos defaults to 0..m-1).
         bottom_right: query i (rows in order) sees keys 0..m-n+i, whatever its position.
         all_rows: the caller knows the queries are exactly positions 0..m-1 in order (and keys 0..m-1), where
         every mask above is the plain causal one: the fused causal kernel runs instead of an explicit mask.
+        last_query: one query at position m-1 (a decode step): it sees every key, so no mask at all.
         """
         n, m = q.shape[0], k.shape[0]
+        if last_query:
+            if n != 1 or key_pos is not None:
+                raise ModelError(f"last_query needs one query at the last of {m} positions, got {n} queries")
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None], scale=self.scale,
+                                                 enable_gqa=self.groups > 1)
+            return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
         if all_rows:
             if n != m or key_pos is not None:
                 raise ModelError(f"all_rows needs queries and keys at positions 0..{m - 1}, got {n} queries")
@@ -196,8 +204,7 @@ class LayerRunner:
         return self.logits(h[-1:])[0]
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int,
-               mask: MaskKind = "position") -> list[int]:
+    def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int) -> list[int]:
         """Greedy continuation after a prefill of `length` positions whose next-token logits are given."""
         if length + max_new_tokens > cache.capacity + 1:
             raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
@@ -210,6 +217,7 @@ class LayerRunner:
                 q, k, v = self.qkv(layer, h, p, rot)
                 cache.write(layer, p, k, v)
                 kc, vc = cache.layer_kv(layer, length + i + 1)
-                h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, mask=mask))
+                # one query at the last position sees every key under either mask: no mask tensor needed
+                h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
             tokens.append(int(self.logits(h)[0].argmax()))
         return tokens

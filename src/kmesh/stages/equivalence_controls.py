@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from kmesh.child import ChildContext, ChildOutcome, run_child
+from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.model.quality import compare_states, identical
 from kmesh.result import Case, Result
 from kmesh.segments import (InProcessSegments, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
@@ -39,10 +39,13 @@ def _flip(t: torch.Tensor, index: int = 0) -> torch.Tensor:
 
 
 def negative_controls(res: Result, s: Any, refs: dict[str, ChildOutcome]) -> None:
-    base = refs[f"kmesh:{s.workload.children[0].name}"]
-    L = base.k.shape[0]
-    layer = min(3, L - 1)
-    with res.case("negative-controls", {"child": base.child, "layer": layer}) as c:
+    name = s.workload.children[0].name
+    layer = min(3, s.runner.num_layers - 1)
+    with res.case("negative-controls", {"child": name, "layer": layer}) as c:
+        if f"kmesh:{name}" not in refs:
+            c.skip(f"child {name} has no repaired outcome to perturb (see child-{name})")
+        base = refs[f"kmesh:{name}"]
+        L = base.k.shape[0]
         c.check("identical_to_itself", identical(compare_states(base, dataclasses.replace(base))))
         k = base.k.clone()
         k[layer] = _flip(k[layer], 7)
@@ -111,6 +114,10 @@ def failure_controls(res: Result, s: Any, svc: Any, refs: dict[str, ChildOutcome
         child = children[idx % len(children)]
         with res.case(f"control-{name}", {"child": child.name, "expect": expect.__name__, **(params or {})}) as c:
             ctx, out = make(child)
+            if not service_alive:  # is the process's own compute unaffected by the death of its peer?
+                again = full_reference(s.ctx, child)
+                c.record("full_reference_rerun_after", {"tokens_equal": again.tokens == refs[f"full:{child.name}"].tokens,
+                                                        "tokens": again.tokens})
             if _settled(c, s, ctx, out, refs[f"full:{child.name}"], expect, svc if service_alive else None):
                 passed += 1
 
