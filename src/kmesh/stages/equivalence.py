@@ -186,8 +186,21 @@ def _quality_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]) -> dict[
     return out
 
 
+def deterministic_kernels() -> dict[str, Any]:
+    """Bit-for-bit comparisons need kernels that are run-to-run deterministic. cuBLAS is not when several
+    streams share its workspace (the transfer engine copies on a side stream): a decode-step GEMV then
+    differed in one bf16 ulp between two runs of one prompt. Must run before the first CUDA call."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return {"CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+            "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+
+
 def run(cfg: Config) -> Result:
     res = Result.begin("equivalence", cfg)
+    res.extra["determinism"] = deterministic_kernels()
     setup: list[Setup] = []
     with res.case("setup", {"model": cfg.section("equivalence")["model"]}) as c:
         setup.append(_setup(cfg))

@@ -38,6 +38,29 @@ def _flip(t: torch.Tensor, index: int = 0) -> torch.Tensor:
     return out
 
 
+def _wait_gpu_context_gone(pid: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Until nvidia-smi no longer lists pid as a compute process (its context, and any DMA it had in flight
+    into memory of ours it mapped, is gone). Returns what was observed; a host that hides other processes
+    from nvidia-smi reports listed_at_start False."""
+    import subprocess
+
+    def listed() -> bool | None:
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return str(pid) in r.stdout.split()
+
+    t0 = time.monotonic()
+    first = listed()
+    now = first
+    while now and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.05)
+        now = listed()
+    return {"listed_at_start": first, "listed_at_end": now, "waited_s": time.monotonic() - t0}
+
+
 def negative_controls(res: Result, s: Any, refs: dict[str, ChildOutcome]) -> None:
     name = s.workload.children[0].name
     layer = min(3, s.runner.num_layers - 1)
@@ -115,6 +138,10 @@ def failure_controls(res: Result, s: Any, svc: Any, refs: dict[str, ChildOutcome
         with res.case(f"control-{name}", {"child": child.name, "expect": expect.__name__, **(params or {})}) as c:
             ctx, out = make(child)
             if not service_alive:  # is the process's own compute unaffected by the death of its peer?
+                c.record("gpu_context_teardown", gpu_teardown)
+                ref = refs[f"full:{child.name}"]
+                c.record("fallback_vs_reference", {"k_max_abs_diff": float((out.k.double() - ref.k.double()).abs().max()),
+                                                   "v_max_abs_diff": float((out.v.double() - ref.v.double()).abs().max())})
                 again = full_reference(s.ctx, child)
                 c.record("full_reference_rerun_after", {"tokens_equal": again.tokens == refs[f"full:{child.name}"].tokens,
                                                         "tokens": again.tokens})
@@ -173,8 +200,11 @@ def failure_controls(res: Result, s: Any, svc: Any, refs: dict[str, ChildOutcome
             deadline = time.monotonic() + 30
             while svc.h.service.alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if s.device.type == "cuda":
+                gpu_teardown[pid] = _wait_gpu_context_gone(pid)
         return s.ctx, service_child(s.ctx, child, kill_mid_copy)
 
+    gpu_teardown: dict[int, Any] = {}
     control("missing-object", 0, SegmentMissingError, missing, params={"segment": 1})
     control("corrupt-object", 1, SegmentCorruptError, corrupt, params={"segment": 0})
     control("truncated-object", 2, SegmentTruncatedError, truncated, params={"segment": 0, "short_by": block_bytes})
