@@ -97,18 +97,27 @@ def negative_controls(res: Result, s: Any, refs: dict[str, ChildOutcome]) -> Non
             c.check("staged_byte_flip_caught", True, value=str(e)[:120])
 
 
-def _settled(c: Case, s: Any, ctx: ChildContext, out: ChildOutcome, ref: ChildOutcome, expect: type,
-             svc: Any | None) -> bool:
-    """The checks every failure control ends with; True when all pass."""
+def _settled(c: Case, s: Any, ctx: ChildContext, out: ChildOutcome, ref: ChildOutcome, now: ChildOutcome,
+             expect: type, svc: Any | None) -> bool:
+    """The checks every failure control ends with; True when all pass.
+
+    The prefill state (K/V of every layer, next-token logits) must equal the reference computed before the
+    service started, bit for bit. Generated tokens are compared with a full recompute made right after the
+    control (`now`), under the same GPU conditions: on the H200, a decode run while another process creates
+    or tears down its CUDA context (the service starting, or killed) once produced a different 22nd greedy
+    token of the random-weight model than the same decode on a quiet GPU — so whether the tokens also equal
+    the early reference is recorded, not asserted."""
     ok = [c.check("failed_as_expected", (out.fallback or "").startswith(expect.__name__), value=out.fallback),
           c.check("recomputed_after_drain", "pending-before-recompute:0" in out.events
                   and out.events[-1] == "recompute", value=out.events),
-          c.check("tokens_equal_full_reference", out.tokens == ref.tokens, value=out.tokens),
+          c.check("kv_equal_full_reference", torch.equal(out.k, ref.k) and torch.equal(out.v, ref.v)),
           c.check("logits_equal_full_reference", torch.equal(out.logits, ref.logits)),
+          c.check("tokens_equal_full_recompute", out.tokens == now.tokens, value=out.tokens),
           c.check("no_engine_holds", ctx.engine.live_holds() == 0 and not ctx.engine.pending(),
                   value=ctx.engine.live_holds())]
     if svc is not None:
         ok.append(c.check("no_service_leaks", svc.no_leaks(), value=svc.leaks()))
+    c.record("tokens_equal_reference_before_service", out.tokens == ref.tokens)
     c.record("outcome", out.describe())
     return all(ok)
 
@@ -137,15 +146,10 @@ def failure_controls(res: Result, s: Any, svc: Any, refs: dict[str, ChildOutcome
         child = children[idx % len(children)]
         with res.case(f"control-{name}", {"child": child.name, "expect": expect.__name__, **(params or {})}) as c:
             ctx, out = make(child)
-            if not service_alive:  # is the process's own compute unaffected by the death of its peer?
+            if not service_alive:
                 c.record("gpu_context_teardown", gpu_teardown)
-                ref = refs[f"full:{child.name}"]
-                c.record("fallback_vs_reference", {"k_max_abs_diff": float((out.k.double() - ref.k.double()).abs().max()),
-                                                   "v_max_abs_diff": float((out.v.double() - ref.v.double()).abs().max())})
-                again = full_reference(s.ctx, child)
-                c.record("full_reference_rerun_after", {"tokens_equal": again.tokens == refs[f"full:{child.name}"].tokens,
-                                                        "tokens": again.tokens})
-            if _settled(c, s, ctx, out, refs[f"full:{child.name}"], expect, svc if service_alive else None):
+            now = full_reference(s.ctx, child)
+            if _settled(c, s, ctx, out, refs[f"full:{child.name}"], now, expect, svc if service_alive else None):
                 passed += 1
 
     e0, e1 = cat.entries[0], cat.entries[1]
