@@ -34,13 +34,14 @@ class ServiceSide:
         self._buffers: list[HostBuffer] = []
 
     # -- memory ----------------------------------------------------------------------------------------
-    def _register(self, nbytes: int, layout: dict[str, Any]) -> tuple[RegRef, torch.Tensor, Callable[[], None]]:
+    def _register(self, nbytes: int, layout: dict[str, Any],
+                  name: str = "kmesh-eq") -> tuple[RegRef, torch.Tensor, Callable[[], None]]:
         """A fresh registered buffer of nbytes: (ref, tensor view, free)."""
         if self.device.type == "cuda":
             t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ref = self.client.register_cuda(t, alloc_id=t.data_ptr(), generation=next(self._gen), layout=layout)
             return ref, t, lambda: None
-        buf = HostBuffer(nbytes, name="kmesh-eq")
+        buf = HostBuffer(nbytes, name=name)   # the memfd's name shows in /proc/<pid>/fd of both processes
         ref = self.client.register_host(buf, alloc_id=buf.address, generation=next(self._gen), layout=layout)
         return ref, buf.as_tensor(), buf.close
 
@@ -52,7 +53,8 @@ class ServiceSide:
     @contextlib.contextmanager
     def staging(self, name: str, layout: dict[str, Any] | None = None) -> Iterator[Staging]:
         """A child's registered staging buffer; closed and released (then unmapped) on exit."""
-        ref, t, free = self._register(self.export.catalog.nbytes, layout or self.export.catalog.layout.to_dict())
+        ref, t, free = self._register(self.export.catalog.nbytes, layout or self.export.catalog.layout.to_dict(),
+                                      f"kmesh-eq-{name}")
         try:
             yield Staging(ref, t)
         finally:
