@@ -31,9 +31,10 @@ from kmesh.model.quality import compare_states, first_divergence, identical, kl_
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture
 from kmesh.result import Result
+from kmesh.sources.digest import sha256_tensor
 from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
                             SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
-                            export_segments, sha256_bytes, stage_segments)
+                            export_segments, stage_segments)
 from kmesh.stages import equivalence_controls as controls
 from kmesh.stages.equivalence import leader_prefill
 from kmesh.transfer.engine import TransferEngine
@@ -139,7 +140,7 @@ def test_export_catalog_digests_offsets_and_bytes(env):
         assert e.offset >= end                  # non-overlapping, in order
         end = e.offset + e.nbytes
         blob = ex.raw[e.offset:e.offset + e.nbytes].numpy().tobytes()
-        assert hashlib.sha256(blob).hexdigest() == e.sha256 == sha256_bytes(ex.raw[e.offset:end])
+        assert hashlib.sha256(blob).hexdigest() == e.sha256 == sha256_tensor(ex.raw[e.offset:end])
     assert end == cat.nbytes
     assert len({e.sha256 for e in cat.entries}) == 3
 

@@ -14,7 +14,6 @@ full recompute — never a partial restore.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -24,6 +23,7 @@ from kmesh.errors import KMeshError
 from kmesh.layout import KVLayout
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.restore import capture, restore
+from kmesh.sources.digest import sha256_tensor
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import Child, Workload
 
@@ -97,15 +97,11 @@ class Export:
     catalog: Catalog
 
 
-def sha256_bytes(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-
-
 def export_layout(runner: LayerRunner, workload: Workload) -> KVLayout:
     bs = workload.spec.block_size
     blocks = sum(s.tokens for s in workload.segments) // bs
     return KVLayout.paged(EXPORT_ORDER, runner.num_layers, blocks, bs, runner.num_kv_heads, runner.head_dim,
-                          runner.cache_layout(bs, bs).dtype)
+                          runner.dtype_name)
 
 
 def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Workload, key_prefix: bytes) -> Export:
@@ -121,7 +117,7 @@ def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Worklo
         restore(raw, layout, saved, dst, pos, runner.rope)                  # same positions: a byte copy
         offset, nbytes = (slot // layout.block_size) * block_bytes, (seg.tokens // layout.block_size) * block_bytes
         entries.append(CatalogEntry(i, key_prefix + f"/segment-{i}".encode(), offset, nbytes,
-                                    sha256_bytes(raw[offset:offset + nbytes]), seg.leader_start, seg.tokens, slot))
+                                    sha256_tensor(raw[offset:offset + nbytes]), seg.leader_start, seg.tokens, slot))
         slot += seg.tokens
     return Export(raw, Catalog(layout, tuple(entries)))
 
@@ -204,7 +200,7 @@ def stage_segments(source: SegmentSource, staging: torch.Tensor, catalog: Catalo
         n = source.load(e, staging)
         if n != e.nbytes:
             raise SegmentTruncatedError(f"object {e.key!r} has {n} bytes, the leader saved {e.nbytes}")
-        got = sha256_bytes(staging[e.offset:e.offset + e.nbytes])
+        got = sha256_tensor(staging[e.offset:e.offset + e.nbytes])
         if got != e.sha256:
             raise SegmentCorruptError(f"object {e.key!r}: sha256 {got[:16]}… differs from the leader's "
                                       f"{e.sha256[:16]}…")

@@ -96,10 +96,15 @@ class LayerRunner:
         self.rope = RopeConfig.from_hf_config(cfg)
 
     # -- state -------------------------------------------------------------------------------------------
+    @property
+    def dtype_name(self) -> str:
+        """The model dtype as a kmesh.layout dtype name (what its caches hold)."""
+        return _TORCH_DTYPE[self.dtype]
+
     def cache_layout(self, capacity: int, block_size: int = 16) -> KVLayout:
         blocks = -(-capacity // block_size)
         return KVLayout.paged("LBNHC", self.num_layers, blocks, block_size, self.num_kv_heads, self.head_dim,
-                              _TORCH_DTYPE[self.dtype])
+                              self.dtype_name)
 
     def new_cache(self, capacity: int, block_size: int = 16, fill: float = 0.0) -> KVCache:
         """A zeroed (or `fill`ed: poison) cache for `capacity` positions."""

@@ -5,6 +5,7 @@ import base64
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 from kmesh.sources import HashMismatchError
 
@@ -35,3 +36,8 @@ def record_digest(data: bytes) -> str:
 
 def file_record_digest(path: Path) -> str:
     return record_digest(path.read_bytes())
+
+
+def sha256_tensor(t: Any) -> str:
+    """sha256 of a tensor's raw bytes in memory order after .contiguous() (any device; torch is not imported)."""
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()

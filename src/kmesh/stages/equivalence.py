@@ -22,6 +22,7 @@ Cases:
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ def _quality_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]) -> dict[
         inproc = InProcessSegments(s.export)
         staging = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
         private = torch.empty_like(staging)
-        stock_ctx = ChildContext(**{**s.ctx.__dict__, "repair": RepairConfig.from_dict(s.sec["stock"])})
+        stock_ctx = dataclasses.replace(s.ctx, repair=RepairConfig.from_dict(s.sec["stock"]))
         per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
         for child in s.workload.children:
             ref = refs[f"full:{child.name}"]

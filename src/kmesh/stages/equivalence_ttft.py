@@ -73,20 +73,18 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
                                                  restore_child(kc, ex.catalog, ex.raw, ch, s.runner))
                 runs[("transformers", child.name)] = (lambda ids=ids: s.model(ids[None], logits_to_keep=1)
                                                       .logits[0, -1])
-            restore_s: list[float] = []
-
             @torch.no_grad()
             def fn(arm: str, child: Any, iv: Intervals) -> None:
                 with iv.part("ttft"):
                     if arm == "kmesh":
                         runs[("restore", child.name)]()
-                    first = int(runs[(arm, child.name)]().argmax())
-                del first
+                    int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
             t1 = run_pairs(fn, ("full", "kmesh"), wl.children, pairs=pairs, warmup=warmup, device=dev, progress=False)
             t2 = run_pairs(fn, ("transformers", "full"), wl.children, pairs=pairs, warmup=warmup, device=dev,
                            progress=False)
             # The restore alone, timed the same way after the pairs (a part of the kmesh arm, not a third arm).
+            restore_s: list[float] = []
             for child in wl.children:
                 iv = Intervals(dev)
                 with iv.part("restore"):

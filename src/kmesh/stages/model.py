@@ -17,7 +17,6 @@ Qwen2 of the Qwen2.5-0.5B shape, built on model.qwen2_random.device:
 from __future__ import annotations
 
 import gc
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,13 @@ from kmesh.model import qwen2_random, smollm2
 from kmesh.model.errors import ModelError
 from kmesh.model.manifest import NAME as MANIFEST, manifest_problem
 from kmesh.result import Result
-from kmesh.sources.digest import sha256_file
+from kmesh.sources.digest import sha256_file, sha256_tensor
 
 
 def converted_dir(cfg: Config) -> Path:
     """model.dir/<smollm2.name>/: where the converted SmolLM2 lives (shared by both profiles)."""
     sec = cfg.section("model")
     return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
-
-
-def _tensor_sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 def _peak_rss_mib() -> float:
@@ -97,7 +92,7 @@ def _smollm2_cases(res: Result, cfg: Config) -> None:
             logits = model(ids).logits
         same_shape = logits.shape == ref["logits"].shape
         c.check("logits_bit_identical", same_shape and torch.equal(logits, ref["logits"]),
-                value={"gguf_sha256": _tensor_sha(ref["logits"]), "converted_sha256": _tensor_sha(logits)})
+                value={"gguf_sha256": sha256_tensor(ref["logits"]), "converted_sha256": sha256_tensor(logits)})
         c.record("max_abs_diff", float((logits - ref["logits"]).abs().max()) if same_shape else None)
         reloaded.update(model=model, tok=tok, ids=ids)
 
