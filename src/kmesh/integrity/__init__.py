@@ -1,0 +1,85 @@
+"""Integrity algorithms for stored objects: one registry every reader and writer goes through.
+
+Object files record the algorithm by name (DESIGN.md §2 `storage`); a reader looks the name up here and refuses
+an unknown one with `UnknownAlgorithmError`. CPU implementations live here; GPU kernels (kernels/*.cu, driven by
+kmesh.integrity modules) must produce exactly the digest the CPU implementation of the same name produces.
+
+    algo = get("sha256")
+    d = algo.digest(memoryview(buf))           # bytes
+    verify("sha256", buf, expected)            # raises DigestMismatchError
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kmesh.errors import KMeshError
+
+
+class IntegrityError(KMeshError):
+    """Root of integrity failures."""
+
+
+class UnknownAlgorithmError(IntegrityError):
+    """An object names an integrity algorithm this build does not know."""
+
+
+class DigestMismatchError(IntegrityError):
+    """The bytes do not hash to the recorded digest."""
+
+    def __init__(self, algorithm: str, expected: bytes, actual: bytes, what: str = "object") -> None:
+        super().__init__(f"{what}: {algorithm} digest mismatch (recorded {expected.hex()[:16]}…, "
+                         f"computed {actual.hex()[:16]}…)")
+        self.algorithm, self.expected, self.actual = algorithm, expected, actual
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A named whole-object digest. `params` are what the object header must carry to recompute it."""
+
+    name: str
+    digest_size: int
+    compute: Callable[..., bytes] = field(repr=False)
+    params: tuple[str, ...] = ()
+
+    def digest(self, data: Any, **params: Any) -> bytes:
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise IntegrityError(f"{self.name} takes no parameter(s) {sorted(unknown)}")
+        return self.compute(memoryview(data).cast("B"), **params)
+
+
+def _sha256(data: memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_REGISTRY: dict[str, Algorithm] = {}
+
+
+def register(algo: Algorithm) -> Algorithm:
+    if algo.name in _REGISTRY:
+        raise IntegrityError(f"integrity algorithm {algo.name!r} registered twice")
+    _REGISTRY[algo.name] = algo
+    return algo
+
+
+def get(name: str) -> Algorithm:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownAlgorithmError(
+            f"unknown integrity algorithm {name!r} (known: {', '.join(sorted(_REGISTRY))})") from None
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def verify(name: str, data: Any, expected: bytes, what: str = "object", **params: Any) -> None:
+    actual = get(name).digest(data, **params)
+    if actual != expected:
+        raise DigestMismatchError(name, expected, actual, what)
+
+
+register(Algorithm("sha256", 32, _sha256))
