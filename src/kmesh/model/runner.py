@@ -33,6 +33,7 @@ from kmesh.model.errors import ModelError
 from kmesh.rope import RopeConfig
 
 MaskKind = Literal["position", "bottom_right"]
+AttentionKind = Literal["auto", "sdpa", "triton"]
 _TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -74,7 +75,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LayerRunner:
     """Llama / Qwen2 (incl. SmolLM2) weights run layer by layer (see module doc)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, attention: AttentionKind = "auto") -> None:
         cfg = model.config
         if cfg.model_type not in ("llama", "qwen2"):
             raise ModelError(f"the layer-wise runner knows llama and qwen2 models, not {cfg.model_type!r}")
@@ -94,6 +95,29 @@ class LayerRunner:
         if self.dtype not in _TORCH_DTYPE:
             raise ModelError(f"runner dtype must be float32/bfloat16/float16, got {self.dtype}")
         self.rope = RopeConfig.from_hf_config(cfg)
+        self.attention = self._attention_backend(attention)
+
+    def _attention_backend(self, attention: str) -> str:
+        """Which kernel runs the position-masked attention of a subset of queries (the repair's recompute).
+
+        sdpa: SDPA with an explicit boolean mask (every query × key pair computed, then masked).
+        triton: kmesh.model.attention_triton, which skips the key blocks a query block cannot see.
+        auto: triton on CUDA when it is importable and the head size fits, else sdpa.
+        """
+        from kmesh.model import attention_triton
+
+        fits = self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+        if attention == "auto":
+            return "triton" if self.device.type == "cuda" and attention_triton.available() and fits else "sdpa"
+        if attention == "triton":
+            if not attention_triton.available():
+                raise ModelError("attention='triton' but triton is not importable")
+            if not fits:
+                raise ModelError(f"attention='triton' needs a power-of-two head_dim >= 16, not {self.head_dim}")
+            return attention
+        if attention == "sdpa":
+            return attention
+        raise ModelError(f"attention must be 'auto', 'sdpa' or 'triton', got {attention!r}")
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -171,6 +195,11 @@ class LayerRunner:
                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
                                                  enable_gqa=self.groups > 1)
             return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+        if mask == "position" and key_pos is None and self.attention == "triton":
+            from kmesh.model.attention_triton import position_causal_attention
+
+            return position_causal_attention(q, q_pos.to(q.device), k, v, self.scale).reshape(
+                n, self.num_heads * self.head_dim)
         if mask == "position":
             kp = torch.arange(m, device=q.device) if key_pos is None else key_pos
             allowed = kp[None, :] <= q_pos.to(q.device)[:, None]

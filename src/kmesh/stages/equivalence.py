@@ -85,7 +85,7 @@ def _setup(cfg: Config) -> Setup:
     sec = cfg.section("equivalence")
     device = torch.device(sec["device"])
     model, tok, what = load_model(cfg, sec, device)
-    runner = LayerRunner(model)
+    runner = LayerRunner(model, sec.get("attention", "auto"))
     spec = WorkloadSpec(**sec.get("workload", {}))
     workload = build(tok, cfg.seed, spec)
     export = leader_prefill(runner, workload, b"kmesh-eq/leader")
@@ -110,6 +110,7 @@ def _runner_case(res: Result, s: Setup) -> None:
         bound = float(s.sec["runner_logits_bound"])
         c.record("logits_max_abs_diff", diff)
         c.record("logits_max_abs", scale)
+        c.record("attention_backend", s.runner.attention)   # the kernel the recomputed rows' masked attention ran
         c.check("logits_within_bound", diff <= bound * max(scale, 1.0), value={"diff": diff, "bound_rel": bound})
         c.check("argmax_equal", int(ref.logits.argmax()) == int(hf_logits.argmax()))
         c.check("greedy_tokens_equal", ref.tokens[:len(hf_tokens)] == hf_tokens,

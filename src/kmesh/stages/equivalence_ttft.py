@@ -54,7 +54,8 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
                 ids = torch.tensor(child.ids, device=s.device)
                 full_cache = s.runner.new_cache(T, bs)
                 kcache = s.runner.new_cache(T, bs)
-                restored = restore_child(kcache, export.catalog, export.raw, child, s.runner)
+                restored = restore_child(kcache, export.catalog, export.raw, child, s.runner,
+                                         s.ctx.restore_backend)
                 none = torch.zeros(T, dtype=torch.bool)
                 if use_graphs:
                     from kmesh.model.graphs import GraphedBlend
@@ -70,7 +71,8 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
                     runs[("kmesh", child.name)] = (lambda ids=ids, kc=kcache, r=restored:
                                                    blend(s.runner, ids, kc, r, s.ctx.repair, "kmesh").logits)
                 runs[("restore", child.name)] = (lambda kc=kcache, ch=child, ex=export:
-                                                 restore_child(kc, ex.catalog, ex.raw, ch, s.runner))
+                                                 restore_child(kc, ex.catalog, ex.raw, ch, s.runner,
+                                                               s.ctx.restore_backend))
                 runs[("transformers", child.name)] = (lambda ids=ids: s.model(ids[None], logits_to_keep=1)
                                                       .logits[0, -1])
             @torch.no_grad()
