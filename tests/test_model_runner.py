@@ -548,3 +548,53 @@ def test_kmesh_forced_positions_survive_nan_deviation(tiny):
     cache.k[CHECK][c.doc_slots[:10]] = float("nan")   # more NaN rows than ceil(0.15 · 24) = 4
     res = blend(r, c.child, cache, c.restored, arm="kmesh")
     assert res.masks[:, ~c.restored].all() and res.masks[:, c.T - 1].all()
+
+
+def test_transformers_sdpa_policy_keeps_transformers_forward(tiny):
+    """The comparison wrapper runs transformers' own SDPA path (same logits) and restores the model's setting."""
+    from kmesh.model.runner import transformers_sdpa_policy
+
+    ids = _ids(30, 4)
+    before = tiny.model.config._attn_implementation
+    with torch.no_grad():
+        ref = tiny.model(ids[None]).logits[0, -1]
+        with transformers_sdpa_policy(tiny.model):
+            assert tiny.model.config._attn_implementation == "kmesh_sdpa"
+            got = tiny.model(ids[None]).logits[0, -1]
+            gen = tiny.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=3,
+                                      do_sample=False, pad_token_id=0)
+    assert tiny.model.config._attn_implementation == before
+    assert torch.equal(got, ref)
+    assert gen.shape == (1, 33)
+
+
+def test_sdpa_backend_rule():
+    from torch.nn.attention import SDPBackend
+
+    from kmesh.model.runner import sdpa_backends
+
+    assert SDPBackend.CUDNN_ATTENTION in sdpa_backends(512, True)       # causal prefill: fastest kernel allowed
+    assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends(1, True)     # decode step: not reproducible on H200
+    assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends(512, False)  # explicit mask
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_attention_calls_are_reproducible():
+    """Each SDPA call shape the runner makes, repeated on identical inputs, gives identical bytes (the decode
+    step under cuDNN did not on the H200)."""
+    import torch.nn.functional as F
+
+    from kmesh.model.runner import _sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, Hk, D = 4096, 14, 2, 64
+    kv = torch.randn(T, Hk, 2 * D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = kv[..., :D].transpose(0, 1)[None], kv[..., D:].transpose(0, 1)[None]
+    qd = torch.randn(1, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    calls = {"decode": lambda: _sdpa(qd, k, v, enable_gqa=True),
+             "prefill": lambda: _sdpa(qp, k, v, is_causal=True, enable_gqa=True)}
+    for name, fn in calls.items():
+        first = fn()
+        assert all(torch.equal(first, fn()) for _ in range(50)), name

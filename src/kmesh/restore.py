@@ -174,8 +174,15 @@ def capture(raw: torch.Tensor, layout: KVLayout, slots: Index, positions: Index,
     lay = list(range(layout.num_layers)) if layers is None else _layer_list(layers, layout.num_layers)
     pos = _as_index(positions, "positions", raw.device, PositionError)
     b, n = layout.split_slots(slots)
-    k = layout.k_tensor(flat)[lay][:, b, n].transpose(0, 1).contiguous()
-    v = layout.v_tensor(flat)[lay][:, b, n].transpose(0, 1).contiguous() if layout.head_dim_v else None
+    # One gather straight into [T, L', H, D]: index the (block, offset) axes of a [B, N, L, H, D] view (a list
+    # of layers would first copy every layer of the whole cache, then gather, then transpose: three copies).
+    lsel = slice(None) if lay == list(range(layout.num_layers)) else lay
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(1, 2, 0, 3, 4)[b, n][:, lsel].contiguous()
+
+    k = take(layout.k_tensor(flat))
+    v = take(layout.v_tensor(flat)) if layout.head_dim_v else None
     return KVSegment(k, v, pos, layout.dtype, layout.k_scale, layout.v_scale)
 
 

@@ -10,7 +10,8 @@ Keys are the cache's slots 0..m-1 with slot = position (kmesh.model.runner.KVCac
 strides (the LBNHC views are not contiguous). GQA: query head h reads kv head h // groups. Softmax runs online
 in float32 (exp2 domain), one fixed block order per row and no atomics: the result is deterministic, and the
 same on every replay of a CUDA graph. The block sizes are fixed (no autotuning: a timing-dependent choice would
-make numerics depend on the run).
+make numerics depend on the run). The defaults (64 query rows × 128 keys, 4 warps, 3 stages) were the fastest of
+six configs on the H200 at 4k and 16k tokens (docs/measurements/equivalence-h200/attention_variants.json).
 
 The math is checked against a float64 reference on CPU through Triton's interpreter (TRITON_INTERPRET=1,
 tests/test_attention_triton.py) and on the GPU (tests marked gpu).
@@ -91,7 +92,7 @@ _LOG2E = 1.4426950408889634
 
 
 def position_causal_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              scale: float, block_m: int = 64, block_n: int = 64,
+                              scale: float, block_m: int = 64, block_n: int = 128,
                               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q [n, heads, D] at positions q_pos [n] (any order; sorted is fastest) over keys/values [m, kv_heads, D]
     at positions 0..m-1: out [n, heads, D], where query i sees keys at positions <= q_pos[i]."""

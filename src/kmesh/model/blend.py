@@ -167,10 +167,14 @@ def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequ
             q, k, v, h = q[rows], k[rows], v[rows], h[rows]
             rot = (rot[0][rows], rot[1][rows])
             active = active[rows]
-        cache.write(layer, active, k, v)
-        masks[layer].index_fill_(0, active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
-        kc, vc = cache.layer_kv(layer, T)
         # Known on the host: the rows are still every position in order (before any selection / full arm).
         all_rows = p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])
+        if all_rows:   # a plain copy into slots 0..T-1 instead of a scatter (the same bytes land)
+            cache.write_prefix(layer, k, v)
+            masks[layer].fill_(True)
+        else:
+            cache.write(layer, active, k, v)
+            masks[layer].index_fill_(0, active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
+        kc, vc = cache.layer_kv(layer, T)
         h = runner.finish_layer(layer, h, runner.attend(q, active, kc, vc, mask=mask_kind, all_rows=all_rows))
     return BlendResult(runner.logits(h[-1:])[0], masks, p.arm)

@@ -23,10 +23,12 @@ stock-CacheBlend control needs it, KMesh never uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kmesh.layout import KVLayout
 from kmesh.model.errors import ModelError
@@ -58,6 +60,12 @@ class KVCache:
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
+    def write_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [n, heads, D] into slots 0..n-1 (what write() with slots arange(n) does, as a plain copy)."""
+        n = k.shape[0]
+        self.k[layer][:n] = k
+        self.v[layer][:n] = v
+
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots [0, n) of one layer, [n, heads, D] views."""
         return self.k[layer][:n], self.v[layer][:n]
@@ -65,6 +73,57 @@ class KVCache:
     def stacked(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of slots [0, n), [layers, n, heads, D] (for comparisons)."""
         return (torch.stack([k[:n] for k in self.k]).clone(), torch.stack([v[:n] for v in self.v]).clone())
+
+
+# cuDNN's SDPA kernel is what torch 2.11 picks on the H200 for a decode step (one query, GQA), and it is not
+# reproducible there: the same inputs gave two different outputs in about 1 of 5 calls
+# (docs/measurements/equivalence-h200/decode_isolation.json), which flipped greedy tokens. Flash,
+# memory-efficient and math attention forward are deterministic. cuDNN stays allowed for a causal prefill (many
+# queries, no mask), where it is the fastest kernel (1.2 vs 1.7 ms per layer at 16k for flash) and repeated calls
+# were bit-identical; every other call runs without it. transformers' own forward is compared under the same rule
+# (transformers_sdpa_policy).
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_WITH_CUDNN = [SDPBackend.CUDNN_ATTENTION, *_NO_CUDNN]
+
+
+def sdpa_backends(q_len: int, causal_without_mask: bool) -> list[SDPBackend]:
+    """The SDPA kernels the runner allows for one call (see the comment above)."""
+    return _WITH_CUDNN if causal_without_mask and q_len > 1 else _NO_CUDNN
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(sdpa_backends(q.shape[-2], bool(kw.get("is_causal")) and kw.get("attn_mask") is None)):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+_POLICY_NAME = "kmesh_sdpa"
+
+
+def _policy_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.device.type != "cuda":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    # transformers' own sdpa path passes is_causal exactly when q_len > 1 and there is no mask
+    with sdpa_kernel(sdpa_backends(query.shape[2], attention_mask is None)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextmanager
+def transformers_sdpa_policy(model: Any) -> Iterator[None]:
+    """Run transformers' own SDPA attention under the runner's kernel rule (sdpa_backends) for a comparison."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_POLICY_NAME, _policy_attention)   # idempotent: a name → function entry
+    before = model.config._attn_implementation
+    model.set_attn_implementation(_POLICY_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +243,14 @@ class LayerRunner:
         if last_query:
             if n != 1 or key_pos is not None:
                 raise ModelError(f"last_query needs one query at the last of {m} positions, got {n} queries")
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+            out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], scale=self.scale,
                                                  enable_gqa=self.groups > 1)
             return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
         if all_rows:
             if n != m or key_pos is not None:
                 raise ModelError(f"all_rows needs queries and keys at positions 0..{m - 1}, got {n} queries")
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+            out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
                                                  enable_gqa=self.groups > 1)
             return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
@@ -210,7 +269,7 @@ class LayerRunner:
             raise ModelError(f"mask must be 'position' or 'bottom_right', got {mask!r}")
         kk = k.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None]
         vv = v.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=allowed, scale=self.scale)
+        out = _sdpa(q.transpose(0, 1)[None], kk, vv, attn_mask=allowed, scale=self.scale)
         return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -232,7 +291,7 @@ class LayerRunner:
         h = self.embed(ids)
         for layer in range(self.num_layers):
             q, k, v = self.qkv(layer, h, pos, rot)
-            cache.write(layer, pos, k, v)
+            cache.write_prefix(layer, k, v)
             kc, vc = cache.layer_kv(layer, T)
             h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc, all_rows=True))
         return self.logits(h[-1:])[0]

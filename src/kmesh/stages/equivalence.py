@@ -35,7 +35,7 @@ from kmesh.config import Config
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import arm_quality, compare_states, identical, summarize
-from kmesh.model.runner import LayerRunner
+from kmesh.model.runner import LayerRunner, transformers_sdpa_policy
 from kmesh.result import Result
 from kmesh.segments import Export, InProcessSegments, ServiceSegments, export_segments
 from kmesh.service.harness import Harness
@@ -99,7 +99,7 @@ def _runner_case(res: Result, s: Setup) -> None:
     child = s.workload.children[0]
     with res.case("runner-matches-transformers", {"model": s.what, "tokens": len(child.ids)}) as c:
         ids = torch.tensor(child.ids, device=s.device)
-        with torch.no_grad():
+        with torch.no_grad(), transformers_sdpa_policy(s.model):
             hf_logits = s.model(ids[None]).logits[0, -1]
             hf_tokens = s.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
                                          max_new_tokens=s.ctx.max_new_tokens, do_sample=False,
@@ -111,6 +111,7 @@ def _runner_case(res: Result, s: Setup) -> None:
         c.record("logits_max_abs_diff", diff)
         c.record("logits_max_abs", scale)
         c.record("attention_backend", s.runner.attention)   # the kernel the recomputed rows' masked attention ran
+        c.record("sdpa_rule", "both sides: cuDNN only for a causal prefill without mask (kmesh.model.runner)")
         c.check("logits_within_bound", diff <= bound * max(scale, 1.0), value={"diff": diff, "bound_rel": bound})
         c.check("argmax_equal", int(ref.logits.argmax()) == int(hf_logits.argmax()))
         c.check("greedy_tokens_equal", ref.tokens[:len(hf_tokens)] == hf_tokens,
