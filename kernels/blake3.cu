@@ -152,13 +152,13 @@ struct Blake3Parents {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+extern "C" __global__ __launch_bounds__(TREE_THREADS) void
 blake3_chunks(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* blk0, int n_obj, uint32_t* out) {
     Blake3Chunks h{ptrs, lens};
     tree_block_run(h, blk0, n_obj, out);
 }
 
-extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+extern "C" __global__ __launch_bounds__(TREE_THREADS) void
 blake3_parents(const uint32_t* in, const uint32_t* prev_blk0, const uint32_t* blk0, int n_obj, uint32_t* out) {
     Blake3Parents h{{in, prev_blk0}};
     tree_block_run(h, blk0, n_obj, out);

@@ -20,7 +20,7 @@ __host__ __device__ inline void sha256_whole_item(int o, const uint64_t* ptrs, c
     for (int i = 0; i < 8; ++i) out[o * 8 + i] = h[i];
 }
 
-extern "C" __global__ void __launch_bounds__(SHA256_THREADS)
+extern "C" __global__ __launch_bounds__(SHA256_THREADS) void
 sha256_whole(const uint64_t* ptrs, const uint64_t* lens, int n_obj, uint32_t* out) {
     int o = blockIdx.x * blockDim.x + threadIdx.x;
     if (o < n_obj) sha256_whole_item(o, ptrs, lens, out);

@@ -41,14 +41,14 @@ struct Sha256TreeNodes {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+extern "C" __global__ __launch_bounds__(TREE_THREADS) void
 sha256_tree_leaves(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* blk0, int n_obj,
                    uint32_t* out) {
     Sha256TreeLeaves h{ptrs, lens, chunk_bytes};
     tree_block_run(h, blk0, n_obj, out);
 }
 
-extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+extern "C" __global__ __launch_bounds__(TREE_THREADS) void
 sha256_tree_nodes(const uint32_t* in, const uint32_t* prev_blk0, const uint32_t* blk0, int n_obj, uint32_t* out) {
     Sha256TreeNodes h{{in, prev_blk0}};
     tree_block_run(h, blk0, n_obj, out);

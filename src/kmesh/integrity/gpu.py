@@ -252,15 +252,15 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
                poison: bool = False) -> PendingDigests:
     """Launch the hash of every buffer on `stream` and return at once (see the module doc).
     poison=True fills every output and scratch word with 0xFFFFFFFF first (tests: the kernels must write them all)."""
-    import cupy
-
-    from kmesh.cuda.loader import KernelLoadError, get_function
-
     if mode not in ("concurrent", "serial"):
         raise GpuHashError(f"mode must be 'concurrent' or 'serial', got {mode!r}")
     if mode == "serial" and algorithm != "sha256":
         raise GpuHashError("mode 'serial' is the whole-object sha256 arm only")
-    plan, _ = plan_for(algorithm, buffers, lengths, chunk_bytes)
+    plan, _ = plan_for(algorithm, buffers, lengths, chunk_bytes)   # every argument checked before cupy is needed
+    import cupy
+
+    from kmesh.cuda.loader import KernelLoadError, get_function
+
     n = plan.n_obj
     cs = _cupy_stream(stream, plan.device)
     try:
