@@ -122,3 +122,184 @@ def test_host_random_lengths(harness, tmp_path, lens, chunk, mis, seed):
     objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lens]
     for mode in ("sha256", "blake3", "sha256-tree"):
         assert run_host(harness, tmp_path, mode, objs, chunk, mis) == want(mode, objs, chunk), mode
+
+
+# ---- kmesh.integrity.gpu end to end on the CPU: a fake cupy whose "device memory" is host memory and whose kernel
+# launches run the kernels' own code one launch at a time (emu_* in the shared-library build of the harness).
+import ctypes  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class FakeArray:
+    """A 1-D "device" array over host memory (numpy), with cupy's .data.ptr, slicing and reshape."""
+
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def data(self):
+        return _Ptr(self.a.ctypes.data)
+
+    def __getitem__(self, k):
+        return FakeArray(self.a[k])
+
+    def reshape(self, *shape):
+        return FakeArray(self.a.reshape(*shape))
+
+
+class FakeDeviceBuffer:
+    """An input object: host bytes behind a __cuda_array_interface__."""
+
+    def __init__(self, a):
+        self.a = a
+        self.__cuda_array_interface__ = {"data": (a.ctypes.data, False), "shape": a.shape, "typestr": "|u1",
+                                         "strides": None, "version": 3}
+
+
+class _Ctx:
+    def __init__(self, *a, **k):
+        self.ptr = a[0] if a else 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    done = True
+
+    def __init__(self, **kw):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded
+
+
+def _fake_cupy(launches):
+    cp = types.ModuleType("cupy")
+    keep = []
+
+    def asarray(a):
+        return FakeArray(np.array(a, copy=True))
+
+    def empty(n, dtype):
+        a = np.random.default_rng().integers(0, 2**32, n, dtype=np.uint64).astype(dtype)   # garbage, like the device
+        return FakeArray(a)
+
+    def pinned(n):
+        b = bytearray(n)
+        keep.append(b)
+        return b
+
+    rt = types.SimpleNamespace(
+        memsetAsync=lambda ptr, v, n, s: ctypes.memset(ptr, v, n),
+        memcpyAsync=lambda dst, src, n, kind, s: ctypes.memmove(dst, src, n),
+        memcpyDeviceToHost=2)
+    cp.asarray, cp.empty = asarray, empty
+    cp.cuda = types.SimpleNamespace(Device=_Ctx, ExternalStream=_Ctx, Stream=_Ctx, Event=_Event, runtime=rt,
+                                    get_current_stream=lambda: _Ctx(), alloc_pinned_memory=pinned)
+    return cp
+
+
+def _arg(x):
+    if isinstance(x, FakeArray):
+        return ctypes.c_uint64(x.data.ptr)
+    if isinstance(x, np.int32):
+        return ctypes.c_int(int(x))
+    if isinstance(x, np.uint32):
+        return ctypes.c_uint32(int(x))
+    if isinstance(x, np.uint64):
+        return ctypes.c_uint64(int(x))
+    raise TypeError(f"kernel argument of type {type(x).__name__}")
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    out = tmp_path_factory.mktemp("integrity-emu") / "libemu.so"
+    cmd = [NVCC, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=sm_90",
+           str(ROOT / "tests" / "integrity_host" / "harness.cu"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ctypes.CDLL(str(out))
+
+
+@pytest.fixture
+def emulated_gpu(emu_lib, monkeypatch):
+    from kmesh.cuda import loader
+    from kmesh.integrity import gpu
+
+    launches = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(launches))
+
+    def get_function(name, entry, device_index=0):
+        assert entry in KERNELS[name], (name, entry)
+        fn = getattr(emu_lib, f"emu_{entry}")
+
+        def launch(grid, block, args):
+            launches.append((entry, grid, block))
+            assert grid[1:] == (1, 1) and block[1:] == (1, 1)
+            rc = fn(ctypes.c_uint32(grid[0]), ctypes.c_uint32(block[0]), *(_arg(a) for a in args))
+            assert rc == 0, f"{entry}: wrong block size {block}"
+        return launch
+
+    monkeypatch.setattr(loader, "get_function", get_function)
+    gpu.clear_plans()
+    yield gpu, launches
+    gpu.clear_plans()
+
+
+def _inputs(lengths, mis, seed):
+    rng = np.random.default_rng(seed)
+    host, bufs = [], []
+    for n in lengths:
+        base = rng.integers(0, 256, n + mis + 64, dtype=np.uint8)     # random bytes past the end: never hashed
+        host.append(base[mis:mis + n])
+        bufs.append(FakeDeviceBuffer(base[mis:mis + n]))
+    return host, bufs
+
+
+@pytest.mark.parametrize("mis", [0, 1])
+def test_gpu_module_on_emulated_launches(emulated_gpu, mis):
+    gpu, launches = emulated_gpu
+    lengths = [0, 1, 63, 64, 65, 1023, 1024, 1025, 3 << 20, 256 * 1024 + 1, 257 * 1024]
+    host, bufs = _inputs(lengths, mis, 21)
+    assert gpu.hash_buffers("blake3", bufs, stream=0, poison=True) == want("blake3", host)
+    assert [e for e, _, _ in launches] == ["blake3_chunks", "blake3_parents"]
+    launches.clear()
+    for mode in ("concurrent", "serial"):
+        assert gpu.hash_buffers("sha256", bufs, stream=0, mode=mode, poison=True) == want("sha256", host)
+    assert len(launches) == 1 + len(lengths)      # one concurrent launch, then one per object
+    for chunk in (64, 1024, 65536):
+        assert gpu.hash_buffers("sha256-tree", bufs, stream=0, chunk_bytes=chunk, poison=True) == \
+            want("sha256-tree", host, chunk)
+    got = gpu.hash_buffers("blake3", [bufs[5], bufs[8]], stream=0, lengths=[0, 70001])
+    assert got == want("blake3", [host[5][:0], host[8][:70001]])
+
+
+def test_gpu_module_three_passes_and_corruption(emulated_gpu):
+    gpu, launches = emulated_gpu
+    host, bufs = _inputs([256 * 256 * 1024 + 1, 5000], 0, 22)
+    p = gpu.hash_async("blake3", bufs, stream=0)
+    assert p.result() == want("blake3", host) and p.done()
+    assert [e for e, _, _ in launches] == ["blake3_chunks", "blake3_parents", "blake3_parents"]
+    assert [g[0] for _, g, _ in launches] == [257 + 1, 2 + 1, 2]
+    good = p.result()
+    host[1][17] ^= 4
+    from kmesh.integrity import DigestMismatchError
+
+    with pytest.raises(DigestMismatchError, match="object 1"):
+        gpu.verify_buffers("blake3", bufs, good, stream=0)

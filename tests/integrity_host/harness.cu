@@ -1,5 +1,6 @@
 // Host harness: runs the integrity kernels' own __host__ __device__ code on the CPU, in the order the GPU runs it.
-// Built by tests/test_integrity_kernels.py with nvcc (host code only; no GPU needed).
+// Built by tests/test_integrity_kernels.py with nvcc (host code only; no GPU needed), as a program (below) and as a
+// shared library whose emu_* functions emulate single kernel launches (for kmesh.integrity.gpu under a fake cupy).
 //
 //   harness MODE CHUNK_BYTES MISALIGN FILE LEN...
 // MODE: sha256 | sha256-tree | blake3. FILE holds the objects back to back (LEN bytes each). Each object is copied
@@ -18,14 +19,14 @@
 #include "../../kernels/sha256_tree.cu"
 #include "../../kernels/blake3.cu"
 
+// One launch of a tree kernel: `grid` blocks (as the launcher asked for), each block's threads phase by phase.
 template <class H>
-static void run_pass(const H& h, const std::vector<uint32_t>& blk0, int n_obj, std::vector<uint32_t>& out) {
+static void run_grid(const H& h, uint32_t grid, const uint32_t* blk0, int n_obj, uint32_t* out) {
     static uint32_t buf[2][TREE_THREADS][8];
-    out.assign((size_t)blk0[n_obj] * 8, 0xdeadbeefu);  // poisoned: every output word must be written
-    for (uint32_t b = 0; b < blk0[n_obj]; ++b) {
+    for (uint32_t b = 0; b < grid; ++b) {
         memset(buf, 0xA5, sizeof(buf));                  // shared memory is never initialized on the device
         TreeBlock tb;
-        tb.obj = tree_object_of(blk0.data(), n_obj, b);
+        tb.obj = tree_object_of(blk0, n_obj, b);
         tb.bo = b - blk0[tb.obj];
         tb.n_in = h.inputs(tb.obj);
         for (int t = 0; t < TREE_THREADS; ++t) {
@@ -39,6 +40,47 @@ static void run_pass(const H& h, const std::vector<uint32_t>& blk0, int n_obj, s
         }
         for (int t = 0; t < 8; ++t) out[(size_t)b * 8 + t] = buf[TREE_LEVELS & 1][0][t];
     }
+}
+
+template <class H>
+static void run_pass(const H& h, const std::vector<uint32_t>& blk0, int n_obj, std::vector<uint32_t>& out) {
+    out.assign((size_t)blk0[n_obj] * 8, 0xdeadbeefu);  // poisoned: every output word must be written
+    run_grid(h, blk0[n_obj], blk0.data(), n_obj, out.data());
+}
+
+// Per-launch emulation of every entry point, for tests/test_integrity_kernels.py's fake cupy (the shared-library
+// build of this file): same parameters as the __global__ functions, plus the grid and block the launcher chose.
+#define P32(x) ((uint32_t*)(uintptr_t)(x))
+#define C32(x) ((const uint32_t*)(uintptr_t)(x))
+#define C64(x) ((const uint64_t*)(uintptr_t)(x))
+extern "C" int emu_sha256_whole(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, int n_obj, uint64_t out) {
+    for (uint32_t o = 0; o < grid * block; ++o)
+        if ((int)o < n_obj) sha256_whole_item(o, C64(ptrs), C64(lens), P32(out));
+    return 0;
+}
+extern "C" int emu_sha256_tree_leaves(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, uint32_t chunk,
+                                      uint64_t blk0, int n_obj, uint64_t out) {
+    if (block != TREE_THREADS) return 1;
+    run_grid(Sha256TreeLeaves{C64(ptrs), C64(lens), chunk}, grid, C32(blk0), n_obj, P32(out));
+    return 0;
+}
+extern "C" int emu_sha256_tree_nodes(uint32_t grid, uint32_t block, uint64_t in, uint64_t prev, uint64_t blk0, int n_obj,
+                                     uint64_t out) {
+    if (block != TREE_THREADS) return 1;
+    run_grid(Sha256TreeNodes{{C32(in), C32(prev)}}, grid, C32(blk0), n_obj, P32(out));
+    return 0;
+}
+extern "C" int emu_blake3_chunks(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, uint64_t blk0, int n_obj,
+                                 uint64_t out) {
+    if (block != TREE_THREADS) return 1;
+    run_grid(Blake3Chunks{C64(ptrs), C64(lens)}, grid, C32(blk0), n_obj, P32(out));
+    return 0;
+}
+extern "C" int emu_blake3_parents(uint32_t grid, uint32_t block, uint64_t in, uint64_t prev, uint64_t blk0, int n_obj,
+                                  uint64_t out) {
+    if (block != TREE_THREADS) return 1;
+    run_grid(Blake3Parents{{C32(in), C32(prev)}}, grid, C32(blk0), n_obj, P32(out));
+    return 0;
 }
 
 static std::vector<uint32_t> blocks_for(const std::vector<uint32_t>& counts) {
