@@ -34,6 +34,14 @@
 #define B3_IV6 0x1F83D9ABu
 #define B3_IV7 0x5BE0CD19u
 
+__host__ __device__ inline void km_b3_prefetch(const uint8_t* p, uint32_t n) {
+#ifdef __CUDA_ARCH__
+    for (uint32_t o = 0; o < n; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#else
+    (void)p; (void)n;
+#endif
+}
+
 __host__ __device__ inline void b3_iv(uint32_t cv[8]) {
     cv[0] = B3_IV0; cv[1] = B3_IV1; cv[2] = B3_IV2; cv[3] = B3_IV3;
     cv[4] = B3_IV4; cv[5] = B3_IV5; cv[6] = B3_IV6; cv[7] = B3_IV7;
@@ -113,6 +121,23 @@ __host__ __device__ inline void b3_chunk(uint32_t cv[8], const uint8_t* data, ui
     uint32_t blocks = n == 0 ? 1 : (n + 63) / 64;
     b3_iv(cv);
     uint32_t m[16];
+    const uint8_t* p = data + off;
+    if (n == B3_CHUNK_LEN && ((uintptr_t)p & 15) == 0) {
+        // full aligned chunk: the whole KiB requested from L2 up front, then each block's 16-byte loads issued one
+        // compression ahead (double buffer), so a thread's 16 chained compressions do not wait on memory
+        km_b3_prefetch(p, B3_CHUNK_LEN);
+        uint32_t nx[16];
+        b3_load_block(m, p, 64);
+#pragma unroll 1
+        for (uint32_t i = 0; i < 16; ++i) {
+            if (i + 1 < 16) b3_load_block(nx, p + 64 * (i + 1), 64);
+            uint32_t flags = (i == 0 ? B3_CHUNK_START : 0u) | (i == 15 ? B3_CHUNK_END | (root ? B3_ROOT : 0u) : 0u);
+            b3_compress(cv, m, idx, 64, flags);
+#pragma unroll
+            for (int k = 0; k < 16; ++k) m[k] = nx[k];
+        }
+        return;
+    }
     for (uint32_t i = 0; i < blocks; ++i) {
         uint32_t bl = n - 64 * i < 64 ? n - 64 * i : 64;   // n == 0: one empty block
         b3_load_block(m, data + off + 64 * i, bl);

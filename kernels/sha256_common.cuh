@@ -29,6 +29,16 @@ static inline uint32_t km_perm_host(uint32_t x, uint32_t y, uint32_t s) {
 
 #define SHA256_DIGEST_WORDS 8
 
+// Ask L2 for n bytes from p (128-byte lines) so that a thread's later sequential loads hit L2, not DRAM.
+__host__ __device__ inline void km_prefetch_l2(const void* p, uint64_t n) {
+#ifdef __CUDA_ARCH__
+    const char* c = (const char*)p;
+    for (uint64_t o = 0; o < n; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+#else
+    (void)p; (void)n;
+#endif
+}
+
 #define KM_SHA256_K_LIST                                                                                       \
     0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u, 0xab1c5ed5u,     \
     0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu, 0x9bdc06a7u, 0xc19bf174u,     \
@@ -116,10 +126,21 @@ __host__ __device__ inline void sha256_message(uint32_t h[8], const uint8_t* dat
     bool aligned = (((uintptr_t)data) & 3) == 0;
     uint64_t fast = !aligned ? 0 : (prefix < 0 ? full : (len / 64 < full ? len / 64 : full));
     uint32_t w[16];
-    for (uint64_t blk = 0; blk < full; ++blk) {
-        if (blk < fast) {
-            sha256_load_full(w, data, prefix, blk);
-        } else {
+    if (fast > 0) {
+        // word path, double-buffered: block blk + 1's loads are in flight while block blk compresses (one
+        // compression, ~64 dependent rounds, outlasts a DRAM load)
+        uint32_t nx[16];
+        sha256_load_full(w, data, prefix, 0);
+#pragma unroll 1
+        for (uint64_t blk = 0; blk < fast; ++blk) {
+            if (blk + 1 < fast) sha256_load_full(nx, data, prefix, blk + 1);
+            sha256_compress(h, w);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) w[j] = nx[j];
+        }
+    }
+    for (uint64_t blk = fast; blk < full; ++blk) {
+        {
             for (int j = 0; j < 16; ++j) {
                 uint64_t i = blk * 64 + 4 * j;
                 w[j] = (sha256_msg_byte(data, len, prefix, i) << 24) | (sha256_msg_byte(data, len, prefix, i + 1) << 16) |

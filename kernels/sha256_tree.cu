@@ -25,7 +25,9 @@ struct Sha256TreeLeaves {
     __host__ __device__ void leaf(const TreeBlock& tb, uint64_t idx, uint32_t* out) const {
         uint64_t off = idx * chunk_bytes, len = lens[tb.obj];
         uint64_t n = len - off < chunk_bytes ? len - off : chunk_bytes;   // len == 0: idx 0, n = 0
-        sha256_message(out, (const uint8_t*)(uintptr_t)ptrs[tb.obj] + off, n, 0x00);
+        const uint8_t* p = (const uint8_t*)(uintptr_t)ptrs[tb.obj] + off;
+        km_prefetch_l2(p, n < 4096 ? n : 4096);   // the first blocks; double buffering hides the rest
+        sha256_message(out, p, n, 0x00);
     }
     __host__ __device__ void node(const uint32_t* l, const uint32_t* r, bool, uint32_t* out) const {
         sha256_node(out, l, r);

@@ -3,6 +3,7 @@ own __host__ __device__ code, sequenced as the GPU runs it (tests/integrity_host
 hashlib's / the blake3 package's / the plain-Python sha256-tree reference's digests. Skips without nvcc."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -58,22 +59,38 @@ def test_loader_tracks_included_headers(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    out = tmp_path_factory.mktemp("integrity-host") / "harness"
-    cmd = [NVCC, "-std=c++17", "-O2", "-gencode=arch=compute_90,code=sm_90",
+def emu_lib(tmp_path_factory):
+    """The host harness as a shared library (one nvcc build for every test here)."""
+    out = tmp_path_factory.mktemp("integrity-emu") / "libemu.so"
+    cmd = [NVCC, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=compute_90",
            str(ROOT / "tests" / "integrity_host" / "harness.cu"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return ctypes.CDLL(str(out))
 
 
-def run_host(harness, tmp_path, mode, objs, chunk=0, mis=0):
-    f = tmp_path / "objs.bin"
-    f.write_bytes(b"".join(o.tobytes() for o in objs))
-    proc = subprocess.run([str(harness), mode, str(chunk), str(mis), str(f), *(str(len(o)) for o in objs)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return [bytes.fromhex(x) for x in proc.stdout.split()]
+@pytest.fixture(scope="module")
+def harness(emu_lib):
+    return emu_lib
+
+
+def run_host(lib, tmp_path, mode, objs, chunk=0, mis=0):
+    """Digests by the kernels' code on the CPU (emu_hash); each object copied to `mis` bytes past 16-byte alignment."""
+    keep, ptrs = [], []
+    for o in objs:
+        raw = np.zeros(len(o) + mis + 32, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 16 + mis
+        raw[start:start + len(o)] = o
+        keep.append(raw)
+        ptrs.append(raw.ctypes.data + start)
+    p = np.array(ptrs, dtype=np.uint64)
+    n = np.array([len(o) for o in objs], dtype=np.uint64)
+    out = np.full(len(objs) * 8, 0xDEADBEEF, dtype=np.uint32)
+    rc = lib.emu_hash(mode.encode(), ctypes.c_uint32(chunk), ctypes.c_int(len(objs)),
+                      ctypes.c_void_p(p.ctypes.data), ctypes.c_void_p(n.ctypes.data), ctypes.c_void_p(out.ctypes.data))
+    assert rc == 0
+    raw = out.astype("<u4" if mode == "blake3" else ">u4").tobytes()
+    return [raw[32 * i:32 * (i + 1)] for i in range(len(objs))]
 
 
 def want(mode, objs, chunk=0):
@@ -126,7 +143,6 @@ def test_host_random_lengths(harness, tmp_path, lens, chunk, mis, seed):
 
 # ---- kmesh.integrity.gpu end to end on the CPU: a fake cupy whose "device memory" is host memory and whose kernel
 # launches run the kernels' own code one launch at a time (emu_* in the shared-library build of the harness).
-import ctypes  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 
@@ -225,16 +241,6 @@ def _arg(x):
     if isinstance(x, np.uint64):
         return ctypes.c_uint64(int(x))
     raise TypeError(f"kernel argument of type {type(x).__name__}")
-
-
-@pytest.fixture(scope="module")
-def emu_lib(tmp_path_factory):
-    out = tmp_path_factory.mktemp("integrity-emu") / "libemu.so"
-    cmd = [NVCC, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=sm_90",
-           str(ROOT / "tests" / "integrity_host" / "harness.cu"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return ctypes.CDLL(str(out))
 
 
 @pytest.fixture

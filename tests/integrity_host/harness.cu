@@ -105,6 +105,26 @@ static std::vector<uint32_t> run_tree(const Leaves& leaves, int n_obj) {
     return out;                                          // blk0[o] == o: object o's root at out[8·o]
 }
 
+// A whole request, planned here in C++ (independently of kmesh.integrity.gpu): digest words of n_obj objects into
+// out[n_obj·8] (sha256 / sha256-tree: big-endian digest words; blake3: chaining-value words). Returns 0, or 2 for
+// an unknown mode.
+extern "C" int emu_hash(const char* mode, uint32_t chunk, int n_obj, const uint64_t* ptrs, const uint64_t* lens,
+                        uint32_t* out) {
+    std::string m = mode;
+    std::vector<uint32_t> words((size_t)n_obj * 8);
+    if (m == "sha256") {
+        for (int o = 0; o < n_obj; ++o) sha256_whole_item(o, ptrs, lens, words.data());
+    } else if (m == "sha256-tree") {
+        words = run_tree<Sha256TreeLeaves, Sha256TreeNodes>(Sha256TreeLeaves{ptrs, lens, chunk}, n_obj);
+    } else if (m == "blake3") {
+        words = run_tree<Blake3Chunks, Blake3Parents>(Blake3Chunks{ptrs, lens}, n_obj);
+    } else {
+        return 2;
+    }
+    memcpy(out, words.data(), words.size() * 4);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc < 5) { fprintf(stderr, "usage: harness MODE CHUNK_BYTES MISALIGN FILE LEN...\n"); return 2; }
     std::string mode = argv[1];
