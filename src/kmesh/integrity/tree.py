@@ -1,13 +1,15 @@
 """The `sha256-tree` integrity format, and its plain-Python reference.
 
 An object of n bytes is cut into chunks of `chunk_bytes` (recorded in the object header; a power of two,
-64 B – 16 MiB): chunk i = bytes [i·chunk_bytes, (i+1)·chunk_bytes), the last chunk short — its real length,
-never padded. An empty object (n = 0) is one empty chunk, so every object has at least one leaf.
+64 B – 16 MiB): chunk i = bytes [i·chunk_bytes, (i+1)·chunk_bytes), the last chunk short — its real length
+(1 … chunk_bytes bytes), never padded. An empty object (n = 0) is one empty chunk, so every object has at least
+one leaf and its digest is SHA-256(0x00) (RFC 6962 would hash an empty list to SHA-256() instead).
 
     leaf i = SHA-256(0x00 ‖ chunk i)
     node   = SHA-256(0x01 ‖ left ‖ right)         (left, right: 32-byte digests)
-    digest = MTH(leaves), RFC 6962 §2.1:  MTH([x]) = x;  MTH(d[0:m]) = node(MTH(d[0:k]), MTH(d[k:m]))
-             with k the largest power of two < m.
+    digest = T(leaf 0 … leaf m−1), RFC 6962 §2.1's split over the leaf digests:
+             T(x) = x for one leaf;  T(l[0:m]) = node(T(l[0:k]), T(l[k:m])), k = the largest power of two < m.
+             One leaf (n <= chunk_bytes) is its own digest: SHA-256(0x00 ‖ object).
 
 The same tree, built level by level (what the CPU and CUDA implementations do): pair nodes from the left; an odd
 last node of a level is carried up unchanged (never duplicated, unlike Bitcoin's tree, whose duplication lets two
