@@ -215,7 +215,10 @@ def run(cfg: Config) -> Result:
     ran = [c for c in res.cases if c.id.startswith(("bench-", "sweep-", "gpu-", "cpu-")) and c.skipped is None]
     res.extra.update(big_bytes=big_bytes, arms=arms, digests_match=bool(ran) and all(c.passed for c in ran))
     if on_device:
+        from kmesh.cuda import kernel_info
+
         res.extra["goals"] = _goals(arms)
         res.extra["writeup_ms"] = WRITEUP_MS
+        res.extra["kernels"] = {k: kernel_info(k) for k in ("sha256", "sha256_tree", "blake3")}
     return res
 

@@ -7,6 +7,8 @@ median of the per-trial ratios arm / baseline and in how many trials the arm was
 trials are the matched pairs). On CUDA the interval is two CUDA events on torch's current stream: GPU arms enqueue
 their kernels and the 32-byte-per-object digest download inside it (the host waits after the end event), CPU arms
 download the objects device→host into pinned memory, wait, and hash inside it (the end event is recorded after).
+GPU request plans (object descriptors and per-pass block tables, kmesh.integrity.gpu) are uploaded in the warm-up
+trial and reused, as a storage route reusing its staging buffers would.
 """
 from __future__ import annotations
 
