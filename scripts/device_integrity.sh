@@ -15,10 +15,10 @@ python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" 2>&1 | tai
 for k in sha256 sha256_tree blake3; do
   cuobjdump --dump-resource-usage results/cuda/kernels/$k.cubin 2>/dev/null | grep -E "Function|REG" | tee -a "$out/gpu.txt"
 done
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_integrity_gpu.py 2>&1 | tail -25 \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_integrity_gpu.py 2>&1 | tail -25 \
   | tee "$out/pytest_gpu_integrity.txt"
 start=$EPOCHREALTIME
-timeout 420 python3 -m kmesh run integrity --profile cuda --out results/cuda/integrity/result.json \
+timeout 300 python3 -m kmesh run integrity --profile cuda --out results/cuda/integrity/result.json \
   > results/cuda/logs/integrity.log 2>&1; rc=$?
 echo "integrity rc=$rc $(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN{print b-a}') s" | tee -a "$out/gpu.txt"
 tail -5 results/cuda/logs/integrity.log
