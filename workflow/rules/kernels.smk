@@ -3,7 +3,7 @@ rule kernels:
     input:
         code=stage_code("kernels"),
         sources=result("sources"),
-        cu=sorted(glob.glob("kernels/*.cu")),
+        cu=sorted(glob.glob("kernels/*.cu") + glob.glob("kernels/*.cuh")),
     output:
         result=result("kernels"),
     log:

@@ -4,7 +4,8 @@ Where a cubin comes from, in order:
 1. the directory given to `configure()` or in $KMESH_KERNEL_DIR (a stage passes results/<profile>/kernels/),
 2. <root>/results/cuda/kernels/<name>.cubin (what `python -m kmesh run kernels --profile cuda` writes),
 3. otherwise nvcc compiles kernels/<name>.cu on the fly into <root>/results/.kernel-cache/ (tests, scripts).
-A cubin older than its source is never used: it is rebuilt. `kernel_info(name)` says what was loaded.
+A cubin older than its source or any header it includes ("quoted", e.g. kernels/integrity_tree.cuh) is never
+used: it is rebuilt. `kernel_info(name)` says what was loaded.
 $KMESH_KERNEL_FLAGS (e.g. "-DRESTORE_ROT_CHUNK=16") adds nvcc flags for tuning experiments: then prebuilt cubins
 (built without them) are skipped and the source is compiled with the flags.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -57,8 +59,26 @@ def source_path(name: str) -> Path:
     return src
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def local_sources(src: Path) -> list[Path]:
+    """src and every file it #includes in quotes, recursively (relative to the including file): what its cubin
+    is built from."""
+    seen: list[Path] = []
+    todo = [src.resolve()]
+    while todo:
+        p = todo.pop()
+        if p in seen or not p.is_file():
+            continue
+        seen.append(p)
+        todo += [(p.parent / m).resolve() for m in _INCLUDE.findall(p.read_text(errors="replace"))]
+    return seen
+
+
 def _fresh(cubin: Path, src: Path) -> bool:
-    return cubin.is_file() and cubin.stat().st_size > 0 and cubin.stat().st_mtime >= src.stat().st_mtime
+    return cubin.is_file() and cubin.stat().st_size > 0 and \
+        cubin.stat().st_mtime >= max(p.stat().st_mtime for p in local_sources(src))
 
 
 def extra_flags() -> list[str]:
@@ -71,7 +91,8 @@ def _compile(src: Path) -> Path:
     if nvcc is None:
         raise KernelLoadError(f"no prebuilt cubin for {src.stem} and no nvcc to build one")
     flags = extra_flags()
-    digest = hashlib.sha256(src.read_bytes() + GENCODE.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in local_sources(src))
+    digest = hashlib.sha256(text + GENCODE.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _root() / "results" / ".kernel-cache"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{src.stem}-{digest}.cubin"

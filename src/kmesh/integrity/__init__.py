@@ -1,12 +1,18 @@
 """Integrity algorithms for stored objects: one registry every reader and writer goes through.
 
 Object files record the algorithm by name (DESIGN.md §2 `storage`); a reader looks the name up here and refuses
-an unknown one with `UnknownAlgorithmError`. CPU implementations live here; GPU kernels (kernels/*.cu, driven by
-kmesh.integrity modules) must produce exactly the digest the CPU implementation of the same name produces.
+an unknown one with `UnknownAlgorithmError`. CPU implementations live here and in kmesh.integrity.cpu; GPU kernels
+(kernels/sha256*.cu, kernels/blake3.cu, driven by kmesh.integrity.gpu) must produce exactly the digest the CPU
+implementation of the same name produces.
+
+    sha256       whole-object SHA-256 (the write-up's format)
+    sha256-tree  chunked SHA-256 tree, RFC 6962-style prefixes; param chunk_bytes (kmesh.integrity.tree)
+    blake3       the standard BLAKE3 digest of the whole object (32 bytes), as the `blake3` package computes it
 
     algo = get("sha256")
     d = algo.digest(memoryview(buf))           # bytes
     verify("sha256", buf, expected)            # raises DigestMismatchError
+    get("sha256-tree").digest(buf, chunk_bytes=65536)
 """
 from __future__ import annotations
 
@@ -83,3 +89,18 @@ def verify(name: str, data: Any, expected: bytes, what: str = "object", **params
 
 
 register(Algorithm("sha256", 32, _sha256))
+
+# After the classes above exist: the submodules import them from here.
+from kmesh.integrity import cpu as _cpu  # noqa: E402
+
+
+def _sha256_tree(data: memoryview, chunk_bytes: int | None = None) -> bytes:
+    return _cpu.sha256_tree(data, chunk_bytes)
+
+
+def _blake3(data: memoryview) -> bytes:
+    return _cpu.blake3(data)
+
+
+register(Algorithm("sha256-tree", 32, _sha256_tree, params=("chunk_bytes",)))
+register(Algorithm("blake3", 32, _blake3))

@@ -76,3 +76,36 @@ def quality_plot(quality: dict[str, dict[str, Any]], base: Path, formats: Iterab
     ax2.legend(frameon=False, fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, base, formats)
+
+
+def arms_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """GB/s per arm (log scale) with every trial's value as a dot and the median as a bar."""
+    arms = list(timing["rows"])
+    nbytes = timing["bytes"]
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(arms) + 2), 3.4))
+    med = [timing["rows"][a]["gbps"] for a in arms]
+    ax.bar(range(len(arms)), med, color="#b0c4de")
+    for i, a in enumerate(arms):
+        pts = [nbytes / t / 1e9 for t in timing["times_s"].get(a, []) if t > 0]
+        ax.scatter([i] * len(pts), pts, s=10, color="#34495e", alpha=0.7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(arms)), arms, rotation=25, ha="right")
+    ax.set_ylabel("GB/s (bar: median; dots: trials)")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)
+
+
+def sweep_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """GB/s against chunk size (log2 axis), best chunk marked."""
+    xs = [r["chunk_bytes"] for r in timing["rows"]]
+    ys = [r["gbps"] for r in timing["rows"]]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(xs, ys, marker="o", color="#34495e")
+    best = timing["best_chunk_bytes"]
+    ax.axvline(best, color="#c0392b", lw=0.8, ls="--", label=f"best: {best} B")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chunk size [bytes]")
+    ax.set_ylabel("GB/s (median over trials)")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)

@@ -53,6 +53,18 @@ def render_all(cfg: Config) -> list[Path]:
                                           tables.quality_caption(stage))
             written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
         for name, timing in r.get("timings", {}).items():
+            if isinstance(timing, dict) and timing.get("kind") == "arms":
+                base = f"{stage}_{name}"
+                written += tables.write_table(tables.arms_frame(timing), tdir / base, fmts,
+                                              f"Stage {stage}, {name}: " + tables.arms_caption(timing))
+                written += plots.arms_plot(timing, pdir / base, pfmts, f"{stage} / {name}: throughput per arm")
+                continue
+            if isinstance(timing, dict) and timing.get("kind") == "sweep":
+                base = f"{stage}_{name}"
+                written += tables.write_table(tables.sweep_frame(timing), tdir / base, fmts,
+                                              f"Stage {stage}, {name}: " + tables.sweep_caption(timing))
+                written += plots.sweep_plot(timing, pdir / base, pfmts, f"{stage} / {name}: GB/s vs chunk size")
+                continue
             if not isinstance(timing, dict) or timing.get("kind") != "paired":
                 continue
             base = f"{stage}_{name}"

@@ -116,3 +116,37 @@ def quality_caption(stage: str) -> str:
     return (f"Stage {stage}: every arm against full-prompt recompute on the same prompts, same runner and ratio. "
             "KL in nats over the next-token distribution; first divergence = index of the first generated token "
             "that differs (= tokens generated when none does); exact-match = the answer appears in the generation.")
+
+
+def arms_frame(timing: dict[str, Any]) -> pd.DataFrame:
+    """One row per arm of a rotating-order trial benchmark (kind "arms"): median, GB/s, paired ratio to the baseline."""
+    base = timing["baseline"]
+    rows = []
+    for arm, r in timing["rows"].items():
+        rows.append({"arm": arm, "median [ms]": r["median_ms"], "GB/s": r["gbps"],
+                     f"median ratio arm/{base}": r.get("ratio_vs_baseline", 1.0 if arm == base else None),
+                     f"speedup vs {base}": r.get("speedup_vs_baseline", 1.0 if arm == base else None),
+                     f"faster than {base}": (f"{r['faster_than_baseline']}/{r['trials']}"
+                                             if "faster_than_baseline" in r else ""),
+                     "trials": r["trials"]})
+    return pd.DataFrame(rows)
+
+
+def arms_caption(timing: dict[str, Any]) -> str:
+    mib = timing["bytes"] / 2**20
+    return (f"{timing['objects']} object(s), {mib:.4g} MiB in all; {timing['trials']} trials after "
+            f"{timing['warmup']} warm-up trial(s), every arm once per trial, order rotating by one arm per trial; "
+            f"median over trials, GB/s = bytes / median; ratio = median over trials of arm / {timing['baseline']} "
+            "in the same trial (the trials are the matched pairs).")
+
+
+def sweep_frame(timing: dict[str, Any]) -> pd.DataFrame:
+    rows = [{"chunk_bytes": r["chunk_bytes"], "median [ms]": r["median_ms"], "GB/s": r["gbps"],
+             "best": "yes" if r["chunk_bytes"] == timing["best_chunk_bytes"] else ""} for r in timing["rows"]]
+    return pd.DataFrame(rows)
+
+
+def sweep_caption(timing: dict[str, Any]) -> str:
+    return (f"sha256-tree ({timing['arm']} implementation) on {timing['bytes'] / 2**20:.4g} MiB per chunk size, "
+            f"{len(timing['orders'])} trials rotating the order of the sizes; median per size; "
+            f"best_chunk_bytes = {timing['best_chunk_bytes']} (highest GB/s).")

@@ -1,0 +1,337 @@
+"""Hash device buffers on the GPU: `sha256` (kernels/sha256.cu), `sha256-tree` (kernels/sha256_tree.cu) and `blake3`
+(kernels/blake3.cu). Every digest equals the CPU implementation's of the same name (kmesh.integrity).
+
+    digests = hash_buffers("blake3", [t0, t1, t2, t3])            # list of 32-byte digests (synchronizes)
+    d = hash_buffer("sha256-tree", t, chunk_bytes=65536)
+    p = hash_async("blake3", bufs, stream=s)                      # launches on s, returns at once
+    ...                                                           # other work
+    p.result()                                                    # waits for p's event only
+    verify_buffers("blake3", bufs, expected)                      # DigestMismatchError naming the object
+
+Buffers: CUDA torch tensors or cupy arrays (anything with __cuda_array_interface__), contiguous, all on one device;
+`lengths` hashes only the first lengths[i] bytes of buffer i (an object inside a larger staging buffer).
+Stream: a torch.cuda.Stream, a cupy stream, a raw cudaStream_t int, or None = torch's current stream (so CUDA-event
+timing with kmesh.bench.Intervals sees the work). The digests come back through one small device→host copy into
+pinned memory, ordered on the same stream; the caller keeps the input buffers alive and unmodified until result().
+
+sha256 `mode`: "concurrent" = one launch, one thread per object; "serial" = one launch per object in order (the
+write-up's two GPU arms). A plan (per-pass block tables, uploaded once) is cached per (algorithm, buffer addresses,
+lengths, chunk size): repeated hashing of the same staging buffers launches kernels and nothing else.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kmesh.integrity import DigestMismatchError, IntegrityError, get, tree
+
+GPU_ALGORITHMS = ("sha256", "sha256-tree", "blake3")
+TREE_THREADS = 256          # kernels/integrity_tree.cuh
+SHA256_THREADS = 32         # kernels/sha256.cu
+BLAKE3_CHUNK = 1024
+_INT32 = 2**31 - 1
+_PLAN_CACHE = 64
+
+
+class GpuHashError(IntegrityError):
+    """A GPU hash request is malformed (not a device buffer, mixed devices, bad length) or its launch failed."""
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    ptr: int
+    nbytes: int
+    device: int
+
+
+def device_buffer(obj: Any) -> DeviceBuffer:
+    """Address, size and device of a contiguous CUDA torch tensor or __cuda_array_interface__ array."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type != "cuda":
+            raise GpuHashError(f"GPU hashing needs a CUDA tensor, got one on {obj.device}")
+        if not obj.is_contiguous():
+            raise GpuHashError("GPU hashing needs a contiguous tensor")
+        return DeviceBuffer(obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index or 0)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        raise GpuHashError(f"not a device buffer: {type(obj).__name__} (give a CUDA tensor or a cupy array)")
+    shape, itemsize = tuple(cai["shape"]), np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    if strides is not None:
+        expect, acc = [], itemsize
+        for n in reversed(shape):
+            expect.insert(0, acc)
+            acc *= n
+        if tuple(strides) != tuple(expect) and int(np.prod(shape)) > 1:
+            raise GpuHashError("GPU hashing needs a C-contiguous array")
+    dev = getattr(getattr(obj, "device", None), "id", 0)
+    return DeviceBuffer(int(cai["data"][0]), int(np.prod(shape, dtype=np.int64)) * itemsize, int(dev))
+
+
+def pass_tables(counts: Sequence[int]) -> list[np.ndarray]:
+    """Per pass, the block prefix sums blk0 (n_obj + 1, uint32) for objects of `counts` input nodes
+    (kernels/integrity_tree.cuh): 256 nodes per block, passes until every object has one node."""
+    n = len(counts)
+    tables = []
+    cur = np.asarray(counts, dtype=np.int64)
+    while True:
+        blocks = -(-cur // TREE_THREADS)
+        blk0 = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(blocks, out=blk0[1:])
+        if blk0[-1] > _INT32:
+            raise GpuHashError(f"{blk0[-1]} blocks exceed one launch's grid")
+        tables.append(blk0.astype(np.uint32))
+        if blk0[-1] == n:
+            return tables
+        cur = blocks
+
+
+def leaf_counts(algorithm: str, lengths: Sequence[int], chunk_bytes: int | None) -> list[int]:
+    if algorithm == "blake3":
+        return [tree.leaf_count(n, BLAKE3_CHUNK) for n in lengths]
+    chunk = tree.check_chunk_bytes(chunk_bytes)
+    counts = [tree.leaf_count(n, chunk) for n in lengths]
+    if max(counts) >= 2**32:
+        raise GpuHashError("more than 2^32 leaves in one object")
+    return counts
+
+
+@dataclass
+class Plan:
+    """Device-side descriptors of one request shape: object addresses/lengths and every pass's block table."""
+
+    algorithm: str
+    n_obj: int
+    device: int
+    chunk_bytes: int | None
+    meta: Any                       # cupy uint64 [ptrs..., lens...]
+    tables: list[Any]               # cupy uint32 blk0 per pass (tree algorithms)
+    blocks: list[int]               # grid size per pass
+
+    def ptrs(self) -> Any:
+        return self.meta[: self.n_obj]
+
+    def lens(self) -> Any:
+        return self.meta[self.n_obj:]
+
+
+_plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+_lock = threading.Lock()
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _build_plan(algorithm: str, bufs: list[DeviceBuffer], lengths: list[int], chunk_bytes: int | None) -> Plan:
+    import cupy
+
+    dev = bufs[0].device
+    with cupy.cuda.Device(dev):
+        meta = cupy.asarray(np.array([b.ptr for b in bufs] + lengths, dtype=np.uint64))
+        tables, blocks = [], []
+        if algorithm != "sha256":
+            for t in pass_tables(leaf_counts(algorithm, lengths, chunk_bytes)):
+                tables.append(cupy.asarray(t))
+                blocks.append(int(t[-1]))
+        cupy.cuda.get_current_stream().synchronize()   # uploads done before any stream uses them
+    return Plan(algorithm, len(bufs), dev, chunk_bytes, meta, tables, blocks)
+
+
+def plan_for(algorithm: str, buffers: Sequence[Any], lengths: Sequence[int] | None = None,
+             chunk_bytes: int | None = None) -> tuple[Plan, list[DeviceBuffer]]:
+    """The cached plan for these buffers (checked: one device, lengths within the buffers)."""
+    if algorithm not in GPU_ALGORITHMS:
+        get(algorithm)   # UnknownAlgorithmError for names no build knows
+        raise GpuHashError(f"{algorithm!r} has no GPU implementation (GPU: {', '.join(GPU_ALGORITHMS)})")
+    if algorithm == "sha256-tree":
+        chunk_bytes = tree.check_chunk_bytes(chunk_bytes)
+    elif chunk_bytes is not None:
+        raise IntegrityError(f"{algorithm} takes no parameter(s) ['chunk_bytes']")
+    bufs = [device_buffer(b) for b in buffers]
+    if not bufs:
+        raise GpuHashError("nothing to hash: no buffers given")
+    if len({b.device for b in bufs}) != 1:
+        raise GpuHashError(f"all buffers must be on one device, got devices {sorted({b.device for b in bufs})}")
+    if lengths is None:
+        lens = [b.nbytes for b in bufs]
+    else:
+        lens = [int(n) for n in lengths]
+        if len(lens) != len(bufs):
+            raise GpuHashError(f"{len(lens)} lengths for {len(bufs)} buffers")
+        bad = [i for i, (n, b) in enumerate(zip(lens, bufs)) if not 0 <= n <= b.nbytes]
+        if bad:
+            raise GpuHashError(f"lengths outside their buffers at {bad}")
+    key = (algorithm, chunk_bytes, tuple((b.ptr, b.device) for b in bufs), tuple(lens))
+    with _lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan, bufs
+    plan = _build_plan(algorithm, bufs, lens, chunk_bytes)
+    with _lock:
+        _plans[key] = plan
+        while len(_plans) > _PLAN_CACHE:
+            _plans.popitem(last=False)
+    return plan, bufs
+
+
+def clear_plans() -> None:
+    with _lock:
+        _plans.clear()
+
+
+def _cupy_stream(stream: Any, device: int) -> Any:
+    import cupy
+
+    if stream is None:
+        import torch
+
+        ptr = torch.cuda.current_stream(device).cuda_stream
+    elif hasattr(stream, "cuda_stream"):      # torch.cuda.Stream
+        ptr = stream.cuda_stream
+    elif isinstance(stream, cupy.cuda.Stream) or hasattr(stream, "ptr"):
+        return stream
+    elif isinstance(stream, int):
+        ptr = stream
+    else:
+        raise GpuHashError(f"not a stream: {type(stream).__name__}")
+    key = (ptr, device)
+    if key not in _streams:
+        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; it works and cupy 13 has no successor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _streams[key] = cupy.cuda.ExternalStream(ptr, device)
+    return _streams[key]
+
+
+@dataclass
+class PendingDigests:
+    """Digests being computed on a stream. result() waits for this request only (its event), then converts."""
+
+    algorithm: str
+    n_obj: int
+    words: Any                      # cupy uint32 [n_obj, 8] on the device (final pass output)
+    host: np.ndarray                # pinned uint32 [n_obj * 8], filled by the ordered device→host copy
+    event: Any
+    keep: list[Any] = field(default_factory=list)   # plan, scratch, pinned memory: alive until the copy is done
+    _digests: list[bytes] | None = None
+
+    def done(self) -> bool:
+        return self._digests is not None or bool(self.event.done)
+
+    def result(self) -> list[bytes]:
+        if self._digests is None:
+            self.event.synchronize()
+            # SHA-256 words are big-endian digest words; BLAKE3 chaining values are little-endian
+            order = "<u4" if self.algorithm == "blake3" else ">u4"
+            raw = self.host.astype(order).tobytes()
+            self._digests = [raw[32 * i:32 * (i + 1)] for i in range(self.n_obj)]
+            self.keep.clear()
+        return list(self._digests)
+
+    def __del__(self) -> None:  # never hand pinned memory back to the pool while a copy may still write it
+        if self._digests is None and self.keep:
+            try:
+                self.event.synchronize()
+            except Exception:  # interpreter shutdown: nothing left to protect
+                pass
+
+
+def _launch(fn: Any, grid: int, block: int, args: tuple) -> None:
+    fn((grid, 1, 1), (block, 1, 1), args)
+
+
+def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int] | None = None,
+               chunk_bytes: int | None = None, stream: Any = None, mode: str = "concurrent",
+               poison: bool = False) -> PendingDigests:
+    """Launch the hash of every buffer on `stream` and return at once (see the module doc).
+    poison=True fills every output and scratch word with 0xFFFFFFFF first (tests: the kernels must write them all)."""
+    if mode not in ("concurrent", "serial"):
+        raise GpuHashError(f"mode must be 'concurrent' or 'serial', got {mode!r}")
+    if mode == "serial" and algorithm != "sha256":
+        raise GpuHashError("mode 'serial' is the whole-object sha256 arm only")
+    plan, _ = plan_for(algorithm, buffers, lengths, chunk_bytes)   # every argument checked before cupy is needed
+    import cupy
+
+    from kmesh.cuda.loader import KernelLoadError, get_function
+
+    n = plan.n_obj
+    cs = _cupy_stream(stream, plan.device)
+    try:
+        with cupy.cuda.Device(plan.device), cs:
+            def scratch(words: int) -> Any:
+                a = cupy.empty(words, dtype=np.uint32)
+                if poison:   # a runtime memset on the stream (no cupy elementwise kernel to JIT)
+                    cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, words * 4, cs.ptr)
+                return a
+
+            keep: list[Any] = [plan]
+            if algorithm == "sha256":
+                fn = get_function("sha256", "sha256_whole", plan.device)
+                out = scratch(n * 8)
+                if mode == "concurrent":
+                    _launch(fn, -(-n // SHA256_THREADS), SHA256_THREADS,
+                            (plan.ptrs(), plan.lens(), np.int32(n), out))
+                else:
+                    base_p, base_l = plan.ptrs().data.ptr, plan.lens().data.ptr
+                    for o in range(n):
+                        _launch(fn, 1, 1, (np.uint64(base_p + 8 * o), np.uint64(base_l + 8 * o), np.int32(1),
+                                           np.uint64(out.data.ptr + 32 * o)))
+            else:
+                kname = "sha256_tree" if algorithm == "sha256-tree" else "blake3"
+                first = get_function(kname, "sha256_tree_leaves" if kname == "sha256_tree" else "blake3_chunks",
+                                     plan.device)
+                later = get_function(kname, "sha256_tree_nodes" if kname == "sha256_tree" else "blake3_parents",
+                                     plan.device)
+                out = scratch(plan.blocks[0] * 8)
+                if kname == "sha256_tree":
+                    args = (plan.ptrs(), plan.lens(), np.uint32(plan.chunk_bytes), plan.tables[0], np.int32(n), out)
+                else:
+                    args = (plan.ptrs(), plan.lens(), plan.tables[0], np.int32(n), out)
+                _launch(first, plan.blocks[0], TREE_THREADS, args)
+                for p in range(1, len(plan.tables)):
+                    keep.append(out)
+                    nxt = scratch(plan.blocks[p] * 8)
+                    _launch(later, plan.blocks[p], TREE_THREADS,
+                            (out, plan.tables[p - 1], plan.tables[p], np.int32(n), nxt))
+                    out = nxt
+            pinned = cupy.cuda.alloc_pinned_memory(n * 32)
+            host = np.frombuffer(pinned, dtype=np.uint32, count=n * 8)
+            if poison:
+                host.fill(0xFFFFFFFF)
+            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, out.data.ptr, n * 32,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, cs.ptr)   # host is pinned: async
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            ev.record(cs)
+            keep += [out, pinned]
+    except (KernelLoadError, IntegrityError):
+        raise
+    except Exception as e:  # cupy raises its own CUDA driver/runtime errors
+        raise GpuHashError(f"{algorithm} launch failed: {type(e).__name__}: {e}") from e
+    return PendingDigests(algorithm, n, out.reshape(n, 8), host, ev, keep)
+
+
+def hash_buffers(algorithm: str, buffers: Sequence[Any], **kw: Any) -> list[bytes]:
+    """Digests of every buffer (launch + wait); keyword arguments as hash_async."""
+    return hash_async(algorithm, buffers, **kw).result()
+
+
+def hash_buffer(algorithm: str, buffer: Any, *, length: int | None = None, **kw: Any) -> bytes:
+    return hash_buffers(algorithm, [buffer], lengths=None if length is None else [length], **kw)[0]
+
+
+def verify_buffers(algorithm: str, buffers: Sequence[Any], expected: Sequence[bytes], what: str = "object",
+                   **kw: Any) -> None:
+    """Raise DigestMismatchError for the first buffer whose GPU digest differs from `expected`."""
+    got = hash_buffers(algorithm, buffers, **kw)
+    if len(expected) != len(got):
+        raise GpuHashError(f"{len(expected)} expected digests for {len(got)} buffers")
+    for i, (e, a) in enumerate(zip(expected, got)):
+        if e != a:
+            raise DigestMismatchError(algorithm, e, a, f"{what} {i}")

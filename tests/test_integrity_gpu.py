@@ -1,0 +1,121 @@
+"""The integrity kernels on a GPU: every GPU digest equals the CPU reference (hashlib, the blake3 package, the
+plain-Python sha256-tree), incl. poisoned outputs and poisoned bytes past each object, misaligned starts, 1 GiB,
+the async API on a side stream, and the integrity stage on the cuda profile (small sizes)."""
+from __future__ import annotations
+
+import hashlib
+
+import blake3
+import numpy as np
+import pytest
+
+from kmesh.integrity import DigestMismatchError, cpu, tree
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch
+
+    return torch
+
+
+def _dev(torch, n, seed):
+    host = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return host, torch.from_numpy(host).cuda()
+
+
+def test_boundary_lengths_poisoned_misaligned(torch):
+    """The stage's own GPU case: all lengths, misalignments 0/1/3, two tail poisons, poisoned outputs."""
+    from kmesh.result import Case
+    from kmesh.stages.integrity_gpu import check_gpu_digests
+
+    c = Case("gpu-digests")
+    check_gpu_digests(c, 20261130, [256, 1024])
+    assert c.passed, {k: v for k, v in c.checks.items() if v["ok"] is False}
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 256 * 1024, 256 * 1024 + 1, 3 << 20])
+def test_blake3_lengths_equal_package(torch, n):
+    from kmesh.integrity import gpu
+
+    host, dev = _dev(torch, n, n)
+    assert gpu.hash_buffer("blake3", dev, poison=True) == blake3.blake3(host.tobytes()).digest()
+
+
+def test_one_gib(torch):
+    from kmesh.integrity import gpu
+
+    host, dev = _dev(torch, 1 << 30, 5)
+    assert gpu.hash_buffer("blake3", dev, poison=True) == blake3.blake3(host, max_threads=blake3.blake3.AUTO).digest()
+    assert gpu.hash_buffer("sha256-tree", dev, chunk_bytes=65536) == cpu.sha256_tree(host, 65536)
+    assert gpu.hash_buffer("sha256-tree", dev, chunk_bytes=65536) == tree.reference(host, 65536)
+
+
+def test_sha256_serial_equals_concurrent_equals_hashlib(torch):
+    from kmesh.integrity import gpu
+
+    host, dev = _dev(torch, 4 * (3 << 20), 9)
+    objs = [dev[i * (3 << 20):(i + 1) * (3 << 20)] for i in range(4)]
+    want = [hashlib.sha256(host[i * (3 << 20):(i + 1) * (3 << 20)]).digest() for i in range(4)]
+    assert gpu.hash_buffers("sha256", objs, mode="serial", poison=True) == want
+    assert gpu.hash_buffers("sha256", objs, mode="concurrent", poison=True) == want
+
+
+def test_lengths_inside_larger_buffers(torch):
+    from kmesh.integrity import gpu
+
+    host, dev = _dev(torch, 1 << 20, 3)
+    bufs = [dev, dev[4096:]]
+    for alg, kw, ref in (("blake3", {}, lambda b: blake3.blake3(b).digest()),
+                         ("sha256", {}, lambda b: hashlib.sha256(b).digest()),
+                         ("sha256-tree", {"chunk_bytes": 4096}, lambda b: tree.reference(b, 4096))):
+        got = gpu.hash_buffers(alg, bufs, lengths=[1000, 70001], **kw)
+        assert got == [ref(host[:1000].tobytes()), ref(host[4096:4096 + 70001].tobytes())], alg
+    with pytest.raises(gpu.GpuHashError, match="outside"):
+        gpu.hash_buffers("blake3", bufs, lengths=[1 << 21, 1])
+
+
+def test_async_on_side_streams(torch):
+    from kmesh.integrity import gpu
+
+    host, dev = _dev(torch, 3 << 20, 4)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    p = gpu.hash_async("blake3", [dev], stream=s)
+    assert p.result() == [blake3.blake3(host).digest()] and p.done()
+    # a cupy stream works as well
+    import cupy
+
+    cs = cupy.cuda.Stream(non_blocking=True)
+    assert gpu.hash_async("sha256", [dev], stream=cs).result() == [hashlib.sha256(host).digest()]
+
+
+def test_corrupt_object_named(torch):
+    from kmesh.integrity import gpu
+
+    _, dev = _dev(torch, 1 << 20, 6)
+    objs = [dev[i << 18:(i + 1) << 18].clone() for i in range(4)]
+    good = gpu.hash_buffers("blake3", objs)
+    objs[3][77] ^= 1
+    with pytest.raises(DigestMismatchError, match="object 3"):
+        gpu.verify_buffers("blake3", objs, good)
+
+
+def test_stage_cuda_profile_small(tmp_path, torch):
+    from kmesh.config import load_config
+    from kmesh.stages import integrity
+
+    cfg = load_config(profile="cuda", overrides={"results_dir": str(tmp_path), "integrity": {
+        "trials": 3, "sweep_trials": 3, "big_bytes": 64 << 20, "big_whole_sha256_trials": 1,
+        "sweep_chunk_bytes": [1024, 65536], "check_chunk_bytes": [256]}})
+    res = integrity.run(cfg)
+    s = res.summary()
+    assert s["ok"] and s["all_passed"], [c.to_dict() for c in res.cases if c.passed is not True]
+    assert s["digests_match"] is True
+    for arm in ("cpu-sha256", "gpu-sha256-serial", "gpu-sha256-concurrent", "gpu-sha256-tree", "gpu-blake3",
+                "cpu-blake3"):
+        assert s["arms"][arm]["set"]["gbps"] > 0
+    assert "big" in s["arms"]["gpu-blake3"] and "big" in s["arms"]["gpu-sha256-concurrent"]
+    assert set(s["goals"]) >= {"blake3_12MiB_le_30us", "blake3_1GiB_ge_1TBps", "sha256_tree_12MiB_le_80us"}
