@@ -76,3 +76,19 @@ def quality_plot(quality: dict[str, dict[str, Any]], base: Path, formats: Iterab
     ax2.legend(frameon=False, fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, base, formats)
+
+
+def scaling_plot(scaling: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Time per child vs group size for each arm (a stage summary's `scaling`)."""
+    rows = sorted((r for r in scaling.values() if isinstance(r, dict) and "children" in r), key=lambda r: r["children"])
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    n = [r["children"] for r in rows]
+    for arm, label in (("serial", "serial"), ("layer_major", "layer-major"), ("batched", "layer-major batched")):
+        ax.plot(n, [r[f"{arm}_ms_per_child"] for r in rows], marker="o", label=label)
+    ax.set_xlabel("children in the group")
+    ax.set_ylabel("repair time per child [ms] (median)")
+    ax.set_xticks(n)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    return _save(fig, base, formats)
