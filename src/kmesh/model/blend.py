@@ -158,6 +158,7 @@ class BlendState:
     several requests layer-major (or runs the same pieces batched). A step makes no host synchronisation.
     """
 
+    @torch.no_grad()
     def __init__(self, runner: LayerRunner, ids: torch.Tensor, cache: KVCache, p: BlendPlan) -> None:
         T, dev = p.T, runner.device
         ids = ids.to(dev)
@@ -210,6 +211,7 @@ class BlendState:
         self.cache.write(layer, self.active, k, v)
         self.masks[layer].index_fill_(0, self.active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
 
+    @torch.no_grad()
     def step(self) -> None:
         """Run the next layer."""
         layer, runner, p = self.layer, self.runner, self.plan
@@ -224,6 +226,7 @@ class BlendState:
         self.h = runner.finish_layer(layer, self.h, a)
         self.layer += 1
 
+    @torch.no_grad()
     def result(self) -> BlendResult:
         if not self.done:
             raise ModelError(f"blend stopped at layer {self.layer} of {self.runner.num_layers}")
