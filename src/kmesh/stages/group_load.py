@@ -16,21 +16,34 @@ hashes to it on our side too (kmesh.segments.stage_segments). Only then are priv
 """
 from __future__ import annotations
 
+import contextlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kmesh.errors import KMeshError
 from kmesh.segments import Catalog, ServiceSegments, copy_private, stage_segments
 from kmesh.service import descriptor
+from kmesh.service.errors import RegistrationClosedError
 from kmesh.stages.equivalence_service import ServiceSide, Staging
 from kmesh.transfer.engine import TransferEngine
 
 
 class GroupAdmissionError(KMeshError):
     """A group member failed the check before release: no member's restored inputs reach the model."""
+
+
+@contextlib.contextmanager
+def _staging(svc: ServiceSide, name: str) -> Iterator[Staging]:
+    """A member's staging (ServiceSide.staging); one whose registration is already released (closed from
+    elsewhere, e.g. a member dropped before admission) has nothing left to close: its buffer is still unmapped."""
+    try:
+        with svc.staging(name) as st:
+            yield st
+    except RegistrationClosedError:
+        pass
 
 
 @dataclass
@@ -44,7 +57,7 @@ class GroupLoad:
 
     def __enter__(self) -> "GroupLoad":
         for n in self.names:
-            self.stagings[n] = self._stack.enter_context(self.svc.staging(f"group-{n}"))
+            self.stagings[n] = self._stack.enter_context(_staging(self.svc, f"group-{n}"))
         return self
 
     def __exit__(self, *exc: object) -> None:
