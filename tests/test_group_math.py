@@ -243,3 +243,33 @@ def test_blend_group_argument_errors(env):
         blend_group(runner, ms, RepairConfig(), restore=object())   # type: ignore[arg-type]
     with pytest.raises(ModelError, match="at least one member"):
         LayerwiseRestore(runner, [])
+
+
+@pytest.mark.gpu
+def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable():
+    """On a GPU: layer-major = serial bit for bit, batched within BATCHED_TOL, and blend() (now a loop of
+    BlendState steps) still captures as one CUDA graph equal to its eager run."""
+    from kmesh.model.graphs import GraphedBlend
+
+    dev = torch.device("cuda")
+    runner = LayerRunner(_tiny_llama().to(dev))
+    w = build(ByteTokenizer(300), 0, SPEC)
+    lc = runner.new_cache(len(w.leader_ids), BS)
+    runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)
+    ex = export_segments(runner, lc, w, b"group-test-cuda")
+    env_ = (runner, w, ex)
+    ref = _serial(env_)
+    members = _members(env_)
+    out = blend_group(runner, members, RepairConfig())
+    for m in members:
+        assert torch.equal(ref[m.name][0].logits, out.results[m.name].logits)
+        assert torch.equal(ref[m.name][1], m.cache.raw)
+    members = _members(env_)
+    out = blend_group(runner, members, RepairConfig(), batched=True)
+    for m in members:
+        a, b = ref[m.name][0], out.results[m.name]
+        assert torch.equal(a.masks, b.masks)
+        assert float((a.logits - b.logits).abs().max()) <= BATCHED_TOL * max(1.0, float(a.logits.abs().max()))
+    ch, cache, r, _ = _restored(env_)[0]
+    g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), "kmesh")
+    assert all(g.verify_against_eager().values())
