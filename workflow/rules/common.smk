@@ -25,8 +25,8 @@ STAGE_CODE = {
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
     "group": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py",
-              "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence.py",
-              "stages/equivalence_service.py", "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+              "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence*.py",
+              "stages/model.py", "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
 
