@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from kmesh.model.blend import BlendResult, BlendState, RepairConfig, deviation, pick, plan
 from kmesh.model.errors import ModelError
@@ -128,20 +129,18 @@ def _batched_attention(runner: LayerRunner, states: Sequence[BlendState], layer:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=runner.scale,
                                              enable_gqa=runner.groups > 1)
         return [o.transpose(0, 1).reshape(n, n_h * hd) for o, n in zip(out, sizes)]
-    N, nmax, Tmax = len(states), max(sizes), max(Ts)
-    q = qs[0].new_zeros(N, nmax, n_h, hd)
-    k = qs[0].new_zeros(N, Tmax, runner.num_kv_heads, hd)
-    v = torch.zeros_like(k)
-    qpos = torch.full((N, nmax), Tmax - 1, dtype=torch.int64, device=dev)
-    kvalid = torch.zeros(N, Tmax, dtype=torch.bool, device=dev)
-    for i, (s, qi) in enumerate(zip(states, qs)):
-        q[i, : qi.shape[0]] = qi
-        kc, vc = s.cache.layer_kv(layer, s.plan.T)
-        k[i, : s.plan.T], v[i, : s.plan.T] = kc, vc
-        qpos[i, : qi.shape[0]] = s.active
-        kvalid[i, : s.plan.T] = True
+    N, Tmax = len(states), max(Ts)
+    q = pad_sequence(list(qs), batch_first=True)                                  # [N, nmax, heads, D]
+    qpos = pad_sequence([s.active for s in states], batch_first=True, padding_value=Tmax - 1)
+    kv = [s.cache.layer_kv(layer, s.plan.T) for s in states]
+    if same_T:
+        k, v = torch.stack([a for a, _ in kv]), torch.stack([b for _, b in kv])  # [N, T, kv_heads, D]
+    else:
+        k, v = pad_sequence([a for a, _ in kv], batch_first=True), pad_sequence([b for _, b in kv], batch_first=True)
     kpos = torch.arange(Tmax, device=dev)
-    allowed = (kpos[None, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]     # [N, nmax, Tmax]
+    allowed = kpos[None, None, :] <= qpos[:, :, None]                            # [N, nmax, Tmax]
+    if not same_T:   # keys past a member's own prompt are padding
+        allowed &= kpos[None, None, :] < torch.tensor(Ts, device=dev)[:, None, None]
     kk = k.repeat_interleave(runner.groups, dim=2).transpose(1, 2)
     vv = v.repeat_interleave(runner.groups, dim=2).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=allowed[:, None], scale=runner.scale)
