@@ -77,7 +77,9 @@ class LayerwiseRestore:
     placements in one rotation per layer (the batched RoPE adjustment of the shared segments).
 
     Same math as kmesh.restore's torch path: one rotation by (new − old)·ω from tables computed in float64
-    from the original positions, elementwise in float32; tokens that do not move and values are copied."""
+    from the original positions, elementwise in float32; tokens that do not move and values are copied.
+    Memory: it holds one copy of every member's restored inputs (all layers) until the group is done — the
+    price of writing them layer by layer (a serial restore writes all layers up front and frees its copy)."""
 
     def __init__(self, runner: LayerRunner, parts: Sequence[RestorePart]) -> None:
         if not parts:
@@ -85,7 +87,7 @@ class LayerwiseRestore:
         lay = parts[0].cache.layout
         if lay.fp8_dtype is not None or lay.rope_offset != 0:
             raise ModelError("the group restore handles the runner's own caches (no fp8, rope at channel 0)")
-        self.parts, self.rope = list(parts), runner.rope
+        self.rope = runner.rope
         dev = parts[0].cache.raw.device
         self.k = torch.cat([p.segment.k for p in parts])          # [tokens of all placements, L, H, D]
         self.v = torch.cat([p.segment.v for p in parts])
@@ -97,6 +99,8 @@ class LayerwiseRestore:
         for p in parts:
             self.bounds.append(self.bounds[-1] + p.segment.num_tokens)
         self.placement_tokens = int(self.k.shape[0])
+        # only the concatenated copy is kept (the per-member captures can go): where each member's rows land
+        self.targets = [(p.cache, p.new_positions) for p in parts]
 
     def layer(self, layer: int) -> None:
         """Write layer `layer` of every member's restored inputs into its cache."""
@@ -105,8 +109,8 @@ class LayerwiseRestore:
         y = apply_rotation(x, self.cos, self.sin, self.rope)[..., :rd]
         keys = x.clone()
         keys[..., :rd][self.moved] = y[self.moved]
-        for p, a, b in zip(self.parts, self.bounds, self.bounds[1:]):
-            p.cache.write(layer, p.new_positions, keys[a:b], self.v[a:b, layer])
+        for (cache, pos), a, b in zip(self.targets, self.bounds, self.bounds[1:]):
+            cache.write(layer, pos, keys[a:b], self.v[a:b, layer])
 
     def all_layers(self) -> None:
         for layer in range(self.k.shape[1]):
