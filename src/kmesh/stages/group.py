@@ -29,15 +29,16 @@ from __future__ import annotations
 import dataclasses
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kmesh.child import (POISON, ChildContext, ChildOutcome, _outcome, full_reference, new_cache, prefill_and_decode,
                          run_child)
 from kmesh.config import Config
+from kmesh.errors import KMeshError
 from kmesh.model.blend import RepairConfig
-from kmesh.model.group import InjectedMemberFault, LayerwiseRestore, Member, blend_group
+from kmesh.model.group import InjectedMemberFault, Member, blend_group
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Case, Result
@@ -50,6 +51,10 @@ from kmesh.stages.group_load import GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.faults import ChunkGate, FaultPlan
 from kmesh.workload import Child, Workload, WorkloadSpec, build
+
+
+class GroupConfigError(KMeshError):
+    """The group section names a failure the group cannot have (unknown member, no layer after it)."""
 
 
 @dataclass
@@ -81,6 +86,11 @@ def _setup(cfg: Config) -> GroupSetup:
     export = leader_prefill(runner, workload, b"kmesh-group/leader")
     ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(sec["repair"]),
                        int(sec["max_new_tokens"]), sec.get("restore_backend", "torch"))
+    names = [c.name for c in workload.children[: int(sec["children"])]]
+    fail = sec["failure"]
+    if fail["child"] not in names or not 0 <= int(fail["after_layer"]) < runner.num_layers - 1:
+        raise GroupConfigError(f"group.failure: child {fail['child']!r} must be one of {names} and after_layer "
+                               f"{fail['after_layer']} a layer before the model's last ({runner.num_layers - 1})")
     return GroupSetup(cfg, sec, device, what, tok, runner, workload, export, ctx)
 
 
