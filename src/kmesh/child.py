@@ -77,7 +77,7 @@ def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored
     return res, tokens
 
 
-def _outcome(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
+def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
              res: BlendResult, tokens: list[int], fallback: str | None, events: list[str]) -> ChildOutcome:
     T = len(child.ids)
     _check_poison(cache, T + ctx.max_new_tokens - 1)
@@ -98,7 +98,7 @@ def full_reference(ctx: ChildContext, child: Child) -> ChildOutcome:
     cache = new_cache(ctx, child)
     restored = torch.zeros(len(child.ids), dtype=torch.bool)
     res, tokens = prefill_and_decode(ctx, child, cache, restored, "full")
-    return _outcome(ctx, child, "none", "full", cache, restored, res, tokens, None, ["recompute"])
+    return outcome_of(ctx, child, "none", "full", cache, restored, res, tokens, None, ["recompute"])
 
 
 def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
@@ -115,7 +115,7 @@ def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: t
         restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
         events.append("restored")
         res, tokens = prefill_and_decode(ctx, child, cache, restored, arm)
-        return _outcome(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
+        return outcome_of(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
     except (SegmentLoadError, TransferError) as e:
         fallback = f"{type(e).__name__}: {e}"
         events.append(f"failed:{type(e).__name__}")
@@ -128,4 +128,4 @@ def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: t
     restored = torch.zeros(len(child.ids), dtype=torch.bool)
     res, tokens = prefill_and_decode(ctx, child, cache, restored, "full")
     events.append("recompute")
-    return _outcome(ctx, child, source.name, "full", cache, restored, res, tokens, fallback, events)
+    return outcome_of(ctx, child, source.name, "full", cache, restored, res, tokens, fallback, events)

@@ -18,7 +18,8 @@ stock   stock CacheBlend as LMCache implements it: check layer(s) as configured 
 naive   restored positions reuse their (shifted) K/V at every layer, no repair; others recomputed.
 full    every position recomputed at every layer: the reference (a plain prefill through the runner).
 
-Per-layer recompute masks (bool [layers, T]) are returned. The loop has no host synchronisation once it
+Per-layer recompute masks (bool [layers, T]) are returned. blend() is a loop of BlendState.step() (one layer
+each), so a group of requests can interleave the same steps layer-major (kmesh.model.group). The loop has no host synchronisation once it
 starts (selection is a device top-k of static size), so one request's whole blend can be captured in a CUDA
 graph (kmesh.model.graphs).
 """
@@ -126,16 +127,114 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
                      config.deviation)
 
 
-def _select(p: BlendPlan, i: int, rows_pos: torch.Tensor, fresh: torch.Tensor, cached: torch.Tensor,
-            forced_rows: torch.Tensor | None) -> torch.Tensor:
-    """Sorted row indices that stay recomputed after check layer i."""
-    dev = ((fresh.float() - cached.float()) ** 2).sum(dim=(1, 2))
+def deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-row ‖fresh − cached‖² over heads and channels in float32 (rows [n, heads, D] -> [n]).
+
+    Each row is reduced on its own, so the rows of several requests stacked into one call give each
+    request's deviations bit for bit (the group path batches this; tests check it)."""
+    return ((fresh.float() - cached.float()) ** 2).sum(dim=(1, 2))
+
+
+def pick(p: BlendPlan, i: int, dev: torch.Tensor, forced_rows: torch.Tensor | None) -> torch.Tensor:
+    """Sorted row indices that stay recomputed after check layer i, from the rows' deviations."""
     # topk ranks NaN above +inf: a NaN deviation (broken restored data) must rank below the forced rows.
     dev = torch.nan_to_num(dev, nan=torch.finfo(dev.dtype).max)
     if forced_rows is not None:  # kmesh: forced positions always survive, the rest compete
         dev = dev.masked_fill(forced_rows, float("inf"))
-    k = min(p.keep[i], rows_pos.numel())
+    k = min(p.keep[i], dev.numel())
     return torch.sort(torch.topk(dev, k, sorted=False).indices).values
+
+
+def _select(p: BlendPlan, i: int, rows_pos: torch.Tensor, fresh: torch.Tensor, cached: torch.Tensor,
+            forced_rows: torch.Tensor | None) -> torch.Tensor:
+    """Sorted row indices that stay recomputed after check layer i."""
+    return pick(p, i, deviation(fresh, cached), forced_rows)
+
+
+class BlendState:
+    """One request's prefill in progress: everything blend() carries from one layer to the next.
+
+    `step()` runs the next layer; blend() is a loop of steps, and kmesh.model.group interleaves the steps of
+    several requests layer-major (or runs the same pieces batched). A step makes no host synchronisation.
+    """
+
+    @torch.no_grad()
+    def __init__(self, runner: LayerRunner, ids: torch.Tensor, cache: KVCache, p: BlendPlan) -> None:
+        T, dev = p.T, runner.device
+        ids = ids.to(dev)
+        if ids.numel() != T or cache.capacity < T:
+            raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
+        self.runner, self.cache, self.plan = runner, cache, p
+        self.layer = 0
+        if p.arm == "stock":  # no data is zeros, not whatever the buffer held
+            for layer in range(runner.num_layers):
+                cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
+                            torch.zeros_like(cache.v[layer][p.forced]))
+        self.active = p.forced if p.arm == "naive" else torch.arange(T, device=dev)
+        self.h = runner.embed(ids[self.active])
+        self.rot = runner.rotary(self.active)
+        self.masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
+        self.mask_kind = "bottom_right" if p.arm == "stock" else "position"
+
+    @property
+    def done(self) -> bool:
+        return self.layer >= self.runner.num_layers
+
+    def check_index(self, layer: int) -> int | None:
+        """Which check layer `layer` is (None: not one)."""
+        return self.plan.check_layers.index(layer) if layer in self.plan.check_layers else None
+
+    def all_rows(self, layer: int) -> bool:
+        """Known on the host: the rows are still every position in order (before any selection / full arm)."""
+        p = self.plan
+        return p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])
+
+    def deviation_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fresh, restored) rows a check layer compares: K or V of the active positions."""
+        if self.plan.deviation == "k":
+            return k, self.cache.k[layer][self.active]
+        return v, self.cache.v[layer][self.active]
+
+    def forced_rows(self) -> torch.Tensor | None:
+        return self.plan.is_forced[self.active] if self.plan.arm == "kmesh" else None
+
+    def keep_rows(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Narrow the state (hidden rows, rotary rows, active positions) and this layer's q/k/v to `rows`."""
+        self.h = self.h[rows]
+        self.rot = (self.rot[0][rows], self.rot[1][rows])
+        self.active = self.active[rows]
+        return q[rows], k[rows], v[rows]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's fresh K/V of the active positions into the cache, and the layer's recompute mask."""
+        if self.all_rows(layer):   # a plain copy into slots 0..T-1 instead of a scatter (the same bytes land)
+            self.cache.write_prefix(layer, k, v)
+            self.masks[layer].fill_(True)
+            return
+        self.cache.write(layer, self.active, k, v)
+        self.masks[layer].index_fill_(0, self.active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Run the next layer."""
+        layer, runner, p = self.layer, self.runner, self.plan
+        q, k, v = runner.qkv(layer, self.h, self.active, self.rot)
+        i = self.check_index(layer)
+        if i is not None:
+            rows = _select(p, i, self.active, *self.deviation_inputs(layer, k, v), self.forced_rows())
+            q, k, v = self.keep_rows(rows, q, k, v)
+        self.store(layer, k, v)
+        kc, vc = self.cache.layer_kv(layer, p.T)
+        a = runner.attend(q, self.active, kc, vc, mask=self.mask_kind, all_rows=self.all_rows(layer))
+        self.h = runner.finish_layer(layer, self.h, a)
+        self.layer += 1
+
+    @torch.no_grad()
+    def result(self) -> BlendResult:
+        if not self.done:
+            raise ModelError(f"blend stopped at layer {self.layer} of {self.runner.num_layers}")
+        return BlendResult(self.runner.logits(self.h[-1:])[0], self.masks, self.plan.arm)
 
 
 @torch.no_grad()
@@ -143,38 +242,7 @@ def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequ
           config: RepairConfig = RepairConfig(), arm: str = "kmesh", plan_: BlendPlan | None = None) -> BlendResult:
     """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc)."""
     p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device)
-    T, dev = p.T, runner.device
-    ids = ids.to(dev)
-    if ids.numel() != T or cache.capacity < T:
-        raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
-    all_pos = torch.arange(T, device=dev)
-    is_forced = p.is_forced
-    if p.arm == "stock":  # no data is zeros, not whatever the buffer held
-        for layer in range(runner.num_layers):
-            cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
-                        torch.zeros_like(cache.v[layer][p.forced]))
-    active = p.forced if p.arm == "naive" else all_pos
-    h = runner.embed(ids[active])
-    rot = runner.rotary(active)
-    masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
-    mask_kind = "bottom_right" if p.arm == "stock" else "position"
-    for layer in range(runner.num_layers):
-        q, k, v = runner.qkv(layer, h, active, rot)
-        if layer in p.check_layers:
-            i = p.check_layers.index(layer)
-            fresh, cached = (k, cache.k[layer][active]) if p.deviation == "k" else (v, cache.v[layer][active])
-            rows = _select(p, i, active, fresh, cached, is_forced[active] if p.arm == "kmesh" else None)
-            q, k, v, h = q[rows], k[rows], v[rows], h[rows]
-            rot = (rot[0][rows], rot[1][rows])
-            active = active[rows]
-        # Known on the host: the rows are still every position in order (before any selection / full arm).
-        all_rows = p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])
-        if all_rows:   # a plain copy into slots 0..T-1 instead of a scatter (the same bytes land)
-            cache.write_prefix(layer, k, v)
-            masks[layer].fill_(True)
-        else:
-            cache.write(layer, active, k, v)
-            masks[layer].index_fill_(0, active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
-        kc, vc = cache.layer_kv(layer, T)
-        h = runner.finish_layer(layer, h, runner.attend(q, active, kc, vc, mask=mask_kind, all_rows=all_rows))
-    return BlendResult(runner.logits(h[-1:])[0], masks, p.arm)
+    state = BlendState(runner, ids, cache, p)
+    for _ in range(runner.num_layers):
+        state.step()
+    return state.result()

@@ -109,3 +109,26 @@ def sweep_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], title
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=10)
     return _save(fig, base, formats)
+
+
+def scaling_plot(scaling: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Time per child vs group size for each arm, and the paired ratios to serial (a stage summary's `scaling`)."""
+    rows = sorted((r for r in scaling.values() if isinstance(r, dict) and "children" in r), key=lambda r: r["children"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.4))
+    n = [r["children"] for r in rows]
+    for arm, label in (("serial", "serial"), ("layer_major", "layer-major"), ("batched", "layer-major batched")):
+        ax.plot(n, [r[f"{arm}_ms_per_child"] for r in rows], marker="o", label=label)
+    ax.set_xlabel("children in the group")
+    ax.set_ylabel("repair time per child [ms] (median)")
+    for a in (ax, bx):
+        a.set_xticks(n)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    bx.plot(n, [r["ratio_layer_major_over_serial"] for r in rows], marker="o", color="C1", label="layer-major / serial")
+    bx.plot(n, [r["ratio_batched_over_serial"] for r in rows], marker="o", color="C2", label="batched / serial")
+    bx.axhline(1.0, color="grey", lw=0.8, ls="--")
+    bx.set_xlabel("children in the group")
+    bx.set_ylabel("median of per-pair time ratios")
+    bx.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, base, formats)

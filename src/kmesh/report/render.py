@@ -52,6 +52,16 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,
                                           tables.quality_caption(stage))
             written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
+        scaling = r["summary"].get("scaling")
+        if isinstance(scaling, dict) and scaling:
+            written += tables.write_table(tables.scaling_frame(scaling), tdir / f"{stage}_scaling", fmts,
+                                          tables.scaling_caption(stage, scaling))
+            written += plots.scaling_plot(scaling, pdir / f"{stage}_scaling", pfmts, f"{stage}: time per child vs N")
+        held = r["summary"].get("bytes_held")
+        if isinstance(held, dict) and held.get("by_group_size"):
+            written += tables.write_table(tables.bytes_held_frame(held), tdir / f"{stage}_bytes_held", fmts,
+                                          f"Stage {stage}: bytes held per child vs group size (measured; diffs = "
+                                          "rows the repair changed against the shifted shared original + 4-byte index)")
         for name, timing in r.get("timings", {}).items():
             if isinstance(timing, dict) and timing.get("kind") == "arms":
                 base = f"{stage}_{name}"

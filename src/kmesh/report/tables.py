@@ -150,3 +150,43 @@ def sweep_caption(timing: dict[str, Any]) -> str:
     return (f"sha256-tree ({timing['arm']} implementation) on {timing['bytes'] / 2**20:.4g} MiB per chunk size, "
             f"{len(timing['orders'])} trials rotating the order of the sizes; median per size; "
             f"best_chunk_bytes = {timing['best_chunk_bytes']} (highest GB/s).")
+
+
+def scaling_frame(scaling: dict[str, Any]) -> pd.DataFrame:
+    """One row per group size (a stage summary's `scaling`): medians of the arms, paired ratios, peak memory."""
+    rows = []
+    for n, r in scaling.items():
+        if not isinstance(r, dict) or "children" not in r:
+            continue
+        pm = r.get("peak_memory", {})
+        rows.append({"children": r["children"], "pairs": r["pairs"],
+                     "serial [ms]": r["serial_ms"], "layer-major [ms]": r["layer_major_ms"],
+                     "batched [ms]": r["batched_ms"],
+                     "serial / child [ms]": r["serial_ms_per_child"], "batched / child [ms]": r["batched_ms_per_child"],
+                     "ratio layer-major/serial": r["ratio_layer_major_over_serial"],
+                     "ratio batched/serial": r["ratio_batched_over_serial"],
+                     "speedup batched": r["speedup_batched"],
+                     "batched faster": f"{r['batched_faster_pairs']}/{r['pairs']}",
+                     **{f"peak {arm} [MiB]": v["bytes"] / 2**20 for arm, v in pm.items()}})
+    return pd.DataFrame(rows)
+
+
+def scaling_caption(stage: str, scaling: dict[str, Any]) -> str:
+    first = next((r for r in scaling.values() if isinstance(r, dict) and "peak_memory" in r), {})
+    what = next(iter(first.get("peak_memory", {}).values()), {}).get("what", "")
+    return (f"Stage {stage}: repair of a group of N children (restore + prefill to every member's first token), "
+            "matched pairs per size, order alternating; serial vs layer-major and serial vs batched are two paired "
+            "comparisons in one run; ms = median over pairs, ratios and speedup = medians of per-pair ratios. "
+            f"Peak memory: one untimed run per arm, {what}.")
+
+
+def bytes_held_frame(held: dict[str, Any]) -> pd.DataFrame:
+    """Bytes a group holds per child vs group size: originals once in the store, repaired copies, diffs."""
+    rows = [{"children": int(n), "store per child [MiB]": r["store_bytes_per_child"] / 2**20,
+             "repaired copy per child [MiB]": r["repaired_copy_bytes_per_child"] / 2**20,
+             "held per child, full copies [MiB]": r["held_per_child_full_copies"] / 2**20,
+             "diff per child [MiB]": r["diff_bytes_per_child"] / 2**20,
+             "held per child, diffs [MiB]": r["held_per_child_with_diffs"] / 2**20,
+             "diff saving": r["diff_saving_fraction"], "full/diff": r["compression_full_over_diff"]}
+            for n, r in held.get("by_group_size", {}).items()]
+    return pd.DataFrame(rows)

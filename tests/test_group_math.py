@@ -1,0 +1,275 @@
+"""kmesh.model.group on a tiny CPU model: layer-major execution, batched group math, failure isolation.
+
+Model: a tiny random float32 LlamaForCausalLM (4 layers, 2 KV heads of 16 channels, as in
+tests/test_equivalence_parts.py); workload: ByteTokenizer(300), 3 segments of 80 tokens, 4 children of 352.
+Reference everywhere: each child's own blend() (the serial path), on identical restored inputs.
+Numerical bound of the batched path (module doc of kmesh.model.group): the rotation and the deviation are
+asserted bit-identical; the whole batched prefill is asserted within BATCHED_TOL of serial with equal masks
+(on this CPU it is in fact bit-identical, which is recorded by test_batched_group_within_bound's print).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kmesh.model.blend import ARMS, BlendState, RepairConfig, blend, deviation, plan
+from kmesh.model.errors import ModelError
+from kmesh.model.group import (InjectedMemberFault, LayerwiseRestore, Member, MemberFailure, RestorePart,
+                               blend_group)
+from kmesh.model.runner import LayerRunner
+from kmesh.restore import capture
+from kmesh.segments import export_segments, restore_child
+from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=512)
+SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=4, block_size=16)
+BS = 16
+BATCHED_TOL = 1e-5     # relative to max(1, max |logit|)
+
+
+def _tiny_llama(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return model
+
+
+@pytest.fixture(scope="module")
+def env():
+    runner = LayerRunner(_tiny_llama())
+    w = build(ByteTokenizer(300), 0, SPEC)
+    lc = runner.new_cache(len(w.leader_ids), BS)
+    runner.prefill(torch.tensor(w.leader_ids), lc)
+    return runner, w, export_segments(runner, lc, w, b"group-test")
+
+
+def _restored(env, lengths=None):
+    """Per child: (child, cache with restored inputs, restored mask, T) — T may cut the prompt (ragged groups)."""
+    runner, w, ex = env
+    out = []
+    for i, ch in enumerate(w.children):
+        T = len(ch.ids) if lengths is None else lengths[i]
+        cache = runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan"))
+        r = restore_child(cache, ex.catalog, ex.raw, ch, runner)
+        out.append((ch, cache, r[:T].clone(), T))
+    return out
+
+
+def _serial(env, arm="kmesh", config=RepairConfig(), lengths=None):
+    runner = env[0]
+    out = {}
+    for ch, cache, r, T in _restored(env, lengths):
+        res = blend(runner, torch.tensor(ch.ids[:T]), cache, r, config, arm)
+        out[ch.name] = (res, cache.raw.clone())
+    return out
+
+
+def _members(env, arm="kmesh", lengths=None):
+    return [Member(ch.name, torch.tensor(ch.ids[:T]), cache, r, arm) for ch, cache, r, T in _restored(env, lengths)]
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_layer_major_is_bit_identical_to_serial(env, arm):
+    cfg = RepairConfig(check_layers=(1, 2), recompute_ratio=(0.3, 0.15))
+    ref = _serial(env, arm, cfg)
+    members = [Member(m.name, m.ids, m.cache, m.restored, arm) for m in _members(env)]
+    out = blend_group(env[0], members, cfg)
+    assert not out.failed and sorted(out.results) == sorted(ref)
+    L = env[0].num_layers
+    assert [layer for layer, _ in out.order] == sorted(layer for layer, _ in out.order)   # layer-major
+    assert out.order[:len(members)] == [(0, m.name) for m in members]
+    assert len(out.order) == L * len(members)
+    for m in members:
+        res, raw = ref[m.name]
+        assert torch.equal(res.logits, out.results[m.name].logits)
+        assert torch.equal(res.masks, out.results[m.name].masks)
+        assert torch.equal(raw, m.cache.raw)     # every K/V byte (and every canary) the same
+
+
+def test_blend_is_a_loop_of_steps(env):
+    runner = env[0]
+    (ch, cache, r, T), = _restored(env)[:1]
+    p = plan("kmesh", r, RepairConfig(), runner.num_layers, runner.device)
+    s = BlendState(runner, torch.tensor(ch.ids), cache, p)
+    with pytest.raises(ModelError, match="stopped at layer 0"):
+        s.result()
+    for layer in range(runner.num_layers):
+        assert s.layer == layer
+        s.step()
+    ref = _serial(env)[ch.name][0]
+    assert s.done and torch.equal(s.result().logits, ref.logits) and torch.equal(s.masks, ref.masks)
+
+
+def test_batched_rotation_is_bit_identical_to_restore(env):
+    runner, w, ex = env
+    a = _restored(env)
+    caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
+    parts = []
+    for ch, c in zip(w.children, caches):
+        sl = ch.segment_slices()
+        src = torch.cat([ex.catalog.entries[i].slots() for i, _, _ in sl])
+        old = torch.cat([ex.catalog.entries[i].leader_positions() for i, _, _ in sl])
+        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old),
+                                 torch.cat([torch.arange(s, e) for _, s, e in sl])))
+    lr = LayerwiseRestore(runner, parts)
+    assert lr.placement_tokens == sum(p.segment.num_tokens for p in parts) and bool(lr.moved.any())
+    lr.all_layers()
+    for (_, ref, _, _), c in zip(a, caches):
+        assert torch.equal(ref.raw, c.raw)
+
+
+def test_batched_deviation_is_bit_identical_per_row():
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(n, 2, 16, generator=g) for n in (7, 130, 1, 64)]
+    cached = [x + 0.01 * torch.randn(x.shape, generator=g) for x in rows]
+    together = deviation(torch.cat(rows), torch.cat(cached)).split([x.shape[0] for x in rows])
+    for x, c, t in zip(rows, cached, together):
+        assert torch.equal(deviation(x, c), t)
+
+
+@pytest.mark.parametrize("lengths", [None, (352, 300, 352, 200)], ids=["same-length", "ragged"])
+def test_batched_group_within_bound(env, lengths):
+    runner, w, ex = env
+    ref = _serial(env, lengths=lengths)
+    members = _members(env, lengths=lengths)
+    out = blend_group(runner, members, RepairConfig(), batched=True)
+    worst = 0.0
+    for m in members:
+        a, b = ref[m.name][0], out.results[m.name]
+        assert torch.equal(a.masks, b.masks)
+        scale = max(1.0, float(a.logits.abs().max()))
+        d = float((a.logits - b.logits).abs().max())
+        T = len(m.ids)
+        kv = (ref[m.name][1].view(torch.float32) - m.cache.raw.view(torch.float32)).nan_to_num().abs().max()
+        worst = max(worst, d / scale, float(kv))
+        assert int(a.logits.argmax()) == int(b.logits.argmax())
+        assert T == b.masks.shape[1]
+    print(f"batched vs serial, max relative |Δ| = {worst}")
+    assert worst <= BATCHED_TOL
+
+
+def test_batched_with_layerwise_restore_matches_serial(env):
+    runner, w, ex = env
+    ref = _serial(env)
+    caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
+    parts, members = [], []
+    for ch, c in zip(w.children, caches):
+        sl = ch.segment_slices()
+        src = torch.cat([ex.catalog.entries[i].slots() for i, _, _ in sl])
+        old = torch.cat([ex.catalog.entries[i].leader_positions() for i, _, _ in sl])
+        new = torch.cat([torch.arange(s, e) for _, s, e in sl])
+        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old), new))
+        r = torch.zeros(len(ch.ids), dtype=torch.bool)
+        r[new] = True
+        members.append(Member(ch.name, torch.tensor(ch.ids), c, r))
+    out = blend_group(runner, members, RepairConfig(), batched=True, restore=LayerwiseRestore(runner, parts))
+    for m in members:
+        a, b = ref[m.name][0], out.results[m.name]
+        assert torch.equal(a.masks, b.masks)
+        assert float((a.logits - b.logits).abs().max()) <= BATCHED_TOL * max(1.0, float(a.logits.abs().max()))
+
+
+def test_a_corrupted_member_input_is_seen_by_the_comparison(env):
+    """The agreement checks can fail: one flipped restored byte of one member changes that member only."""
+    runner = env[0]
+    ref = _serial(env)
+    members = _members(env)
+    victim = members[1]
+    reused = victim.restored & ~ref[victim.name][0].masks[3].cpu()   # layer 3 rows reused, not recomputed
+    pos = int(reused.nonzero()[-1, 0])
+    victim.cache.k[3][pos].view(torch.uint8)[0, 3] ^= 0x01      # an exponent bit: this key ×4 or ÷4
+    out = blend_group(runner, members, RepairConfig(), batched=True)
+    assert not torch.equal(out.results[victim.name].logits, ref[victim.name][0].logits)
+    for m in members:
+        if m is not victim:
+            assert float((out.results[m.name].logits - ref[m.name][0].logits).abs().max()) <= BATCHED_TOL * 10
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["unbatched", "batched"])
+def test_failing_member_leaves_the_group_others_unaffected(env, batched):
+    runner = env[0]
+    ref = _serial(env)
+    members = _members(env)
+    seen = []
+
+    def hook(name, layer):
+        seen.append((layer, name))
+        if name == "B" and layer == 0:
+            raise InjectedMemberFault("B fails after layer 0")
+
+    out = blend_group(runner, members, RepairConfig(), batched=batched, after_layer=hook)
+    assert out.failed == {"B": (0, "InjectedMemberFault: B fails after layer 0")}
+    assert "B" not in out.results
+    assert [n for layer, n in seen if layer > 0 and n == "B"] == []
+    for m in members:
+        if m.name != "B":
+            assert torch.equal(out.results[m.name].masks, ref[m.name][0].masks)
+            if not batched:
+                assert torch.equal(out.results[m.name].logits, ref[m.name][0].logits)
+
+
+def test_other_errors_in_the_hook_are_not_swallowed(env):
+    def hook(name, layer):
+        raise RuntimeError("a bug, not a member failure")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        blend_group(env[0], _members(env)[:2], RepairConfig(), after_layer=hook)
+    assert issubclass(InjectedMemberFault, MemberFailure)
+
+
+def test_blend_group_argument_errors(env):
+    runner = env[0]
+    ms = _members(env)[:2]
+    with pytest.raises(ModelError, match="empty group"):
+        blend_group(runner, [], RepairConfig())
+    with pytest.raises(ModelError, match="unique"):
+        blend_group(runner, [ms[0], ms[0]], RepairConfig())
+    with pytest.raises(ModelError, match="kmesh and full"):
+        blend_group(runner, [Member("x", ms[0].ids, ms[0].cache, ms[0].restored, "stock")], RepairConfig(),
+                    batched=True)
+    with pytest.raises(ModelError, match="batched path"):
+        blend_group(runner, ms, RepairConfig(), restore=object())   # type: ignore[arg-type]
+    with pytest.raises(ModelError, match="at least one member"):
+        LayerwiseRestore(runner, [])
+
+
+@pytest.mark.gpu
+def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable():
+    """On a GPU: layer-major = serial bit for bit, batched within BATCHED_TOL, and blend() (now a loop of
+    BlendState steps) still captures as one CUDA graph equal to its eager run."""
+    from kmesh.model.graphs import GraphedBlend
+
+    dev = torch.device("cuda")
+    runner = LayerRunner(_tiny_llama().to(dev))
+    w = build(ByteTokenizer(300), 0, SPEC)
+    lc = runner.new_cache(len(w.leader_ids), BS)
+    runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)
+    ex = export_segments(runner, lc, w, b"group-test-cuda")
+    env_ = (runner, w, ex)
+    ref = _serial(env_)
+    members = _members(env_)
+    out = blend_group(runner, members, RepairConfig())
+    for m in members:
+        assert torch.equal(ref[m.name][0].logits, out.results[m.name].logits)
+        assert torch.equal(ref[m.name][1], m.cache.raw)
+    members = _members(env_)
+    out = blend_group(runner, members, RepairConfig(), batched=True)
+    for m in members:
+        a, b = ref[m.name][0], out.results[m.name]
+        assert torch.equal(a.masks, b.masks)
+        assert float((a.logits - b.logits).abs().max()) <= BATCHED_TOL * max(1.0, float(a.logits.abs().max()))
+    ch, cache, r, _ = _restored(env_)[0]
+    g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), "kmesh")
+    assert all(g.verify_against_eager().values())

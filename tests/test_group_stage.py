@@ -1,0 +1,164 @@
+"""The group stage's parts against a real cache service process, on a tiny CPU model: the group load and its
+barrier (kmesh.stages.group_load), the whole group path with its layer write-back, the failure case (member B
+failing after layer 0 with a write-back still pending), the measurements' helpers (kmesh.stages.group_bench).
+
+Model and workload as tests/test_equivalence_parts.py (4 layers; 3 segments of 80 tokens; blocks of 16), here
+with 3 children A, B, C. The service copies in 64 KiB chunks (a segment = 2 chunks). ~15 s on CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kmesh.child import ChildContext, full_reference, run_child
+from kmesh.model.blend import RepairConfig
+from kmesh.model.quality import compare_states, identical
+from kmesh.model.runner import LayerRunner
+from kmesh.segments import InProcessSegments, SegmentCorruptError, export_segments
+from kmesh.service.harness import Harness
+from kmesh.stages import group_bench
+from kmesh.stages.equivalence_service import ServiceSide
+from kmesh.stages.group import run_group
+from kmesh.stages.group_load import GroupAdmissionError, GroupLoad
+from kmesh.transfer.engine import TransferEngine
+from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=512)
+SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=3, block_size=16)
+MAX_NEW = 8
+
+
+def _tiny_llama(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return model
+
+
+@pytest.fixture(scope="module")
+def env():
+    runner = LayerRunner(_tiny_llama())
+    w = build(ByteTokenizer(300), 0, SPEC)
+    lc = runner.new_cache(len(w.leader_ids), 16)
+    runner.prefill(torch.tensor(w.leader_ids), lc)
+    export = export_segments(runner, lc, w, b"group-stage-test")
+    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
+    sec = {"children": 3, "scaling": {"sizes": [1, 3], "pairs": 1, "warmup": 0}, "batched_tolerance": 1e-4,
+           "failure": {"child": "B", "after_layer": 0}}
+    s = SimpleNamespace(runner=runner, workload=w, export=export, ctx=ctx, device=torch.device("cpu"), sec=sec,
+                        group=w.children, cfg=SimpleNamespace(section=lambda name: {"pairs": 1, "warmup": 0}))
+    staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
+    private = torch.empty_like(staging)
+    serial = {ch.name: run_child(ctx, ch, InProcessSegments(export), staging, private) for ch in w.children}
+    fulls = {ch.name: full_reference(ctx, ch) for ch in w.children}
+    with Harness(device="cpu", heartbeat_timeout_s=30.0, chunk_bytes=65536) as h:
+        with ServiceSide(h, export, torch.device("cpu")) as svc:
+            svc.save_leader()
+            yield SimpleNamespace(s=s, svc=svc, h=h, serial=serial, fulls=fulls)
+    ctx.engine.close()
+
+
+def test_group_load_admits_every_member_then_closes_every_handle(env):
+    cat = env.s.export.catalog
+    with GroupLoad(env.svc, cat, ["A", "B", "C"]) as g:
+        g.load_all()
+        report = g.admit()
+        assert g.loads == 3 * len(cat.entries) == report["loads"]
+        assert set(report["members"]) == {"A", "B", "C"}
+        assert all(m["service"]["state"] == "active" and m["service"]["in_flight_count"] == 0
+                   for m in report["members"].values())
+        assert len(env.h.status()["registrations"]) == 3
+    assert env.svc.no_leaks(), env.svc.leaks()
+
+
+def test_admission_refuses_an_incomplete_group(env):
+    with GroupLoad(env.svc, env.s.export.catalog, ["A", "B"]) as g:
+        g.stagings["A"].tensor.zero_()
+        with pytest.raises(GroupAdmissionError, match="0 loads accepted, expected 6"):
+            g.admit()                     # nothing loaded yet: no member's inputs may be released
+    assert env.svc.no_leaks()
+
+
+def test_admission_refuses_a_member_whose_handle_was_closed(env):
+    with GroupLoad(env.svc, env.s.export.catalog, ["A", "B"]) as g:
+        g.load_all()
+        env.svc.client.close(g.stagings["B"].reg)      # B's registration leaves "active"
+        with pytest.raises(GroupAdmissionError, match=r"B: (state|registration \d+ not listed)"):
+            g.admit()
+    assert env.svc.no_leaks()
+
+
+def test_admission_refuses_an_original_unlike_the_catalog(env):
+    cat = env.s.export.catalog
+    e0 = cat.entries[0]
+    bad = dataclasses.replace(cat, entries=(dataclasses.replace(e0, sha256="0" * 64), *cat.entries[1:]))
+    with GroupLoad(env.svc, bad, ["A"]) as g:
+        with pytest.raises(SegmentCorruptError):   # our own digest check on the staged bytes fires first
+            g.load_all()
+        g.loads = len(cat.entries)
+        with pytest.raises(GroupAdmissionError, match="differs from the catalog"):
+            g.admit()                                # and the store's committed digest disagrees too
+    assert env.svc.no_leaks()
+
+
+def test_group_path_is_bit_identical_to_serial(env):
+    run = run_group(env.s, env.svc, env.s.group)
+    assert run.loads == 9 and run.order_layer_major and all(run.writeback_equal.values())
+    for n, o in run.outcomes.items():
+        cmp = compare_states(env.serial[n], o)
+        assert identical(cmp), cmp
+    assert env.svc.no_leaks(), env.svc.leaks()
+
+
+def test_group_failure_case(env):
+    run = run_group(env.s, env.svc, env.s.group, fail={"B": 0}, gated="B")
+    f = run.failure["B"]
+    assert f["layer"] == 0 and f["pending_at_failure"] >= 1
+    assert f["events"][-2:] == ["pending-before-recompute:0", "recompute"]
+    b = run.outcomes["B"]
+    assert b.fallback and b.arm == "full"
+    assert b.tokens == env.fulls["B"].tokens and torch.equal(b.k, env.fulls["B"].k)
+    for n in ("A", "C"):
+        assert identical(compare_states(env.serial[n], run.outcomes[n]))
+    assert env.svc.no_leaks(), env.svc.leaks()
+    assert not env.s.ctx.engine.pending()
+
+
+def test_bench_helpers(env):
+    from kmesh.result import Result
+
+    res = Result("group", "cpu", {}, [])
+    unbatched = run_group(env.s, env.svc, env.s.group).outcomes
+    bound = group_bench.batched_agreement(res, env.s, env.serial, unbatched)
+    assert bound["rotation_bit_identical"] and bound["masks_equal"] and bound["tokens_equal"]
+    assert bound["max_abs_diff"] <= 1e-4
+    held = group_bench.bytes_held(res, env.s, sum(e.nbytes for e in env.s.export.catalog.entries))
+    row = held["by_group_size"]["3"]
+    assert row["store_bytes_per_child"] * 3 == row["store_bytes_total"]
+    assert 0 < row["diff_bytes_per_child"] < row["repaired_copy_bytes_per_child"]
+    # layers 0 and 1 (before and at the check layer) recompute every position: at least those rows changed
+    for pc in held["per_child"]:
+        assert pc["rows_changed_per_layer"][0] == pc["restored_tokens"]
+    assert all(c.passed for c in res.cases), [(c.id, c.checks, c.error) for c in res.cases]
+
+
+def test_peak_memory_sees_a_large_allocation():
+    group_bench._pin_mmap_threshold()
+    big = group_bench.peak_memory(torch.device("cpu"), lambda: torch.ones(64 << 20, dtype=torch.uint8).sum())
+    small = group_bench.peak_memory(torch.device("cpu"), lambda: torch.ones(16, dtype=torch.uint8).sum())
+    assert big["bytes"] >= 60 << 20 and small["bytes"] < 8 << 20, (big, small)
+    assert "not device memory" in big["what"]
