@@ -1,4 +1,4 @@
-# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> report.
+# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage -> report.
 # Run: scripts/run-pipeline.sh (sets up .venv, then `snakemake --cores all`).
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
 #   python -m kmesh run STAGE --profile PROFILE
@@ -21,6 +21,7 @@ include: "workflow/rules/synthetic.smk"
 include: "workflow/rules/drain.smk"
 include: "workflow/rules/ownership.smk"
 include: "workflow/rules/equivalence.smk"
+include: "workflow/rules/storage.smk"
 include: "workflow/rules/report.smk"
 
 
