@@ -74,29 +74,68 @@ class Singleflight:
         return call.value, False
 
 
-class TieredObjects:
-    def __init__(self, directory: Path, route: Route | None = None, singleflight: bool = True) -> None:
+class DiskTier:
+    """Object files in one directory, one per key: written atomically, read through a route and verified."""
+
+    def __init__(self, directory: Path, route: Route | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.route = route or DirectIORoute()
-        self.singleflight_enabled = singleflight
-        self._flight = Singleflight()
-        self._lock = threading.Lock()
         self._io_lock = threading.Lock()          # one route (one landing buffer) reads at a time
-        self._ram: dict[bytes, torch.Tensor] = {}
-        self._headers: dict[bytes, Header] = {}
-        self._retained: dict[str, set[bytes]] = {}
-        self.counters: dict[str, Any] = {"disk_reads": Counter(), "ram_hits": 0, "joins": 0, "evicted": 0}
+        self.reads: Counter = Counter()
 
     def path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}.kmo"
 
+    def write(self, key: bytes, payload: Any, layout: dict[str, Any] | None = None, **kw: Any) -> Header:
+        return write_object(self.path(key), payload, key, layout, **kw)
+
+    def read(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The verified payload of key's object (into `out` if given: a host uint8 tensor of the payload size)."""
+        path = self.path(key)
+        if not path.exists():
+            raise ObjectNotFoundError(f"no object {key[:64]!r} in {self.directory}")
+        with self._io_lock:
+            with self.route.open(path) as f:
+                h = f.header
+                if h.key != key:
+                    raise ObjectMismatchError(f"{path} holds {h.key[:64]!r}, not {key[:64]!r}")
+                if out is not None and out.numel() != h.payload_nbytes:
+                    raise ObjectMismatchError(f"{path}: {h.payload_nbytes} B payload, {out.numel()} B expected")
+                land = self.route.landing(h.padded_nbytes)
+                self.route.read(f, land)
+                h.verify(self.route.host_bytes(land), str(path))
+                f.check_unchanged()
+                t = out.copy_(land[:h.payload_nbytes]) if out is not None else land[:h.payload_nbytes].clone()
+            self.reads[key] += 1
+        return t
+
+    def remove(self, key: bytes) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.route.close()
+
+
+class TieredObjects:
+    def __init__(self, directory: Path, route: Route | None = None, singleflight: bool = True) -> None:
+        self.disk = DiskTier(directory, route)
+        self.directory, self.route = self.disk.directory, self.disk.route
+        self.singleflight_enabled = singleflight
+        self._flight = Singleflight()
+        self._lock = threading.Lock()
+        self._ram: dict[bytes, torch.Tensor] = {}
+        self._retained: dict[str, set[bytes]] = {}
+        self.counters: dict[str, Any] = {"disk_reads": Counter(), "ram_hits": 0, "joins": 0, "evicted": 0}
+
+    def path(self, key: bytes) -> Path:
+        return self.disk.path(key)
+
     # -- writes --------------------------------------------------------------------------------------
     def put(self, key: bytes, payload: Any, layout: dict[str, Any] | None = None, keep: bool = True,
             **kw: Any) -> Header:
-        h = write_object(self.path(key), payload, key, layout, **kw)
+        h = self.disk.write(key, payload, layout, **kw)
         with self._lock:
-            self._headers[key] = h
             if keep:
                 self._ram[key] = torch.frombuffer(bytearray(memoryview(payload).cast("B")), dtype=torch.uint8)
             else:
@@ -129,23 +168,10 @@ class TieredObjects:
             if t is not None:
                 self.counters["ram_hits"] += 1
                 return t
-        path = self.path(key)
-        if not path.exists():
-            raise ObjectNotFoundError(f"no object {key!r} in {self.directory}")
-        with self._io_lock:
-            with self.route.open(path) as f:
-                h = f.header
-                if h.key != key:
-                    raise ObjectMismatchError(f"{path} holds {h.key!r}, not {key!r}")
-                land = self.route.landing(h.padded_nbytes)
-                self.route.read(f, land)
-                h.verify(self.route.host_bytes(land), str(path))
-                f.check_unchanged()
-                t = land[:h.payload_nbytes].clone()
+        t = self.disk.read(key)
         with self._lock:
             self.counters["disk_reads"][key] += 1
             self._ram[key] = t
-            self._headers[key] = h
         return t
 
     # -- eviction and retention -------------------------------------------------------------------------
