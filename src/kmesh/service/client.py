@@ -250,9 +250,20 @@ class ServiceClient:
     def _admin(self) -> dict[str, Any]:
         return {"admin": self.admin_token} if self.admin_token is not None else {}
 
-    def evict(self, key: bytes | None = None) -> dict[str, Any]:
-        """Admin: drop unpinned originals (all, or `key`)."""
-        return self.call("evict", **({"key": key} if key is not None else {}), **self._admin())
+    def evict(self, key: bytes | None = None, tier: str = "all", force: bool = False) -> dict[str, Any]:
+        """Admin: drop unpinned originals (all, or `key`). tier="ram": only the RAM copies of objects the disk
+        tier holds (the next load reads the file back); force=True also drops group-retained ones."""
+        extra = {"tier": tier} if tier != "all" else {}
+        if force:
+            extra["force"] = True
+        return self.call("evict", **({"key": key} if key is not None else {}), **extra, **self._admin())
+
+    def retain(self, group: str, key: bytes) -> dict[str, Any]:
+        """Admin: keep `key` in RAM across the children of `group` (ordinary eviction leaves it)."""
+        return self.call("retain", group=group, key=key, **self._admin())
+
+    def unretain(self, group: str) -> dict[str, Any]:
+        return self.call("unretain", group=group, **self._admin())
 
     def summary(self, scope: str = "self") -> dict[str, Any]:
         """The service's bounded status reply: counts, by_state, counters (+ health and store totals for

@@ -178,7 +178,11 @@ OPS: dict[str, OpSpec] = {
     "load": OpSpec({**_REG, "layout_digest": Bin(32, 32), "key": _KEY, "offset": Int(0, MAX_MEMORY)}),
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
-    "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None)}),
+    "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None), "tier": (OneOf("all", "ram"), "all"),
+                         "force": (Flag(), False)}),
+    # group retention of shared originals (admin): kept by ordinary eviction until unretained
+    "retain": OpSpec({"group": Text(64), "key": _KEY}, {"admin": (_ADMIN, None)}),
+    "unretain": OpSpec({"group": Text(64)}, {"admin": (_ADMIN, None)}),
     "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "admin": (_ADMIN, None)}),
     "list": OpSpec({"what": OneOf(*LIST_WHAT)},
                    {"scope": (OneOf("self", "all"), "self"), "after": (Int(0, U63), None),
