@@ -128,4 +128,30 @@ def test_whole_stage_tiny(tmp_path):
     assert s["arrival_checks_passed"] == 2 and s["failure_controls_passed"] == 7
     assert s["floor_ratio"] > 0 and set(s["paired"]) == {"read", "check", "restore", "outer"}
     assert s["direct_mode"]["arm"] == "direct-unavailable"
-    assert {"routes", "floor", "read_once"} <= set(res.timings)
+    assert {"routes", "floor_sequential", "floor_pipelined", "read_once"} <= set(res.timings)
+    assert set(s["floor_ratios"]) == {"sequential", "pipelined"}
+
+
+def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
+    from kmesh.child import new_cache
+    from kmesh.segments import restore_child
+    from kmesh.stages.storage_pipeline import pipelined_restore
+    from kmesh.storage.errors import ObjectCorruptError
+
+    s, objs, _, tmp = setup
+    r = routes.build("odirect")
+    land = r.landing(objs.total_padded)
+    private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8)
+    for child in s.workload.children:
+        a, b = new_cache(s.ctx, child), new_cache(s.ctx, child)
+        ma = pipelined_restore(s.ctx, child, objs, r, land, private, a, "pipe-test")
+        mb = restore_child(b, s.ctx.catalog, s.export.raw, child, s.ctx.runner)
+        assert torch.equal(ma, mb)
+        assert torch.equal(a.raw.view(torch.uint8), b.raw.view(torch.uint8))   # NaN canaries compared as bytes
+    bad = save_objects(s.export, tmp / "pipe-bad")
+    raw = bytearray(bad.paths[1].read_bytes()); raw[-1] ^= 1; bad.paths[1].write_bytes(raw)
+    with pytest.raises(ObjectCorruptError):
+        pipelined_restore(s.ctx, s.workload.children[0], bad, r, land, private, new_cache(s.ctx, s.workload.children[0]),
+                          "pipe-bad")
+    assert not s.ctx.engine.pending("pipe-bad") and s.ctx.engine.live_holds() == 0
+    r.close()
