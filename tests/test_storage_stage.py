@@ -155,3 +155,14 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
                           "pipe-bad")
     assert not s.ctx.engine.pending("pipe-bad") and s.ctx.engine.live_holds() == 0
     r.close()
+
+
+def test_storage_summary_table_renders_result_keys():
+    from kmesh.report.tables import storage_frame
+
+    df = storage_frame({"arms": ["staging", "cufile-compat"], "direct_mode": {"arm": "cufile-compat",
+                        "reason": "no nvidia-fs"}, "pairs": 7, "outputs_identical": True, "floor_ratio": 1.4,
+                        "floor_ratios": {"sequential": 1.6, "pipelined": 1.4}, "reads_per_object_read_once": 1})
+    d = dict(zip(df["quantity"], df["value"]))
+    assert d["arms (as run)"] == "staging, cufile-compat" and d["storage reads per object, read-once"] == 1
+    assert d["floor ratios by variant"] == "sequential 1.6, pipelined 1.4"
