@@ -11,15 +11,24 @@ from kmesh.storage.errors import RouteUnavailableError
 from kmesh.storage.objfile import ALIGN, round_up
 
 
-def _cuda_host_register(ptr: int, nbytes: int) -> None:
+def _cudart() -> Any:
+    """cudaHostRegister/Unregister: torch's runtime binding, else cuda.bindings.runtime."""
     rt = torch.cuda.cudart()
-    err = rt.cudaHostRegister(ptr, nbytes, 0)
+    if hasattr(rt, "cudaHostRegister"):
+        return rt.cudaHostRegister, rt.cudaHostUnregister
+    from cuda.bindings import runtime
+
+    return (lambda p, n, f: runtime.cudaHostRegister(p, n, f)[0]), (lambda p: runtime.cudaHostUnregister(p)[0])
+
+
+def _cuda_host_register(ptr: int, nbytes: int) -> None:
+    err = _cudart()[0](ptr, nbytes, 0)
     if int(getattr(err, "value", err)) != 0:
         raise RouteUnavailableError(f"cudaHostRegister of {nbytes} B failed: {err}")
 
 
 def _cuda_host_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    _cudart()[1](ptr)
 
 
 class AlignedBuffer:

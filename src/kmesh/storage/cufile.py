@@ -101,22 +101,30 @@ def detect(lib: Any | None = None) -> Mode:
                     _bool_param(lib, "USE_PCI_P2PDMA"), _bool_param(lib, "FORCE_COMPAT_MODE"))
 
 
+class _DescrHandle(ctypes.Union):
+    _fields_ = [("fd", ctypes.c_int), ("handle", ctypes.c_void_p)]
+
+
+class CUfileDescr(ctypes.Structure):
+    """CUfileDescr_t (cufile.h), built here so the handle registration does not depend on how a given
+    cuda-bindings release wraps the struct."""
+
+    _fields_ = [("type", ctypes.c_int), ("handle", _DescrHandle), ("fs_ops", ctypes.c_void_p)]
+
+
+CU_FILE_HANDLE_TYPE_OPAQUE_FD = 1
+
+
 class CuFileHandle:
-    """A registered cuFile handle over an open fd (O_DIRECT recommended); read() into registered device memory."""
+    """A registered cuFile handle over an open fd (O_DIRECT recommended)."""
 
     def __init__(self, lib: Any, fd: int) -> None:
         self.lib = lib
-        descr = lib.Descr()
-        descr.type = lib.FileHandleType.OPAQUE_FD
-        descr.handle.fd = fd
-        self._descr = descr
-        self.fh = lib.handle_register(descr.ptr)
-
-    def read(self, dev_ptr: int, nbytes: int, file_offset: int) -> int:
-        n = self.lib.read(self.fh, dev_ptr, nbytes, file_offset, 0)
-        if n != nbytes:
-            raise RouteIOError(f"cuFileRead returned {n} of {nbytes} bytes")
-        return n
+        self._descr = CUfileDescr(CU_FILE_HANDLE_TYPE_OPAQUE_FD, _DescrHandle(fd=fd), None)
+        try:
+            self.fh = lib.handle_register(ctypes.addressof(self._descr))
+        except Exception as e:
+            raise RouteIOError(f"cuFileHandleRegister failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         if self.fh:

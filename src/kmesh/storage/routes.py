@@ -150,6 +150,7 @@ class CuFileRoute(Route):
         try:
             base = self._dev.data_ptr()
             n = self.lib.read(h.fh, base, dst.numel(), HEADER_BYTES, dst.data_ptr() - base)
+            torch.cuda.synchronize(self.device)   # cuFileRead is synchronous; nothing else may be reordered
         finally:
             h.close()
         if n != dst.numel():
