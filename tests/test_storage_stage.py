@@ -128,7 +128,8 @@ def test_whole_stage_tiny(tmp_path):
     assert s["arrival_checks_passed"] == 2 and s["failure_controls_passed"] == 7
     assert s["floor_ratio"] > 0 and set(s["paired"]) == {"read", "check", "restore", "outer"}
     assert s["direct_mode"]["arm"] == "direct-unavailable"
-    assert {"routes", "floor_sequential", "floor_pipelined", "read_once"} <= set(res.timings)
+    assert {"routes", "floor_sequential", "floor_pipelined", "read_once", "read_once_service"} <= set(res.timings)
+    assert s["reads_per_object_read_once_service"] == 1
     assert set(s["floor_ratios"]) == {"sequential", "pipelined"}
 
 

@@ -33,6 +33,7 @@ class Harness:
                  allow_uids: list[int] | None = None, faults: list[str] | None = None,
                  limits: dict[str, int] | None = None, disk_dir: Path | None = None) -> None:
         self.device, self.chunk_bytes, self.heartbeat_timeout_s = device, chunk_bytes, heartbeat_timeout_s
+        self.service_disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kmesh-svc-"))  # short: socket paths max 107 bytes
         self.log_dir = log_dir or self.runtime_dir
         self.gate = ChunkGate()

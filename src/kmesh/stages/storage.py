@@ -15,7 +15,9 @@ Cases:
                         child; parts read ⊂ check ⊂ restore ⊂ outer; every run compared bit for bit
   floor                 the staging arm's restore vs the same bytes read with O_DIRECT alone (matched pairs)
   read-once             four concurrent children, singleflight + retention vs forced eviction; reads counted;
-                        every child's private copy restored + repaired = reference
+                        every child's private copy restored + repaired = reference (kmesh.storage.tier)
+  read-once-service     the same through the cache service process: its disk tier, group retention, four
+                        client connections loading at once; disk reads counted by the service
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
-from kmesh.stages import storage_readonce
+from kmesh.service.harness import Harness
+from kmesh.stages import storage_readonce, storage_service
 from kmesh.stages.equivalence import deterministic_kernels, leader_prefill, load_model
 from kmesh.stages.storage_child import check_canaries, release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
@@ -276,6 +279,8 @@ def run(cfg: Config) -> Result:
         _floor(res, s, objs, built, landings, private, pairs, warmup, dev, refs)
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
     _read_once_case(res, s, refs, pairs, warmup)
+    if s.sec.get("read_once_service", True):
+        _read_once_service_case(res, s, refs, pairs, warmup)
     for r in built.values():
         r.close()
     gc.collect()
@@ -338,6 +343,48 @@ def _floor(res: Result, s: Setup, objs: ObjectSet, built: dict[str, routes.Route
     floor.close()
 
 
+def _repair_from(s: Setup, child: Any, private: torch.Tensor, source: str) -> ChildOutcome:
+    """Restore + repair one child from its private copy of the segments (the read-once cases' check)."""
+    cache = new_cache(s.ctx, child)
+    restored = restore_child(cache, s.ctx.catalog, private, child, s.ctx.runner, s.ctx.restore_backend)
+    out, tokens = prefill_and_decode(s.ctx, child, cache, restored, "kmesh")
+    check_canaries(cache, len(child.ids) + s.ctx.max_new_tokens - 1)
+    k, v = cache.stacked(len(child.ids))
+    return ChildOutcome(child.name, source, "kmesh", k, v, out.logits.clone(), tokens, out.masks.clone(), restored)
+
+
+def _read_once_service_case(res: Result, s: Setup, refs: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
+    n = len(s.workload.children)
+    eq = s.cfg.section("equivalence")
+    with res.case("read-once-service", {"children": n, "concurrent": True, "arms": list(storage_service.ARMS),
+                                        "service": "real process, disk tier + group retention"}) as c:
+        disk = s.root / "service-disk"
+        shutil.rmtree(disk, ignore_errors=True)
+        with Harness(device=str(s.device), heartbeat_timeout_s=float(eq["heartbeat_timeout_s"]),
+                     chunk_bytes=int(eq["chunk_bytes"]), store_bytes=1 << 31, disk_dir=disk) as h:
+            sc = storage_service.ServiceChildren(h, s.export, s.device, n)
+            try:
+                c.check("leader_spilled_to_disk", len(list(disk.glob("*.kmo"))) == len(s.export.catalog.entries))
+                privates = [torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
+                            for _ in range(n)]
+                t, reads = sc.run_pairs(privates, pairs, warmup)
+                res.timings["read_once_service"] = t.to_dict()
+                c.record("reads", reads)
+                once = [r["read-once"] for r in reads]
+                forced = [r["forced-eviction"] for r in reads]
+                c.check("read_once_one_read_per_object", all(x == 1 for r in once for x in r), value=once)
+                c.check("forced_eviction_reads_per_child", all(x == n for r in forced for x in r), value=forced)
+                res.extra["reads_per_object_read_once_service"] = max(x for r in once for x in r)
+                res.extra["paired_read_once_service"] = _paired_summary(t)
+                sc.read_once(privates, "verify")
+                same = sum(identical(compare_states(refs[ch.name], _repair_from(s, ch, p, "service:read-once")))
+                           for ch, p in zip(s.workload.children, privates))
+                c.check("private_copies_repair_to_reference", same == n, value=same)
+            finally:
+                sc.close()
+            c.check("service_no_leaks", h.no_leaks(), value=h.leaks())
+
+
 def _read_once_case(res: Result, s: Setup, refs: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
     with res.case("read-once", {"children": len(s.workload.children), "concurrent": True,
                                 "arms": list(storage_readonce.ARMS)}) as c:
@@ -362,16 +409,8 @@ def _read_once_case(res: Result, s: Setup, refs: dict[str, ChildOutcome], pairs:
         # every child's private copy from one more read-once group, restored + repaired = the reference
         tier.reset_counters()
         storage_readonce.read_once(tier, s.export.catalog, privates, "verify")
-        same = 0
-        for child, priv in zip(s.workload.children, privates):
-            cache = new_cache(s.ctx, child)
-            restored = restore_child(cache, s.ctx.catalog, priv, child, s.ctx.runner, s.ctx.restore_backend)
-            out, tokens = prefill_and_decode(s.ctx, child, cache, restored, "kmesh")
-            check_canaries(cache, len(child.ids) + s.ctx.max_new_tokens - 1)
-            k, v = cache.stacked(len(child.ids))
-            o = ChildOutcome(child.name, "tier:read-once", "kmesh", k, v, out.logits.clone(), tokens,
-                             out.masks.clone(), restored)
-            same += identical(compare_states(refs[child.name], o))
+        same = sum(identical(compare_states(refs[ch.name], _repair_from(s, ch, p, "tier:read-once")))
+                   for ch, p in zip(s.workload.children, privates))
         c.check("private_copies_repair_to_reference", same == n, value=same)
         c.check("private_copies_distinct_memory", len({p.data_ptr() for p in privates}) == n)
         c.record("tier", tier.describe())
