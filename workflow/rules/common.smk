@@ -26,7 +26,8 @@ STAGE_CODE = {
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
     "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence.py", "model/*.py", "workload.py",
                 "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
-                "integrity/*.py", "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+                "integrity/*.py", "service/*.py", "shm.py", "stages/equivalence_service.py", "stages/model.py",
+                "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
 

@@ -276,6 +276,9 @@ def run(cfg: Config) -> Result:
             res.extra["paired"] = _paired_summary(t)
         res.extra["pairs"] = pairs
         res.extra["runs_compared"] = compared[0]
+    if s.sec["floor_arm"] in built:   # also when the other arm could not be built here: the floor still says much
+        landings = {a: r.landing(objs.total_padded) for a, r in built.items()}
+        private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
         _floor(res, s, objs, built, landings, private, pairs, warmup, dev, refs)
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
     _read_once_case(res, s, refs, pairs, warmup)
