@@ -7,7 +7,6 @@ workload: 3 segments of 80 tokens, 2 children of 352 tokens (as tests/test_equiv
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -152,8 +151,8 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
     bad = save_objects(s.export, tmp / "pipe-bad")
     raw = bytearray(bad.paths[1].read_bytes()); raw[-1] ^= 1; bad.paths[1].write_bytes(raw)
     with pytest.raises(ObjectCorruptError):
-        pipelined_restore(s.ctx, s.workload.children[0], bad, r, land, private, new_cache(s.ctx, s.workload.children[0]),
-                          "pipe-bad")
+        child = s.workload.children[0]
+        pipelined_restore(s.ctx, child, bad, r, land, private, new_cache(s.ctx, child), "pipe-bad")
     assert not s.ctx.engine.pending("pipe-bad") and s.ctx.engine.live_holds() == 0
     r.close()
 

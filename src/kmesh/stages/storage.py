@@ -95,7 +95,8 @@ def _objects_case(res: Result, s: Setup) -> ObjectSet:
         if pad_to:
             c.check("padded_to_size", all(h.padded_nbytes == pad_to for h in objs.headers),
                     value=[h.padded_nbytes for h in objs.headers])
-        c.check("files_on_disk_sizes", all(os.path.getsize(p) == h.file_nbytes for p, h in zip(objs.paths, objs.headers)))
+        c.check("files_on_disk_sizes",
+                all(os.path.getsize(p) == h.file_nbytes for p, h in zip(objs.paths, objs.headers)))
         return objs
     raise StageError("objects could not be saved")
 
@@ -162,8 +163,8 @@ def _bad_files(objs: ObjectSet) -> dict[str, Any]:
         d = json.loads(b[48:48 + n])
         d["padded_nbytes"] -= objfile.ALIGN
         body = json.dumps(d, sort_keys=True).encode()
-        b[:objfile.HEADER_BYTES] = (struct.pack("<8sII32s", objfile.MAGIC, ver, len(body),
-                                                hashlib.sha256(body).digest()) + body).ljust(objfile.HEADER_BYTES, b"\0")
+        head = struct.pack("<8sII32s", objfile.MAGIC, ver, len(body), hashlib.sha256(body).digest()) + body
+        b[:objfile.HEADER_BYTES] = head.ljust(objfile.HEADER_BYTES, b"\0")
         p.write_bytes(bytes(b))
 
     def flip_at(i: int):
@@ -268,7 +269,8 @@ def run(cfg: Config) -> Result:
             t = run_pairs(fn, (a_name, b_name), s.workload.children, pairs=pairs, warmup=warmup, device=dev,
                           between=lambda: routes.drop_page_cache(objs.paths), progress=False)
             res.timings["routes"] = t.to_dict()
-            c.check("outputs_identical_every_run", identical_runs[0] == compared[0], value=[identical_runs[0], compared[0]])
+            c.check("outputs_identical_every_run", identical_runs[0] == compared[0],
+                    value=[identical_runs[0], compared[0]])
             c.check("nesting_read_check_restore_outer", t.parents == {"outer": None, "restore": "outer",
                                                                       "check": "restore", "read": "check"},
                     value=t.parents)

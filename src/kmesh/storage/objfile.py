@@ -2,7 +2,8 @@
 
     [0, 4096)            header block: prefix + JSON, zero filled
         prefix           magic b"KMESHOBJ" | version u32 | json length u32 | sha256 of the JSON (32 B)   (little endian)
-        JSON             key (hex), payload_nbytes, padded_nbytes, alignment, layout, integrity{algorithm, params, digest}
+        JSON             key (hex), payload_nbytes, padded_nbytes, alignment, layout,
+                         integrity {algorithm, params, digest}
     [4096, 4096+padded)  payload, then zero padding up to padded_nbytes (a multiple of 4096, >= payload_nbytes)
 
 The integrity digest covers the whole padded object (payload + padding; `sha256` is the write-up's format); its
@@ -124,7 +125,8 @@ def parse_header(block: bytes, file_nbytes: int, what: str = "object file") -> H
     except integrity.UnknownAlgorithmError as e:
         raise ObjectAlgorithmError(f"{what}: {e}") from e
     if set(h.params) - set(algo.params):
-        raise ObjectAlgorithmError(f"{what}: {h.algorithm} takes no parameter(s) {sorted(set(h.params) - set(algo.params))}")
+        extra = sorted(set(h.params) - set(algo.params))
+        raise ObjectAlgorithmError(f"{what}: {h.algorithm} takes no parameter(s) {extra}")
     if len(h.digest) != algo.digest_size:
         raise HeaderLieError(f"{what}: a {len(h.digest)} B digest, {h.algorithm} digests are {algo.digest_size} B")
     return h
