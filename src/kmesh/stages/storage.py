@@ -237,6 +237,14 @@ def run(cfg: Config) -> Result:
     res.extra["object_bytes"] = {"payload": [h.payload_nbytes for h in objs.headers],
                                  "padded": [h.padded_nbytes for h in objs.headers],
                                  "per_child_padded": objs.total_padded}
+    res.extra["notes"] = {
+        "object_sizes": (f"objects padded to {s.sec['pad_to']} B (the write-up's 3 MiB)" if s.sec.get("pad_to") else
+                         "objects are the real segment sizes of this profile's model, padded to 4 KiB only"),
+        "eviction": "before every child: the object files' pages dropped from the OS page cache "
+                    "(POSIX_FADV_DONTNEED); the route arms keep no RAM-tier copy, so every child reads the disk",
+        "io": routes.IO_NOTE,
+        "max_new_tokens": s.ctx.max_new_tokens,
+    }
     built, info = _routes_case(res, s)
     res.extra.update(arms=list(built), direct_mode=info["direct_mode"], unavailable=info.get("unavailable", {}))
 
