@@ -9,7 +9,8 @@
 The device copy of object i is in flight (engine thread on CPU, side stream on CUDA) while object i+1 is read
 and checked; it starts only after its read returned (I/O completion is explicit, never a stream event). After
 the drain the landing and private buffers must carry no hold (`engine.release` raises otherwise) and nothing may
-be pending for the child: checked physical cleanup.
+be pending for the child: checked physical cleanup. Landing and private buffers are poisoned (untimed) before
+every child, so a route that silently delivered nothing would fail the digest or the comparison.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def release_checked(ctx: ChildContext, owner: str, *buffers: torch.Tensor) -> No
 def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
                 private: torch.Tensor, iv: Intervals) -> ChildOutcome:
     owner = f"storage-{route.arm}-{child.name}"
+    landing.fill_(0xA5)    # untimed: a read that delivered nothing cannot pass on the previous child's bytes
+    private.fill_(0x5A)
     with iv.part("outer"):
         cache = new_cache(ctx, child)
         restored = route_restore(ctx, child, objs, route, landing, private, cache, owner, iv)

@@ -146,6 +146,7 @@ class CuFileRoute(Route):
     def read(self, f: ObjectFile, dst: torch.Tensor) -> int:
         if self._dev is None or dst.numel() != f.header.padded_nbytes:
             raise RouteIOError("landing slice does not fit the object")
+        torch.cuda.synchronize(self.device)       # earlier stream work on the landing (e.g. its poison) is done
         h = cufile.CuFileHandle(self.lib, f.fd)
         try:
             base = self._dev.data_ptr()
