@@ -172,3 +172,29 @@ def test_o_direct_open_reads_header(tmp_path):
         pytest.skip(f"no O_DIRECT on this filesystem: {e}")
     with f:
         assert f.header == h
+
+
+def test_fuzzed_headers_never_escape_as_other_errors(tmp_path):
+    """Any corruption of the header block or a truncation: a StorageError (specific), or the exact object."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    p, h = _write(tmp_path)
+    good = p.read_bytes()
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.tuples(st.integers(0, of.HEADER_BYTES - 1), st.integers(0, 255)), min_size=1, max_size=6),
+           st.integers(0, len(good)))
+    def check(edits, cut):
+        raw = bytearray(good)
+        for i, v in edits:
+            raw[i] = v
+        p.write_bytes(bytes(raw[:cut]))
+        try:
+            h2, buf = of.read_object(p)
+        except StorageError:
+            return
+        assert raw[:cut] == good                                     # only an edit that changed nothing passes
+        assert h2 == h and bytes(buf) == good[of.HEADER_BYTES:]
+
+    check()

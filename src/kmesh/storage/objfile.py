@@ -102,6 +102,8 @@ def parse_header(block: bytes, file_nbytes: int, what: str = "object file") -> H
     body = bytes(block[_PREFIX.size:_PREFIX.size + n])
     if hashlib.sha256(body).digest() != body_sha:
         raise HeaderCorruptError(f"{what}: header checksum mismatch")
+    if any(block[_PREFIX.size + n:HEADER_BYTES]):
+        raise HeaderCorruptError(f"{what}: non-zero bytes after the header JSON")
     try:
         d = json.loads(body)
         integ = _field(d, "integrity", dict)
