@@ -9,9 +9,10 @@ Hello   = {"op": "hello", "instance": u31 | omitted (anonymous), "name": str, "t
           be lost at hello time (its process has exited, or its heartbeat is overdue) or the claim is an admin
           takeover (takeover=true with the admin token); the old client's registrations then close and drain,
           and the newcomer is a new client (new id, new token) that never inherits them.
-          admin ops (shutdown, evict, status scope="all", list scope="all" or what="objects", hello takeover) carry
-          "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional in the schema, so a
-          request without it is refused by the service as not_authorized (a typed error), not as malformed.
+          admin ops (shutdown, evict, retain, unretain, status scope="all", list scope="all" or what="objects",
+          hello takeover) carry "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional
+          in the schema, so a request without it is refused by the service as not_authorized (a typed error),
+          not as malformed.
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
           {"seq": u32 | nil, "ok": false, "error": {"code": str, "message": str}, "fatal": bool}
 

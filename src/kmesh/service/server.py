@@ -4,8 +4,8 @@ Everything that changes the registry or the store runs on this one thread, so a 
 finish without interleaving: validate (protocol), resolve (registry), accept (reservations + engine), reply.
 A malformed or unauthorised message gets a typed error reply and changes nothing; a frame that cannot be
 trusted (bad magic, oversized, truncated) also ends that connection. Admin ops (shutdown, status and lists of
-all clients or of the store, evict, hello takeover) need the admin token this process writes to a 0600 file
-next to its socket (identity.py). An internal error (a bug) in one client's work is counted and logged and
+all clients or of the store, evict, retain/unretain, hello takeover) need the admin token this process writes to
+a 0600 file next to its socket (identity.py). An internal error (a bug) in one client's work is counted and logged and
 costs at most that piece of work: every part of the loop (each request, each finished copy's bookkeeping,
 each client / wait / registration in the tick) runs in its own try.
 Every reply is bounded (status is a summary; lists are paged, protocol.cut_page), and every collection the
