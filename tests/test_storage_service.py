@@ -86,3 +86,19 @@ def test_store_without_disk_tier_refuses_ram_only_eviction_quietly(tmp_path):
     s.commit(o)
     assert s.evict(b"k", tier="ram") == {"evicted": [], "kept": [b"k"]}   # no file to read it back from
     assert s.evict(b"k") == {"evicted": [b"k"], "kept": []}
+
+
+def test_retain_is_admin_only_and_needs_a_committed_object(tmp_path):
+    from kmesh.service.errors import NotAuthorizedError
+
+    with Harness(disk_dir=tmp_path / "disk") as h:
+        cl = ServiceClient.connect(h.socket_path, name="not-admin")
+        for call in (lambda: cl.retain("g", KEY), lambda: cl.unretain("g"),
+                     lambda: cl.evict(tier="ram", force=True)):
+            with pytest.raises(NotAuthorizedError):
+                call()
+        with pytest.raises(ObjectMissingError):
+            h.admin.retain("g", b"never-saved")
+        assert h.admin.unretain("no-such-group")["released"] == 0
+        assert h.service.alive()
+        cl.close_connection()
