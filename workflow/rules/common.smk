@@ -24,9 +24,9 @@ STAGE_CODE = {
     "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
-    "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence.py", "model/*.py", "workload.py",
+    "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence*.py", "model/*.py", "workload.py",
                 "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
-                "integrity/*.py", "service/*.py", "shm.py", "stages/equivalence_service.py", "stages/model.py",
+                "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
                 "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
