@@ -29,6 +29,7 @@ WORKLOAD = {"prompt_tokens": 352, "segment_tokens": [80, 80, 80], "children": 2,
 
 
 def _cfg(tmp_path, **storage_over):
+    storage_over.setdefault("floor_variants", ["sequential", "pipelined"])
     return load_config(profile="cpu", overrides={
         "results_dir": str(tmp_path / "results"),
         "model": {"qwen2_random": TINY},
