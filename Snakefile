@@ -1,4 +1,5 @@
-# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> group -> report.
+# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage ->
+#   integrity -> group -> report.
 # Run: scripts/run-pipeline.sh (sets up .venv, then `snakemake --cores all`).
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
 #   python -m kmesh run STAGE --profile PROFILE
@@ -21,6 +22,7 @@ include: "workflow/rules/synthetic.smk"
 include: "workflow/rules/drain.smk"
 include: "workflow/rules/ownership.smk"
 include: "workflow/rules/equivalence.smk"
+include: "workflow/rules/storage.smk"
 include: "workflow/rules/integrity.smk"
 include: "workflow/rules/group.smk"
 include: "workflow/rules/report.smk"

@@ -39,7 +39,9 @@ def valid_bodies() -> dict[str, dict]:
         "save": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 0, "nbytes": 8},
         "load": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 8},
         "wait": {"token": TOKEN, "req": 9, "timeout_s": 1}, "cancel": {"token": TOKEN, "req": 9},
-        "evict": {"token": TOKEN, "admin": ADMIN}, "status": {"token": TOKEN, "scope": "all", "admin": ADMIN},
+        "evict": {"token": TOKEN, "admin": ADMIN, "tier": "ram", "force": True},
+        "retain": {"token": TOKEN, "group": "g", "key": b"k", "admin": ADMIN},
+        "unretain": {"token": TOKEN, "group": "g", "admin": ADMIN}, "status": {"token": TOKEN, "scope": "all", "admin": ADMIN},
         "list": {"token": TOKEN, "what": "objects", "scope": "all", "after": 7, "limit": 10, "order": "desc",
                  "verify": True, "admin": ADMIN},
         "shutdown": {"token": TOKEN, "admin": ADMIN},
@@ -119,10 +121,11 @@ def test_wrong_types_and_ranges(field: str, value: object) -> None:
 
 
 def test_admin_field_is_declared_where_admin_ops_are() -> None:
-    """The admin token is an optional bin[32] of shutdown / evict / status / list / hello (takeover) only (its
-    absence is the service's not_authorized, not a schema error); anywhere else it is an unknown field."""
-    assert {op for op, spec in OPS.items() if "admin" in spec.optional} == {"shutdown", "evict", "status", "list",
-                                                                             "hello"}
+    """The admin token is an optional bin[32] of shutdown / evict / retain / unretain / status / list / hello
+    (takeover) only (its absence is the service's not_authorized, not a schema error); anywhere else it is an
+    unknown field."""
+    assert {op for op, spec in OPS.items() if "admin" in spec.optional} == {"shutdown", "evict", "retain",
+                                                                             "unretain", "status", "list", "hello"}
     for op in ("shutdown", "evict", "status", "list"):
         body = {"op": op, "seq": 1, "token": TOKEN, **({"what": "clients"} if op == "list" else {})}
         assert parse_request(body, []).args["admin"] is None

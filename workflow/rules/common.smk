@@ -9,7 +9,8 @@ PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
 GPU = 1 if PROFILE == "cuda" else 0
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
-STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "integrity", "group"]
+STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
+          "group"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -28,6 +29,10 @@ STAGE_CODE = {
     "group": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py",
               "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence*.py",
               "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence*.py", "model/*.py", "workload.py",
+                "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
+                "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
+                "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
 

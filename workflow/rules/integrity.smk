@@ -5,6 +5,7 @@ rule integrity:
         code=stage_code("integrity"),
         kernels=result("kernels"),
         equivalence=result("equivalence"),
+        storage=result("storage"),   # pipeline order (DESIGN §3)
         cu=sorted(glob.glob("kernels/sha256*.cu") + glob.glob("kernels/blake3*.cu") + glob.glob("kernels/*.cuh")),
     output:
         result=result("integrity"),

@@ -47,6 +47,10 @@ def render_all(cfg: Config) -> list[Path]:
         stage = r["stage"]
         written += tables.write_table(tables.cases_frame(r), tdir / f"{stage}_cases", fmts,
                                       f"Stage {stage}: every case and its outcome.")
+        if stage == "storage":
+            written += tables.write_table(tables.storage_frame(r["summary"]), tdir / "storage_summary", fmts,
+                                          "Stage storage: routes as run, cuFile mode, bit-identity, floor ratio, "
+                                          "reads per object (read-once vs forced eviction).")
         quality = r["summary"].get("quality")
         if isinstance(quality, dict) and quality:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,

@@ -190,3 +190,25 @@ def bytes_held_frame(held: dict[str, Any]) -> pd.DataFrame:
              "diff saving": r["diff_saving_fraction"], "full/diff": r["compression_full_over_diff"]}
             for n, r in held.get("by_group_size", {}).items()]
     return pd.DataFrame(rows)
+
+
+def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The storage stage's headline values (result keys of issue §24 storage routes), one row each."""
+    dm = summary.get("direct_mode") or {}
+    ob = summary.get("object_bytes") or {}
+    rows = [
+        ("arms (as run)", ", ".join(summary.get("arms", []))),
+        ("direct route (cuFile mode)", f"{dm.get('arm')} — {dm.get('reason')}"),
+        ("matched pairs", summary.get("pairs")),
+        ("runs compared with the reference", summary.get("runs_compared")),
+        ("outputs identical (every run)", summary.get("outputs_identical")),
+        ("arrival checks passed", summary.get("arrival_checks_passed")),
+        ("bad-file controls passed", summary.get("failure_controls_passed")),
+        ("object payload bytes", ", ".join(str(x) for x in ob.get("payload", []))),
+        ("padded bytes per child", ob.get("per_child_padded")),
+        ("floor ratio (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
+        ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
+        ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),
+        ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),
+    ]
+    return pd.DataFrame([{"quantity": k, "value": v} for k, v in rows])

@@ -9,8 +9,8 @@
 
 Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
 service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
-Admin ops (shutdown, evict, status("all"), listing all clients' items or the store) need `admin_token=` (read
-from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every reply fits in
+Admin ops (shutdown, evict, retain/unretain, status("all"), listing all clients' items or the store) need
+`admin_token=` (read from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every reply fits in
 one frame: status() assembles its lists from pages (`list` op), so it works however large the store grows.
 Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
 the service validates them (kmesh.service.descriptor), so a client need not import kmesh.layout.
@@ -250,9 +250,20 @@ class ServiceClient:
     def _admin(self) -> dict[str, Any]:
         return {"admin": self.admin_token} if self.admin_token is not None else {}
 
-    def evict(self, key: bytes | None = None) -> dict[str, Any]:
-        """Admin: drop unpinned originals (all, or `key`)."""
-        return self.call("evict", **({"key": key} if key is not None else {}), **self._admin())
+    def evict(self, key: bytes | None = None, tier: str = "all", force: bool = False) -> dict[str, Any]:
+        """Admin: drop unpinned originals (all, or `key`). tier="ram": only the RAM copies of objects the disk
+        tier holds (the next load reads the file back); force=True also drops group-retained ones."""
+        extra = {"tier": tier} if tier != "all" else {}
+        if force:
+            extra["force"] = True
+        return self.call("evict", **({"key": key} if key is not None else {}), **extra, **self._admin())
+
+    def retain(self, group: str, key: bytes) -> dict[str, Any]:
+        """Admin: keep `key` in RAM across the children of `group` (ordinary eviction leaves it)."""
+        return self.call("retain", group=group, key=key, **self._admin())
+
+    def unretain(self, group: str) -> dict[str, Any]:
+        return self.call("unretain", group=group, **self._admin())
 
     def summary(self, scope: str = "self") -> dict[str, Any]:
         """The service's bounded status reply: counts, by_state, counters (+ health and store totals for

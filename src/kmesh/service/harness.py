@@ -31,15 +31,17 @@ class Harness:
     def __init__(self, *, device: str = "cpu", heartbeat_timeout_s: float = 0.5, chunk_bytes: int = 16384,
                  log_dir: Path | None = None, store_bytes: int = 1 << 30, socket_mode: int = 0o600,
                  allow_uids: list[int] | None = None, faults: list[str] | None = None,
-                 limits: dict[str, int] | None = None) -> None:
+                 limits: dict[str, int] | None = None, disk_dir: Path | None = None) -> None:
         self.device, self.chunk_bytes, self.heartbeat_timeout_s = device, chunk_bytes, heartbeat_timeout_s
+        self.service_disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kmesh-svc-"))  # short: socket paths max 107 bytes
         self.log_dir = log_dir or self.runtime_dir
         self.gate = ChunkGate()
         self.service = process.start(self.runtime_dir / "rt", device=device, heartbeat_timeout_s=heartbeat_timeout_s,
                                      chunk_bytes=chunk_bytes, gate_fd=self.gate.read_fd, store_bytes=store_bytes,
                                      socket_mode=socket_mode, allow_uids=allow_uids,
-                                     log_path=self.log_dir / "service.log", faults=faults, **(limits or {}))
+                                     log_path=self.log_dir / "service.log", faults=faults, disk_dir=disk_dir,
+                                     **(limits or {}))
         os.close(self.gate.read_fd)  # the service holds the read end; ours would only keep EOF away
         self.gate.read_fd = None  # type: ignore[assignment]
         if device.startswith("cuda"):

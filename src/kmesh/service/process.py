@@ -116,7 +116,7 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO",
           faults: list[str] | None = None, max_objects: int | None = None, max_jobs: int | None = None,
           max_regs: int | None = None, max_regs_per_client: int | None = None,
-          max_tombstones: int | None = None) -> ServiceProcess:
+          max_tombstones: int | None = None, disk_dir: Path | None = None) -> ServiceProcess:
     """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
     server's defaults) bound the store, the job history and the registry (tests use small ones)."""
     rd = Path(runtime_dir or default_runtime_dir())
@@ -128,6 +128,8 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
     for flag, v in limits.items():
         if v is not None:
             cmd += [flag, str(int(v))]
+    if disk_dir is not None:
+        cmd += ["--disk-dir", str(disk_dir)]
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
     for f in faults or ():

@@ -9,9 +9,10 @@ Hello   = {"op": "hello", "instance": u31 | omitted (anonymous), "name": str, "t
           be lost at hello time (its process has exited, or its heartbeat is overdue) or the claim is an admin
           takeover (takeover=true with the admin token); the old client's registrations then close and drain,
           and the newcomer is a new client (new id, new token) that never inherits them.
-          admin ops (shutdown, evict, status scope="all", list scope="all" or what="objects", hello takeover) carry
-          "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional in the schema, so a
-          request without it is refused by the service as not_authorized (a typed error), not as malformed.
+          admin ops (shutdown, evict, retain, unretain, status scope="all", list scope="all" or what="objects",
+          hello takeover) carry "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional
+          in the schema, so a request without it is refused by the service as not_authorized (a typed error),
+          not as malformed.
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
           {"seq": u32 | nil, "ok": false, "error": {"code": str, "message": str}, "fatal": bool}
 
@@ -178,7 +179,11 @@ OPS: dict[str, OpSpec] = {
     "load": OpSpec({**_REG, "layout_digest": Bin(32, 32), "key": _KEY, "offset": Int(0, MAX_MEMORY)}),
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
-    "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None)}),
+    "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None), "tier": (OneOf("all", "ram"), "all"),
+                         "force": (Flag(), False)}),
+    # group retention of shared originals (admin): kept by ordinary eviction until unretained
+    "retain": OpSpec({"group": Text(64), "key": _KEY}, {"admin": (_ADMIN, None)}),
+    "unretain": OpSpec({"group": Text(64)}, {"admin": (_ADMIN, None)}),
     "status": OpSpec({}, {"scope": (OneOf("self", "all"), "self"), "admin": (_ADMIN, None)}),
     "list": OpSpec({"what": OneOf(*LIST_WHAT)},
                    {"scope": (OneOf("self", "all"), "self"), "after": (Int(0, U63), None),

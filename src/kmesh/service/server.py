@@ -4,8 +4,8 @@ Everything that changes the registry or the store runs on this one thread, so a 
 finish without interleaving: validate (protocol), resolve (registry), accept (reservations + engine), reply.
 A malformed or unauthorised message gets a typed error reply and changes nothing; a frame that cannot be
 trusted (bad magic, oversized, truncated) also ends that connection. Admin ops (shutdown, status and lists of
-all clients or of the store, evict, hello takeover) need the admin token this process writes to a 0600 file
-next to its socket (identity.py). An internal error (a bug) in one client's work is counted and logged and
+all clients or of the store, evict, retain/unretain, hello takeover) need the admin token this process writes to
+a 0600 file next to its socket (identity.py). An internal error (a bug) in one client's work is counted and logged and
 costs at most that piece of work: every part of the loop (each request, each finished copy's bookkeeping,
 each client / wait / registration in the tick) runs in its own try.
 Every reply is bounded (status is a summary; lists are paged, protocol.cut_page), and every collection the
@@ -34,7 +34,8 @@ from typing import Any
 
 from kmesh.service import descriptor, identity
 from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, FrameTooLargeError, HandleError,
-                                  InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError, RangeError,
+                                  InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError,
+                                  ObjectMissingError, RangeError,
                                   RegistrationStateError, ReplyTooLargeError, SchemaError, SequenceError, ServiceError,
                                   ShuttingDownError, TruncatedFrameError, UnsupportedVersionError)
 from kmesh.service.handles import CudaIpcTable, MappedMemfd, check_memfd, close_fds, recv_some
@@ -78,6 +79,7 @@ class ServiceOptions:
     max_connections: int = 256
     max_out_bytes: int = 4 << 20          # a client that does not read its replies is disconnected
     faults: tuple[str, ...] = ()          # negative controls only (FAULTS)
+    disk_dir: Path | None = None          # disk tier under the host-RAM store (kmesh.storage object files)
 
 
 @dataclass(eq=False)
@@ -105,7 +107,7 @@ class Service:
                                  max_tombstones=opts.max_tombstones,
                                  ignore_in_flight="ignore_in_flight" in opts.faults)
         self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"),
-                           max_objects=opts.max_objects)
+                           max_objects=opts.max_objects, disk_dir=opts.disk_dir)
         self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
         self.cuda = CudaIpcTable()
         self.conns: dict[int, Conn] = {}
@@ -712,8 +714,22 @@ class Service:
 
     def _op_evict(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
         self._require_admin(conn, req, "evict")  # originals are shared: one client may not drop others' data
-        out = self.store.evict(req.args["key"])
+        a = req.args
+        out = self.store.evict(a["key"], tier=a["tier"], force=a["force"])
         return {"evicted": len(out["evicted"]), "kept": out["kept"]}
+
+    def _op_retain(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        self._require_admin(conn, req, "retain")
+        key = req.args["key"]
+        obj = self.store.objects.get(key)
+        if obj is None or obj.state != "committed":
+            raise ObjectMissingError(f"no committed object {key[:64]!r} to retain")
+        self.store.retention.retain(req.args["group"], key)
+        return {"group": req.args["group"], "retained": True}
+
+    def _op_unretain(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        self._require_admin(conn, req, "unretain")
+        return {"group": req.args["group"], "released": self.store.retention.unretain(req.args["group"])}
 
     def _require_admin(self, conn: Conn, req: Request, what: str) -> None:
         """Admin = the service's uid (or root) AND the admin token from the runtime dir, compared in constant
@@ -853,6 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tombstones", type=int, default=16384)
     p.add_argument("--max-objects", type=int, default=65536)
     p.add_argument("--max-jobs", type=int, default=4096)
+    p.add_argument("--disk-dir", type=Path, default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -868,7 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         svc = Service(ServiceOptions(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes,
                                      a.gate_fd, a.socket_mode, uids, max_regs_per_client=a.max_regs_per_client,
                                      max_regs=a.max_regs, max_tombstones=a.max_tombstones,
-                                     max_objects=a.max_objects, max_jobs=a.max_jobs, faults=tuple(a.fault)))
+                                     max_objects=a.max_objects, max_jobs=a.max_jobs, faults=tuple(a.fault),
+                                     disk_dir=a.disk_dir))
         if a.fault:
             log.warning("FAULTS INJECTED (negative control): %s", a.fault)
         svc.bind()

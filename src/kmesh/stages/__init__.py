@@ -13,8 +13,8 @@ from kmesh.errors import StageError
 from kmesh.result import Result
 
 # Pipeline order (DESIGN §3). Later waves add equivalence, storage, group.
-STAGES: tuple[str, ...] = ("sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "integrity", "group",
-                          "report")
+STAGES: tuple[str, ...] = ("sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage",
+                           "integrity", "group", "report")
 
 
 def stage_runner(name: str) -> Callable[[Config], Result]:

@@ -1,0 +1,82 @@
+"""One child through a storage route, timed in nested parts: read ⊂ check ⊂ restore ⊂ outer.
+
+    outer    new model state, restore, repair (prefill + decode), outcome checks, cleanup
+    restore  per object: check, then the device copy submitted (kmesh.transfer ticket, holds on both buffers);
+             all copies drained; kmesh.restore into the child's cache (keys rotated to the child's positions)
+    check    open (header checked), read, integrity digest over the whole padded object, file-unchanged check
+    read     the route's read calls alone (summed over the four objects)
+
+The device copy of object i is in flight (engine thread on CPU, side stream on CUDA) while object i+1 is read
+and checked; it starts only after its read returned (I/O completion is explicit, never a stream event). After
+the drain the landing and private buffers must carry no hold (`engine.release` raises otherwise) and nothing may
+be pending for the child: checked physical cleanup. Landing and private buffers are poisoned (untimed) before
+every child, so a route that silently delivered nothing would fail the digest or the comparison.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+
+from kmesh.bench import Intervals
+from kmesh.child import ChildContext, ChildOutcome, ChildStateError, new_cache, prefill_and_decode
+from kmesh.model.runner import KVCache
+from kmesh.segments import restore_child
+from kmesh.stages.storage_objects import ObjectSet, read_verified
+from kmesh.storage.routes import Route
+from kmesh.workload import Child
+
+
+def _part(iv: Intervals | None, name: str) -> ContextManager[Any]:
+    return iv.part(name) if iv is not None else contextlib.nullcontext()
+
+
+def check_canaries(cache: KVCache, used: int) -> None:
+    """No NaN poison left inside [0, used) of any layer, every slot after it still NaN."""
+    for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
+        if torch.isnan(k[:used]).any() or torch.isnan(v[:used]).any():
+            raise ChildStateError(f"layer {layer}: poison left inside the request's {used} slots")
+        if not (torch.isnan(k[used:]).all() and torch.isnan(v[used:]).all()):
+            raise ChildStateError(f"layer {layer}: a canary slot past {used} was overwritten")
+
+
+def route_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
+                  private: torch.Tensor, cache: KVCache | None, owner: str,
+                  iv: Intervals | None = None) -> torch.Tensor | None:
+    """Read, check and copy every object into `private`; restore into `cache` (None: stop after the copies)."""
+    with _part(iv, "restore"):
+        for e in objs.catalog.entries:
+            with _part(iv, "check"):
+                payload = read_verified(route, objs, e.index, landing,
+                                        read_part=(lambda: iv.part("read")) if iv is not None else None)
+            ctx.engine.submit(payload, private[e.offset:e.offset + e.nbytes], owner=owner)
+        ctx.engine.drain(owner=owner)
+        if cache is None:
+            return None
+        return restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
+
+
+def release_checked(ctx: ChildContext, owner: str, *buffers: torch.Tensor) -> None:
+    if ctx.engine.pending(owner):
+        raise ChildStateError(f"{owner}: copies still pending after the drain")
+    for b in buffers:
+        ctx.engine.release(b)      # BufferHeldError if any ticket still holds it
+
+
+def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
+                private: torch.Tensor, iv: Intervals) -> ChildOutcome:
+    owner = f"storage-{route.arm}-{child.name}"
+    landing.fill_(0xA5)    # untimed: a read that delivered nothing cannot pass on the previous child's bytes
+    private.fill_(0x5A)
+    with iv.part("outer"):
+        cache = new_cache(ctx, child)
+        restored = route_restore(ctx, child, objs, route, landing, private, cache, owner, iv)
+        res, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
+        T = len(child.ids)
+        check_canaries(cache, T + ctx.max_new_tokens - 1)
+        k, v = cache.stacked(T)
+        out = ChildOutcome(child.name, f"storage:{route.arm}", "kmesh", k, v, res.logits.clone(), tokens,
+                           res.masks.clone(), restored, None, ["restored", "repaired"])
+        release_checked(ctx, owner, landing, private)
+    return out

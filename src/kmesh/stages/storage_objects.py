@@ -1,0 +1,120 @@
+"""The storage stage's objects on disk and a storage-backed segment source.
+
+    objs = save_objects(export, directory, algorithm="sha256", pad_to=3 << 20)   # one object file per segment
+    src = StorageSegments(objs, route)        # kmesh.segments.SegmentSource: works with kmesh.child.run_child
+
+A load opens the segment's object file through the route (header checked), reads the padded payload into the
+route's landing buffer, verifies the digest over the whole padded object, checks the file was not replaced while
+open and that it is the catalog's object (key, size), and only then copies the payload into the staging buffer.
+Every StorageError becomes the SegmentLoadError subclass run_child turns into a full recompute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kmesh.segments import (Catalog, CatalogEntry, Export, SegmentCorruptError, SegmentLayoutError,
+                            SegmentLoadError, SegmentMissingError, SegmentTruncatedError)
+from kmesh.storage import errors as se
+from kmesh.storage.objfile import Header, ObjectFile, write_object
+from kmesh.storage.routes import Route
+
+
+@dataclass
+class ObjectSet:
+    catalog: Catalog
+    paths: list[Path]
+    headers: list[Header]
+    slots: list[int]          # offset of each object's padded payload in a route's landing buffer
+    total_padded: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"objects": [{"path": str(p), "key": h.key.decode(errors="replace"), "payload_nbytes":
+                             h.payload_nbytes, "padded_nbytes": h.padded_nbytes, "algorithm": h.algorithm,
+                             "digest": h.digest.hex()} for p, h in zip(self.paths, self.headers)],
+                "payload_bytes": sum(h.payload_nbytes for h in self.headers), "padded_bytes": self.total_padded}
+
+
+def save_objects(export: Export, directory: Path, algorithm: str = "sha256", pad_to: int | None = None,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ObjectSet:
+    """One object file per catalog entry (its bytes from the export buffer; `transform` alters them, e.g. the
+    arrival checks' complemented bytes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = export.raw.cpu()
+    paths, headers, slots, off = [], [], [], 0
+    for e in export.catalog.entries:
+        data = raw[e.offset:e.offset + e.nbytes].contiguous()
+        if transform is not None:
+            data = transform(data).contiguous()
+        p = directory / f"segment-{e.index}.kmo"
+        h = write_object(p, data.numpy(), e.key, {"catalog_layout": export.catalog.layout.to_dict(),
+                                                  "offset": e.offset, "nbytes": e.nbytes, "sha256": e.sha256},
+                         algorithm=algorithm, pad_to=pad_to)
+        paths.append(p)
+        headers.append(h)
+        slots.append(off)
+        off += h.padded_nbytes
+    return ObjectSet(export.catalog, paths, headers, slots, off)
+
+
+def to_segment_error(e: se.StorageError) -> SegmentLoadError:
+    """The SegmentLoadError a child falls back on; the message starts with the storage error's class name."""
+    msg = f"{type(e).__name__}: {e}"
+    if isinstance(e, se.ObjectNotFoundError):
+        return SegmentMissingError(msg)
+    if isinstance(e, se.ShortFileError):
+        return SegmentTruncatedError(msg)
+    if isinstance(e, se.ObjectMismatchError):
+        return SegmentLayoutError(msg)
+    if isinstance(e, (se.ObjectCorruptError, se.HeaderCorruptError, se.HeaderLieError, se.BadMagicError,
+                      se.BadVersionError, se.ObjectAlgorithmError, se.ObjectReplacedError)):
+        return SegmentCorruptError(msg)
+    return SegmentLoadError(msg)
+
+
+def read_verified(route: Route, objs: ObjectSet, i: int, landing: torch.Tensor,
+                  after_read: Callable[[int, ObjectFile], None] | None = None,
+                  read_part: Callable[[], Any] | None = None) -> torch.Tensor:
+    """Object i through the route into its landing slot, verified; returns the payload view. Raises StorageError.
+    `read_part()` is a context manager around the read call alone (the stage's timed `read`)."""
+    e = objs.catalog.entries[i]
+    with route.open(objs.paths[i]) as f:
+        h = f.header
+        dst = landing[objs.slots[i]:objs.slots[i] + h.padded_nbytes]
+        if read_part is None:
+            route.read(f, dst)
+        else:
+            with read_part():
+                route.read(f, dst)
+        if after_read is not None:
+            after_read(i, f)
+        h.verify(route.host_bytes(dst), str(objs.paths[i]))
+        f.check_unchanged()
+    if h.key != e.key or h.payload_nbytes != e.nbytes:
+        raise se.ObjectMismatchError(f"{objs.paths[i]} holds {h.key!r} ({h.payload_nbytes} B), the catalog "
+                                     f"wants {e.key!r} ({e.nbytes} B)")
+    return dst[:h.payload_nbytes]
+
+
+class StorageSegments:
+    """SegmentSource over object files: load(entry, staging) through a storage route."""
+
+    def __init__(self, objs: ObjectSet, route: Route,
+                 after_read: Callable[[int, ObjectFile], None] | None = None) -> None:
+        self.objs, self.route, self.after_read = objs, route, after_read
+        self.name = f"storage:{route.arm}"
+        self.landing = route.landing(objs.total_padded)
+
+    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
+        try:
+            payload = read_verified(self.route, self.objs, entry.index, self.landing, self.after_read)
+        except se.StorageError as e:
+            raise to_segment_error(e) from e
+        n = payload.numel()
+        if entry.offset + n > staging.numel():
+            raise SegmentTruncatedError(f"object {entry.key!r} of {n} B overruns the staging buffer")
+        staging[entry.offset:entry.offset + n].copy_(payload)
+        return n
