@@ -7,7 +7,9 @@ validate(config, "../../config/config.schema.yaml")
 
 PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
-GPU = 1 if PROFILE == "cuda" else 0
+# A stage needs a GPU only on the cuda profile. None (not 0) drops the `gpu` resource: executor plugins read its
+# presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
+GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence"]
 
