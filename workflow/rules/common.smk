@@ -11,7 +11,7 @@ RESULTS = config.get("results_dir", "results")
 # presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
 GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
-STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence"]
+STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "restore_bench"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -26,6 +26,7 @@ STAGE_CODE = {
     "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
     "report": ["report/*.py"],
 }
 
