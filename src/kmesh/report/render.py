@@ -52,6 +52,12 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,
                                           tables.quality_caption(stage))
             written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
+        bandwidth = r["summary"].get("shapes") if stage == "restore_bench" else None
+        if isinstance(bandwidth, dict) and bandwidth:
+            written += tables.write_table(tables.bandwidth_frame(bandwidth), tdir / f"{stage}_bandwidth", fmts,
+                                          tables.bandwidth_caption(r["summary"].get("goals", {})))
+            written += plots.bandwidth_plot(bandwidth, pdir / f"{stage}_bandwidth", pfmts,
+                                            f"{stage} ({cfg.profile}): bandwidth per arm")
         for name, timing in r.get("timings", {}).items():
             if not isinstance(timing, dict) or timing.get("kind") != "paired":
                 continue
