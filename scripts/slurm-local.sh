@@ -108,6 +108,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 SchedulerType=sched/backfill
 AccountingStorageType=accounting_storage/slurmdbd
+# keep sbatch --comment (the slurm plugin puts the rule name there) in sacct
+AccountingStoreFlags=job_comment
 AccountingStorageHost=localhost
 JobCompType=jobcomp/none
 ReturnToService=2
