@@ -1,5 +1,6 @@
-# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> report.
-# Run: scripts/run-pipeline.sh (sets up .venv, then `snakemake --cores all`).
+# KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> restore_bench
+# -> report. Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all`).
+# On a cluster: `snakemake --profile workflow/profiles/slurm` (or .../kubernetes); see README.
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
 #   python -m kmesh run STAGE --profile PROFILE
 from snakemake.utils import min_version

@@ -18,6 +18,7 @@ CONF=/etc/slurm
 HOST=$(hostname -s)
 CLUSTER=kmesh
 log() { echo "[slurm-local] $*" >&2; }
+t0=$SECONDS
 
 stop() {
   for d in slurmd slurmctld slurmdbd; do   # each daemon writes its pid file into $STATE
@@ -35,7 +36,6 @@ if command -v sinfo >/dev/null && idle && sacct -n -X -o JobID --starttime now-1
   log "cluster already up (node $HOST idle, sacct answers)"; exit 0
 fi
 
-t0=$SECONDS
 pkgs=(slurm-wlm munge slurmdbd mariadb-server)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
