@@ -6,7 +6,7 @@ export LMCACHE_TRACK_USAGE := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: env pipeline test doctor lock mutation
+.PHONY: env pipeline test doctor lock mutation slurm-cluster
 
 env:
 	scripts/setup-env.sh
@@ -16,6 +16,9 @@ pipeline: env  ## run every stage on the CPU profile, then tables + plots
 
 test: env  ## the test suite (CI runs exactly this)
 	KMESH_REQUIRE_VLLM=1 python -m pytest -q $(PYTEST_ARGS)
+
+slurm-cluster:  ## a single-node SLURM cluster on this machine (root; apt-get) for the slurm profile and its test
+	scripts/slurm-local.sh
 
 doctor: env
 	python -m kmesh doctor

@@ -1,6 +1,7 @@
 # KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage ->
-#   integrity -> group -> report.
-# Run: scripts/run-pipeline.sh (sets up .venv, then `snakemake --cores all`).
+#   integrity -> group -> restore_bench -> report.
+# Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all`).
+# On a cluster: `snakemake --profile workflow/profiles/slurm` (or .../kubernetes); see README.
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
 #   python -m kmesh run STAGE --profile PROFILE
 from snakemake.utils import min_version
@@ -25,6 +26,7 @@ include: "workflow/rules/equivalence.smk"
 include: "workflow/rules/storage.smk"
 include: "workflow/rules/integrity.smk"
 include: "workflow/rules/group.smk"
+include: "workflow/rules/restore_bench.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -7,10 +7,12 @@ validate(config, "../../config/config.schema.yaml")
 
 PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
-GPU = 1 if PROFILE == "cuda" else 0
+# A stage needs a GPU only on the cuda profile. None (not 0) drops the `gpu` resource: executor plugins read its
+# presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
+GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "group"]
+          "group", "restore_bench"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -33,6 +35,7 @@ STAGE_CODE = {
                 "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
                 "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
                 "sources/__init__.py", "sources/digest.py"],
+    "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
     "report": ["report/*.py"],
 }
 

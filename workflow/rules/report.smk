@@ -18,7 +18,7 @@ rule report:
     log:
         logfile("report"),
     resources:
-        gpu=0,
+        gpu=None,
         mem_mb=2000,
     shell:
         kmesh_run("report")

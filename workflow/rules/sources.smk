@@ -9,7 +9,7 @@ rule sources:
     log:
         logfile("sources"),
     resources:
-        gpu=0,
+        gpu=None,
         mem_mb=1000,
     shell:
         kmesh_run("sources")

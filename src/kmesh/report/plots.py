@@ -132,3 +132,20 @@ def scaling_plot(scaling: dict[str, Any], base: Path, formats: Iterable[str], ti
     bx.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     return _save(fig, base, formats)
+
+
+def bandwidth_plot(shapes: dict[str, dict[str, Any]], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Bandwidth per arm (copy / kernel / torch path) for every shape of a restore_bench summary."""
+    arms = [(k, lbl) for k, lbl in (("copy_GBps", "copy"), ("kernel_GBps", "kernel"), ("torch_GBps", "torch path"))
+            if any(s.get(k) is not None for s in shapes.values())]
+    names = list(shapes)
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(names) + 1.5), 3.2))
+    width = 0.8 / max(1, len(arms))
+    for i, (key, label) in enumerate(arms):
+        vals = [shapes[n].get(key) or 0.0 for n in names]
+        ax.bar([x + i * width for x in range(len(names))], vals, width, label=label)
+    ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(names))], names)
+    ax.set_ylabel("GB/s")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)

@@ -66,6 +66,12 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.bytes_held_frame(held), tdir / f"{stage}_bytes_held", fmts,
                                           f"Stage {stage}: bytes held per child vs group size (measured; diffs = "
                                           "rows the repair changed against the shifted shared original + 4-byte index)")
+        bandwidth = r["summary"].get("shapes") if stage == "restore_bench" else None
+        if isinstance(bandwidth, dict) and bandwidth:
+            written += tables.write_table(tables.bandwidth_frame(bandwidth), tdir / f"{stage}_bandwidth", fmts,
+                                          tables.bandwidth_caption(r["summary"].get("goals", {})))
+            written += plots.bandwidth_plot(bandwidth, pdir / f"{stage}_bandwidth", pfmts,
+                                            f"{stage} ({cfg.profile}): bandwidth per arm")
         for name, timing in r.get("timings", {}).items():
             if isinstance(timing, dict) and timing.get("kind") == "arms":
                 base = f"{stage}_{name}"

@@ -212,3 +212,25 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),
     ]
     return pd.DataFrame([{"quantity": k, "value": v} for k, v in rows])
+
+
+BANDWIDTH_ARMS = (("copy_GBps", "copy"), ("kernel_GBps", "kernel"), ("torch_GBps", "torch path"))
+
+
+def bandwidth_frame(shapes: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per shape of a restore_bench summary: bandwidth per arm, ratios, bytes that differ."""
+    rows = []
+    for name, s in shapes.items():
+        row: dict[str, Any] = {"shape": name, "segment MiB": round(s["segment_bytes"] / 2**20, 1)}
+        row.update({f"{label} GB/s": s.get(key) for key, label in BANDWIDTH_ARMS})
+        row.update({"kernel/copy bandwidth": s.get("kernel_vs_copy"), "speedup vs torch": s.get("speedup_vs_torch"),
+                    "torch/copy bandwidth": s.get("torch_vs_copy"), "bytes ≠": s.get("bytes_differ")})
+        rows.append(row)
+    return pd.DataFrame(rows).dropna(axis=1, how="all")
+
+
+def bandwidth_caption(goals: dict[str, Any]) -> str:
+    return ("Stage restore_bench: bandwidth = bytes counted / median time per execution (restore: segment read + "
+            "cells written + shift tables + slots; copy: read + write of the segment's bytes); ratios are medians of "
+            f"matched-pair ratios. Goals: kernel/copy ≥ {goals.get('kernel_vs_copy')}, speedup vs torch ≥ "
+            f"{goals.get('speedup_vs_torch')}× (recorded, not asserted). bytes ≠: restored buffer vs reference.")

@@ -420,18 +420,20 @@ def case_foreign_uid(ctx: Ctx, c: Case) -> None:
     # Second layer: even through a deliberately world-writable socket, SO_PEERCRED refuses the uid.
     from kmesh.service import process
 
-    parent = Path(tempfile.mkdtemp(prefix="kmesh-open-"))
-    os.chmod(parent, 0o711)
-    sp = process.start(parent / "rt", socket_mode=0o666, log_path=parent / "service.log")
-    try:
-        got = _as_uid(uid, sp.socket_path)
-        c.check("peer_uid_refused_by_service", got == "auth", value=got)
-        with sp.admin_client() as adm:
-            st = adm.status("all")
-        c.check("refusal_counted", st["stats"]["refused_connections"] == 1)
-        c.check("registry_untouched", len(st["clients"]) == 1 and not st["registrations"])
-    finally:
-        sp.stop()
+    # The directory (runtime dir + service log) is this case's own: removed when the case ends, however it ends.
+    with tempfile.TemporaryDirectory(prefix="kmesh-open-") as tmp:
+        parent = Path(tmp)
+        os.chmod(parent, 0o711)
+        sp = process.start(parent / "rt", socket_mode=0o666, log_path=parent / "service.log")
+        try:
+            got = _as_uid(uid, sp.socket_path)
+            c.check("peer_uid_refused_by_service", got == "auth", value=got)
+            with sp.admin_client() as adm:
+                st = adm.status("all")
+            c.check("refusal_counted", st["stats"]["refused_connections"] == 1)
+            c.check("registry_untouched", len(st["clients"]) == 1 and not st["registrations"])
+        finally:
+            sp.stop()
 
 
 def _as_uid(uid: int, sock_path: Path) -> str:

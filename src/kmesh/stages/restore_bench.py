@@ -1,0 +1,161 @@
+"""Stage `restore_bench` (issue 14): what a restore costs against moving the same bytes once.
+
+Design (kmesh.bench, DESIGN §5): per shape (kmesh.stages.restore_bench_cases.SHAPES), matched pairs, arm order
+alternating, warm-up pairs excluded; each timed interval holds `reps` back-to-back executions, time per execution
+= interval / reps; ratios are medians of the per-pair ratios.
+  cuda: copy vs kernel  — torch's device-to-device copy of exactly the segment's bytes (the bandwidth ceiling:
+                          it reads and writes every byte once, as a restore must) against the restore_rope kernel;
+        torch vs kernel — kmesh.restore's torch path against the kernel, same validated plan.
+        Intervals are CUDA events, preceded (outside the interval) by a GPU sleep so that host-side launch work
+        is queued ahead and the events time the GPU only.
+  cpu:  copy vs torch   — a plain CPU copy of the same bytes against kmesh.restore's torch path.
+Bandwidth = bytes counted / time: for a restore, segment read + cells written + shift tables + slots
+(RestorePlan.bytes_moved); for the copy, read + write of the segment's bytes.
+Correctness, after timing, each path into a freshly poisoned cache: restored values equal the segment's byte for
+byte, no byte outside the destination cells changes; on cuda the kernel's whole buffer equals the torch path's
+(bytes_differ). Goals (kernel ≥ 0.85 of the copy's bandwidth, ≥ 20× the torch path) are recorded as met or
+missed, never turned into pass/fail: a case fails only on a correctness check.
+Variants (cuda): compile-time tunables of kernels/restore_rope.cu, each an nvcc flag set; the summary uses the
+first (the default build).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+import torch
+
+from kmesh.bench import run_pairs
+from kmesh.config import Config
+from kmesh.result import Result
+from kmesh.stages.restore_bench_cases import Bench, build, check_restored, shape, timed
+
+GOAL_BANDWIDTH = 0.85   # kernel / copy bandwidth (issue 3)
+GOAL_SPEEDUP = 20.0     # torch time / kernel time
+
+
+def _medians(t: Any, arm: str, reps: int) -> list[float]:
+    return [x / reps for x in t.per_pair(arm, "exec")]
+
+
+def _compare(b: Bench, ops: dict, arms: tuple[str, str], reps: int, pairs: int, warmup: int, device: str,
+             res: Result, key: str) -> tuple[list[float], list[float]]:
+    t = run_pairs(timed(ops, {arms[0]: reps, arms[1]: reps}, device), arms, ["segment"], pairs=pairs,
+                  warmup=warmup, device=device, progress=False)
+    res.timings[key] = t.to_dict()
+    return _medians(t, arms[0], reps), _medians(t, arms[1], reps)
+
+
+def _cpu_shape(name: str, b: Bench, sec: dict, pairs: int, warmup: int, res: Result, c: Any) -> dict[str, Any]:
+    counted = b.plan.bytes_moved()
+    ops = {"copy": lambda: b.copy_dst.copy_(b.copy_src), "torch": lambda: b.plan.run("torch")}
+    copy_t, torch_t = _compare(b, ops, ("copy", "torch"), sec["reps"], pairs, warmup, "cpu", res,
+                               f"{name}:copy_vs_torch")
+    c.check("copy_equals_source", bool(torch.equal(b.copy_dst, b.copy_src)))
+    chk = check_restored(b, lambda p: p.run("torch"))
+    c.check("torch_values_byte_identical", chk["values_differ"] == 0, chk["values_differ"])
+    c.check("torch_outside_cells_untouched", chk["outside_differ"] == 0, chk["outside_differ"])
+    ratio = statistics.median(t_ / c_ for c_, t_ in zip(copy_t, torch_t))
+    return {"copy_s": statistics.median(copy_t), "torch_s": statistics.median(torch_t),
+            "copy_GBps": 2 * b.seg_bytes / statistics.median(copy_t) / 1e9,
+            "torch_GBps": counted["total"] / statistics.median(torch_t) / 1e9,
+            "time_ratio_torch_over_copy": ratio,
+            "torch_vs_copy": counted["total"] / (2 * b.seg_bytes) / ratio,
+            "kernel_vs_copy": None, "speedup_vs_torch": None,
+            "bytes_differ": chk["values_differ"] + chk["outside_differ"],
+            "pairs": pairs, "bytes": counted, "segment_bytes": b.seg_bytes}
+
+
+def _use_variant(flags: str) -> None:
+    from kmesh.cuda import configure
+
+    os.environ["KMESH_KERNEL_FLAGS"] = flags
+    configure(None)
+
+
+def _cuda_variant(name: str, flags: str, b: Bench, sec: dict, pairs: int, warmup: int, res: Result,
+                  c: Any) -> dict[str, Any]:
+    from kmesh.cuda.restore_rope import launch_restore
+
+    _use_variant(flags)
+    launch = launch_restore(b.plan)   # compiles/loads this variant outside the timing
+    counted = b.plan.bytes_moved()
+    tag = flags or "default"
+    ops = {"copy": lambda: b.copy_dst.copy_(b.copy_src), "kernel": lambda: launch_restore(b.plan),
+           "torch": lambda: b.plan.run("torch")}
+    copy_t, kern_t = _compare(b, ops, ("copy", "kernel"), sec["reps"], pairs, warmup, "cuda", res,
+                              f"{name}:copy_vs_kernel[{tag}]")
+    torch_t, kern2_t = _compare(b, ops, ("torch", "kernel"), sec["torch_reps"], pairs, warmup, "cuda", res,
+                                f"{name}:torch_vs_kernel[{tag}]")
+    c.check(f"copy_equals_source[{tag}]", bool(torch.equal(b.copy_dst, b.copy_src)))
+    ref = check_restored(b, lambda p: p.run("torch"))
+    ker = check_restored(b, launch_restore)
+    differ = int((ref["_buf"] != ker["_buf"]).sum())
+    c.check(f"kernel_equals_torch_bytes[{tag}]", differ == 0, differ)
+    c.check(f"torch_values_byte_identical[{tag}]", ref["values_differ"] == 0, ref["values_differ"])
+    c.check(f"kernel_outside_cells_untouched[{tag}]", ker["outside_differ"] == 0, ker["outside_differ"])
+    ratio = statistics.median(c_ / k_ for c_, k_ in zip(copy_t, kern_t))
+    return {"launch": launch, "copy_s": statistics.median(copy_t), "kernel_s": statistics.median(kern_t),
+            "copy_GBps": 2 * b.seg_bytes / statistics.median(copy_t) / 1e9,
+            "kernel_GBps": counted["total"] / statistics.median(kern_t) / 1e9,
+            "torch_GBps": counted["total"] / statistics.median(torch_t) / 1e9,
+            "time_ratio_copy_over_kernel": ratio,
+            "kernel_vs_copy": ratio * counted["total"] / (2 * b.seg_bytes),
+            "kernel_won_vs_copy": sum(k_ < c_ for c_, k_ in zip(copy_t, kern_t)),
+            "torch_s": statistics.median(torch_t), "kernel_s_in_torch_pairs": statistics.median(kern2_t),
+            "speedup_vs_torch": statistics.median(t_ / k_ for t_, k_ in zip(torch_t, kern2_t)),
+            "kernel_won_vs_torch": sum(k_ < t_ for t_, k_ in zip(torch_t, kern2_t)),
+            "bytes_differ": differ, "pairs": pairs, "bytes": counted, "segment_bytes": b.seg_bytes}
+
+
+def run(cfg: Config) -> Result:
+    res = Result.begin("restore_bench", cfg)
+    sec = cfg.section("restore_bench")
+    device = sec["device"]
+    pairs = sec.get("pairs") or cfg.data["timing"]["pairs"]
+    warmup = cfg.data["timing"]["warmup"]
+    res.extra["design"] = __doc__.split("Design", 1)[1].strip()
+    res.extra["device"] = device
+    shapes: dict[str, Any] = {}
+    with res.case("device", {"device": device}) as c:
+        if device == "cuda" and not torch.cuda.is_available():
+            c.check("cuda_available", False, "restore_bench.device is cuda but torch sees no GPU")
+        else:
+            c.check("device_usable", True, torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        return res
+    if device == "cuda":
+        res.extra["gpu"] = torch.cuda.get_device_name()
+    variants = sec.get("variants") or [""]
+    for si, name in enumerate(sec["shapes"]):
+        s = shape(name)
+        with res.case(name, s.params()) as c:
+            b = build(s, cfg.seed + si, device)
+            if device == "cpu":
+                summ = _cpu_shape(name, b, sec, pairs, warmup, res, c)
+            else:
+                per_variant = {flags or "default": _cuda_variant(name, flags, b, sec, pairs, warmup, res, c)
+                               for flags in variants}
+                _use_variant(variants[0])
+                summ = dict(per_variant[variants[0] or "default"])
+                ok = {k: v for k, v in per_variant.items() if v["bytes_differ"] == 0}
+                summ["fastest_variant"] = min(ok, key=lambda k: ok[k]["kernel_s"]) if ok else None
+                c.record("variants", per_variant)
+                summ["goal_bandwidth_met"] = summ["kernel_vs_copy"] >= GOAL_BANDWIDTH
+                summ["goal_speedup_met"] = summ["speedup_vs_torch"] >= GOAL_SPEEDUP
+            c.record("summary", summ)
+            shapes[name] = {k: summ[k] for k in ("kernel_vs_copy", "speedup_vs_torch", "bytes_differ",
+                                                 "copy_GBps", "segment_bytes")}
+            shapes[name].update({k: summ[k] for k in ("kernel_GBps", "torch_GBps", "torch_vs_copy",
+                                                      "goal_bandwidth_met", "goal_speedup_met") if k in summ})
+            b = None   # free this shape's buffers before the next one
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    res.extra["shapes"] = shapes
+    res.extra["goals"] = {"kernel_vs_copy": GOAL_BANDWIDTH, "speedup_vs_torch": GOAL_SPEEDUP}
+    if device == "cuda":
+        from kmesh.cuda import kernel_info
+
+        res.extra["kernel"] = kernel_info("restore_rope")
+    return res
