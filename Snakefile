@@ -21,6 +21,7 @@ include: "workflow/rules/synthetic.smk"
 include: "workflow/rules/drain.smk"
 include: "workflow/rules/ownership.smk"
 include: "workflow/rules/equivalence.smk"
+include: "workflow/rules/vllm.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -9,7 +9,7 @@ PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
 GPU = 1 if PROFILE == "cuda" else 0
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
-STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence"]
+STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "vllm"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -24,6 +24,9 @@ STAGE_CODE = {
     "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
+             "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
+             "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
 

@@ -13,7 +13,7 @@ from kmesh.errors import StageError
 from kmesh.result import Result
 
 # Pipeline order (DESIGN §3). Later waves add equivalence, storage, group.
-STAGES: tuple[str, ...] = ("sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "report")
+STAGES: tuple[str, ...] = ("sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "vllm", "report")
 
 
 def stage_runner(name: str) -> Callable[[Config], Result]:

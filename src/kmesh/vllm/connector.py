@@ -25,7 +25,6 @@ be prefilled in one step to be saved (chunked prefill of a longer prompt saves n
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -39,7 +38,7 @@ from kmesh.restore import capture, restore
 from kmesh.rope import RopeConfig
 from kmesh.sources.digest import sha256_tensor
 from kmesh.vllm import arrangement as arr
-from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceLink
+from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceLink, shared_link
 from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record, RecordError, namespace,
                                 prefix_keys, record_key, segment_key)
 from kmesh.vllm.plans import Item, KMeshMetadata, LoadPlan, SavePlan, parse_spans, slots_of
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kmesh.vllm")
-_GENERATION = itertools.count(1)     # a later cache in this process never reuses an earlier registration
 
 
 class KMeshConnector(KVConnectorBase_V1):
@@ -70,13 +68,15 @@ class KMeshConnector(KVConnectorBase_V1):
         self.staging_blocks = int(extra.get("staging_blocks", 4))
         self.records = int(extra.get("records", 64))
         socket = extra.get("socket")
-        self.link = ServiceLink(socket or "", f"vllm-{role.name.lower()}", float(extra.get("timeout_s", 30.0)))
-        if not socket:
-            self.link._down("kv_connector_extra_config has no 'socket'")
+        if socket:
+            self.link = shared_link(str(socket), float(extra.get("timeout_s", 30.0)), float(extra.get("retry_s", 5.0)))
+        else:
+            self.link = ServiceLink("", "kmesh-vllm")
+            self.link.closed = True
+            log.warning("kmesh: kv_connector_extra_config has no 'socket'; KMesh supplies nothing")
         self.stats: dict[str, Any] = {"pid": os.getpid(), "loaded_blocks": 0, "load_errors": 0, "saved": 0,
                                       "save_skipped": 0, "repairs": []}
         self.engine: arr.EngineCache | None = None
-        self._windows: dict[str, Any] = {}
         # scheduler state
         self._plans: dict[str, LoadPlan] = {}
         self._reports: dict[str, dict[str, Any]] = {}
@@ -85,23 +85,24 @@ class KMeshConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._save_slots: list[tuple[Item, torch.Tensor, int, torch.Tensor]] = []
         self._save_meta: Any = None
+        self._failed_reqs: set[str] = set()
         self._runner: Any = None
 
     # ==================================================================================================
     # shared
-    def _record_window(self) -> Any:
-        w = self._windows.get("records")
-        if w is None and self.link.connect():
-            w = self.link.register("records", arr.record_layout(self.records), alloc_id=id(self),
-                                   generation=next(_GENERATION))
-            self._windows["records"] = w
-        return w
+    def _window(self, name: str) -> Any:
+        """This link session's window (registered on first use, and again after a reconnect)."""
+        if name == "records":
+            return self.link.window(name, arr.record_layout(self.records), alloc_id=id(self.link))
+        if self.engine is None:
+            raise LinkUnavailable("no engine KV cache registered in this process")
+        # the engine cache's address names the allocation these windows serve (+ window number)
+        return self.link.window(name, arr.staging_layout(self.engine.layout, self.staging_blocks),
+                                alloc_id=self.engine.raw.data_ptr() + (name == "save"))
 
     def _read_record(self, key: bytes) -> Record | None:
         """The committed record of payload `key`, or None (missing / not ours)."""
-        w = self._record_window()
-        if w is None:
-            raise LinkUnavailable(self.link.down_reason or "no service")
+        w = self._window("records")
         w.tensor[:RECORD_BYTES].zero_()            # a load that wrote nothing cannot pass as a record
         try:
             n = self.link.load(w, record_key(key), 0)
@@ -112,7 +113,15 @@ class KMeshConnector(KVConnectorBase_V1):
             log.warning("kmesh: record of %r unusable: %s", key, e)
             return None
 
+    def describe(self) -> dict[str, Any]:
+        """Counters + the link's state (for the stage and tests, through the engine process)."""
+        return {**self.stats, "namespace": self.ns.decode(), "block_size": self.block_size,
+                "link": {"up": self.link.up, "warnings": self.link.warnings, "sessions": self.link.sessions,
+                         "down_reason": self.link.down_reason, "closed": self.link.closed,
+                         "registrations": {n: [w.ref.reg, w.ref.gen] for n, w in self.link.windows.items()}}}
+
     def shutdown(self) -> None:
+        """Engine exit: every registration of this process closes (the service drains, then releases it)."""
         self.link.close()
 
     # ==================================================================================================
@@ -191,6 +200,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 meta.loads.append(plan)
                 report.update(tokens_supplied=plan.num_tokens - plan.first, mode=plan.mode,
                               segments=len(plan.items) if plan.mode == "interior" else None,
+                              stored_tokens=sum(len(it.tokens) for it in plan.items),
                               block_ids=block_ids)
             save = self._save_plan(new, scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
             if save is not None:
@@ -255,23 +265,18 @@ class KMeshConnector(KVConnectorBase_V1):
         self._block_bytes = arr.staging_layout(self.engine.layout, 1).nbytes
         self.stats.update(layout=self.engine.layout.to_dict(), backend=self.engine.backend,
                           engine_address=self.engine.raw.data_ptr())
-        if not self.link.connect():
-            return
-        gen = next(_GENERATION)
         try:
-            for name in ("load", "save"):
-                lay = arr.staging_layout(self.engine.layout, self.staging_blocks)
-                self._windows[name] = self.link.register(name, lay, alloc_id=self.engine.raw.data_ptr() + len(self._windows),
-                                                         generation=gen)
-            self._record_window()
+            for name in ("load", "save", "records"):
+                self._window(name)
         except LinkUnavailable:
             return
-        self.stats["registrations"] = [w.ref.reg for w in self.link.windows]
+        self.stats["registrations"] = [w.ref.reg for w in self.link.windows.values()]
 
     # -- loads ---------------------------------------------------------------------------------------------
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KMeshMetadata)
+        self._failed_reqs = set()
         for plan in meta.loads:
             try:
                 if plan.mode == "prefix":
@@ -283,16 +288,15 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def _fail_blocks(self, plan: LoadPlan, from_position: int) -> None:
         bs = self.block_size
+        self._failed_reqs.add(plan.req_id)       # this step's KV of the request is not trusted: no save
         ids = plan.block_ids[from_position // bs:math.ceil(plan.num_tokens / bs)]
         self._load_errors.update(ids)
         self.stats["load_errors"] += len(ids)
 
     def _fetch(self, item: Item, offset_blocks: int = 0) -> torch.Tensor | None:
         """Load one payload into the load window and check it against its record; its bytes, or None."""
-        w = self._windows.get("load")
+        w = self._window("load")
         rec = item.record
-        if w is None:
-            raise LinkUnavailable(self.link.down_reason or "no load window")
         nblocks = math.ceil(rec.tokens / self.block_size)
         off, n = offset_blocks * self._block_bytes, nblocks * self._block_bytes
         if off + n > w.layout.nbytes:
@@ -314,11 +318,11 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def _load_prefix(self, plan: LoadPlan) -> None:
         e, bs = self.engine, self.block_size
-        w = self._windows.get("load")
         for it in plan.items:
             if self._fetch(it) is None:
                 self._fail_blocks(plan, it.start)
                 return
+            w = self._window("load")
             pos = torch.arange(it.start, it.start + bs)
             seg = capture(w.tensor, w.layout, torch.arange(bs), pos)
             restore(e.raw, e.layout, seg, slots_of(plan.block_ids, pos, bs), pos, self.rope)
@@ -327,13 +331,15 @@ class KMeshConnector(KVConnectorBase_V1):
     def _load_interior(self, plan: LoadPlan) -> None:
         from kmesh.vllm.repair import Placed, repair_span, write_span
 
-        w = self._windows.get("load")
         placed, missing = [], []
         for it in plan.items:
             if self._fetch(it) is None:
                 missing.append(it.start)         # not restored: the repair computes these positions
                 continue
+            w = self._window("load")
             n = min(len(it.tokens), plan.num_tokens - it.start)
+            if n <= 0:
+                continue
             seg = capture(w.tensor, w.layout, torch.arange(n), torch.arange(it.record.start, it.record.start + n))
             placed.append(Placed(seg, it.start))
         rep = repair_span(self._repair_runner(), plan.span, placed, self._repair_config())
@@ -367,10 +373,16 @@ class KMeshConnector(KVConnectorBase_V1):
     def _assign_saves(self, meta: KMeshMetadata) -> None:
         """Window places for this step's saves: (item, engine slots, window offset in blocks, positions)."""
         self._save_slots = []
-        if "save" not in self._windows:
+        if not meta.saves or not self.link.connect():
+            return
+        try:
+            w = self._window("save")
+        except LinkUnavailable:
             return
         used = 0
         for plan in meta.saves:
+            if plan.req_id in self._failed_reqs:
+                continue
             for it in plan.items:
                 nblocks = math.ceil(len(it.tokens) / self.block_size)
                 if used + nblocks > self.staging_blocks:
@@ -378,7 +390,7 @@ class KMeshConnector(KVConnectorBase_V1):
                     continue
                 pos = torch.arange(it.start, it.start + len(it.tokens))
                 # zeroed first: a partial last block saves defined bytes, never an earlier save's tail
-                self._windows["save"].tensor[used * self._block_bytes:(used + nblocks) * self._block_bytes].zero_()
+                w.tensor[used * self._block_bytes:(used + nblocks) * self._block_bytes].zero_()
                 self._save_slots.append((it, slots_of(plan.block_ids, pos, self.block_size), used, pos))
                 used += nblocks
 
@@ -390,14 +402,19 @@ class KMeshConnector(KVConnectorBase_V1):
         if not self._save_slots:
             return
         layer = self.engine.layer_names.index(layer_name)
-        w = self._windows["save"]
+        w = self.link.windows.get("save")
+        if w is None:
+            self._save_slots = []
+            return
         for it, slots, at, pos in self._save_slots:
             seg = capture(self.engine.raw, self.engine.layout, slots, pos, layers=[layer])
             dst = at * self.block_size + torch.arange(len(it.tokens))
             restore(w.tensor, w.layout, seg, dst, pos, self.rope, first_layer=layer)
 
     def wait_for_save(self) -> None:
-        w, rw = self._windows.get("save"), self._windows.get("records")
+        w = self.link.windows.get("save")
+        if w is None:
+            self._save_slots = []
         for it, _slots, at, _pos in self._save_slots:
             nblocks = math.ceil(len(it.tokens) / self.block_size)
             off, n = at * self._block_bytes, nblocks * self._block_bytes
@@ -406,6 +423,7 @@ class KMeshConnector(KVConnectorBase_V1):
             try:
                 if not self.link.save(w, it.key, off, n):
                     continue                          # already stored by someone: their record follows theirs
+                rw = self._window("records")
                 rw.tensor[:RECORD_BYTES].copy_(torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8))
                 self.link.save(rw, record_key(it.key), 0, RECORD_BYTES)
                 self.stats["saved"] += 1

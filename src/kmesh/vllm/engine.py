@@ -50,7 +50,8 @@ def llm_kwargs(model_dir: str, connector: dict[str, Any] | None, dtype: str = "f
 
 class EngineProcess:
     def __init__(self, model_dir: str | Path, connector: dict[str, Any] | None, *, dtype: str = "float32",
-                 threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0) -> None:
+                 threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0,
+                 wait: bool = True) -> None:
         self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype)}
         self.log_path = log_path
         logf = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -58,22 +59,39 @@ class EngineProcess:
                                      stdout=subprocess.PIPE, stderr=logf, env=engine_env(threads_bind), text=True)
         if log_path:
             logf.close()
-        t0 = time.monotonic()
-        self.info = self.call({"op": "start", **self.spec}, timeout_s=start_timeout_s)
-        self.start_s = time.monotonic() - t0
+        self._t0 = time.monotonic()
+        self.info: dict[str, Any] = {}
+        self.start_s = float("nan")
+        self._send({"op": "start", **self.spec})
+        if wait:
+            self.ready()
 
-    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    def ready(self) -> "EngineProcess":
+        """Wait for the engine to be up (several engines may start at once: spawn all, then ready() each)."""
+        if not self.info:
+            self.info = self._receive("start")
+            self.start_s = time.monotonic() - self._t0
+        return self
+
+    def _send(self, msg: dict[str, Any]) -> None:
         if self.proc.poll() is not None:
             raise EngineError(f"engine process exited with {self.proc.returncode}{self._tail()}")
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
+
+    def _receive(self, op: str) -> dict[str, Any]:
         line = self.proc.stdout.readline()     # the engine answers every message with one line
         if not line:
-            raise EngineError(f"engine process died during {msg['op']!r}{self._tail()}")
+            raise EngineError(f"engine process died during {op!r}{self._tail()}")
         r = json.loads(line)
         if not r.get("ok"):
-            raise EngineError(f"engine {msg['op']!r} failed: {r.get('error')}")
+            raise EngineError(f"engine {op!r} failed: {r.get('error')}")
         return r["result"]
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        self.ready()
+        self._send(msg)
+        return self._receive(msg["op"])
 
     def _tail(self) -> str:
         if self.log_path and self.log_path.exists():
@@ -165,7 +183,7 @@ def _serve() -> int:
                 result = {"seconds": time.perf_counter() - t0}
             elif op == "stats":
                 conn = _connector()
-                st = dict(conn.stats) if conn is not None else {}
+                st = conn.describe() if conn is not None else {}
                 st["repairs"] = [{**r, "logits": r["logits"].tolist()} for r in st.get("repairs", [])]
                 result = st
             elif op == "exit":

@@ -1,0 +1,16 @@
+# The pinned vLLM engine with KMeshConnector: exact reuse, interior segments repaired by KMesh, fallbacks (corrupt
+# object, service down and back, engine exit drains), engine TTFT pairs with vs without KMesh.
+rule vllm:
+    input:
+        code=stage_code("vllm"),
+        model=result("model"),
+        equivalence=result("equivalence"),
+    output:
+        result=result("vllm"),
+    log:
+        logfile("vllm"),
+    resources:
+        gpu=0,
+        mem_mb=8000,
+    shell:
+        kmesh_run("vllm")
