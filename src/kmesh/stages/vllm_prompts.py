@@ -35,7 +35,8 @@ def child_spans(c: Child) -> list[list[int]]:
     return [[a, b] for _, a, b in c.segment_slices()]
 
 
-def runner_refs(runner: LayerRunner, w: Workload, repair: RepairConfig, max_new_tokens: int) -> RunnerRefs:
+def runner_refs(runner: LayerRunner, w: Workload, repair: RepairConfig, max_new_tokens: int,
+                full: bool = True) -> RunnerRefs:
     ids = torch.tensor(w.leader_ids)
     cache = runner.new_cache(len(ids), w.spec.block_size)
     runner.prefill(ids, cache)
@@ -44,9 +45,9 @@ def runner_refs(runner: LayerRunner, w: Workload, repair: RepairConfig, max_new_
     src = InProcessSegments(export)
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
     private = torch.empty_like(staging)
-    full = {c.name: full_reference(ctx, c) for c in w.children}
+    fulls = {c.name: full_reference(ctx, c) for c in w.children} if full else {}
     kmesh = {c.name: run_child(ctx, c, src, staging, private) for c in w.children}
-    return RunnerRefs(full, kmesh)
+    return RunnerRefs(fulls, kmesh)
 
 
 def logprob_gap(engine_top: dict[str, float] | None, ref: Any) -> float:

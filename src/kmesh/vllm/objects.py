@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from kmesh.errors import KMeshError
 
@@ -88,3 +88,19 @@ class Record:
         """Does this record vouch for exactly these tokens (and, for a prefix block, this position)?"""
         return (self.kind == kind and self.tokens == len(tokens) and self.token_digest == token_digest(tokens)
                 and (start is None or self.start == start))
+
+
+def parse_spans(raw: Any, length: int) -> list[tuple[int, int]] | None:
+    """Request-supplied segment spans [[start, end], ...]: sorted, disjoint, inside the prompt; None if malformed."""
+    if not isinstance(raw, (list, tuple)):
+        return None
+    out: list[tuple[int, int]] = []
+    for s in raw:
+        if (not isinstance(s, (list, tuple)) or len(s) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
+            return None
+        a, b = s
+        if not 0 <= a < b <= length or (out and a < out[-1][1]):
+            return None
+        out.append((a, b))
+    return out

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kmesh.vllm.objects import Record
+from kmesh.vllm.objects import Record, parse_spans  # noqa: F401  (re-exported: the connector's spans)
 
 
 @dataclass
@@ -41,22 +41,6 @@ class SavePlan:
 class KMeshMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
-
-
-def parse_spans(raw: Any, length: int) -> list[tuple[int, int]] | None:
-    """Request-supplied segment spans [[start, end], ...]: sorted, disjoint, inside the prompt; None if malformed."""
-    if not isinstance(raw, (list, tuple)):
-        return None
-    out: list[tuple[int, int]] = []
-    for s in raw:
-        if (not isinstance(s, (list, tuple)) or len(s) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
-            return None
-        a, b = s
-        if not 0 <= a < b <= length or (out and a < out[-1][1]):
-            return None
-        out.append((a, b))
-    return out
 
 
 def slots_of(block_ids: Sequence[int], positions: Any, block_size: int) -> Any:
