@@ -47,6 +47,10 @@ def render_all(cfg: Config) -> list[Path]:
         stage = r["stage"]
         written += tables.write_table(tables.cases_frame(r), tdir / f"{stage}_cases", fmts,
                                       f"Stage {stage}: every case and its outcome.")
+        if stage == "vllm" and "ttft" in r["summary"]:
+            written += tables.write_table(tables.vllm_frame(r["summary"]), tdir / "vllm_summary", fmts,
+                                          "Stage vllm: the pinned vLLM engine with KMeshConnector (TTFT: matched "
+                                          "pairs, alternating order, medians of per-pair values).")
         quality = r["summary"].get("quality")
         if isinstance(quality, dict) and quality:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +77,7 @@ class KMeshConnector(KVConnectorBase_V1):
             self.link.closed = True
             log.warning("kmesh: kv_connector_extra_config has no 'socket'; KMesh supplies nothing")
         self.stats: dict[str, Any] = {"pid": os.getpid(), "loaded_blocks": 0, "load_errors": 0, "saved": 0,
-                                      "save_skipped": 0, "repairs": []}
+                                      "save_skipped": 0, "repairs": [], "seconds": {}}
         self.engine: arr.EngineCache | None = None
         # scheduler state
         self._plans: dict[str, LoadPlan] = {}
@@ -90,6 +92,16 @@ class KMeshConnector(KVConnectorBase_V1):
 
     # ==================================================================================================
     # shared
+    @contextmanager
+    def _timed(self, part: str):
+        """Accumulated wall time per part (lookup, fetch, verify, restore, repair, save) for the stage's table."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sec = self.stats["seconds"]
+            sec[part] = sec.get(part, 0.0) + time.perf_counter() - t0
+
     def _window(self, name: str) -> Any:
         """This link session's window (registered on first use, and again after a reconnect)."""
         if name == "records":
@@ -135,10 +147,12 @@ class KMeshConnector(KVConnectorBase_V1):
             self._reports[request.request_id]["service"] = "down"
             return 0, False
         try:
-            if "kmesh_segments" in params:
-                plan = self._interior_plan(request.request_id, prompt, params["kmesh_segments"], num_computed_tokens)
-            else:
-                plan = self._prefix_plan(request.request_id, prompt, num_computed_tokens)
+            with self._timed("lookup"):
+                if "kmesh_segments" in params:
+                    plan = self._interior_plan(request.request_id, prompt, params["kmesh_segments"],
+                                               num_computed_tokens)
+                else:
+                    plan = self._prefix_plan(request.request_id, prompt, num_computed_tokens)
         except LinkUnavailable:
             self._reports[request.request_id]["service"] = "down"
             return 0, False
@@ -306,27 +320,41 @@ class KMeshConnector(KVConnectorBase_V1):
         region = w.tensor[off:off + n]
         region.fill_(0xA5)                          # poison: a copy that wrote nothing fails the digest
         try:
-            got = self.link.load(w, item.key, off)
+            with self._timed("fetch"):
+                got = self.link.load(w, item.key, off)
         except (ObjectMissing, LoadFailed) as e:
             log.warning("kmesh: payload %r not loaded: %s", item.key, e)
             return None
-        if got != rec.nbytes or got != n or bytes.fromhex(sha256_tensor(region)) != rec.sha256:
+        with self._timed("verify"):
+            ok = got == rec.nbytes == n and bytes.fromhex(sha256_tensor(region)) == rec.sha256
+        if not ok:
             log.warning("kmesh: payload %r is corrupt (size %d, record says %d / sha256 differs); not used",
                         item.key, got, rec.nbytes)
             return None
         return region
 
     def _load_prefix(self, plan: LoadPlan) -> None:
-        e, bs = self.engine, self.block_size
-        for it in plan.items:
-            if self._fetch(it) is None:
-                self._fail_blocks(plan, it.start)
+        """Blocks in window-sized chunks: fetch + verify each, then ONE capture + restore per chunk. A block that
+        fails ends the plan there: the verified blocks before it are restored, the rest reported."""
+        bs, W = self.block_size, self.staging_blocks
+        for c0 in range(0, len(plan.items), W):
+            chunk = plan.items[c0:c0 + W]
+            good = 0
+            for j, it in enumerate(chunk):
+                if self._fetch(it, offset_blocks=j) is None:
+                    break
+                good += 1
+            if good:
+                w = self._window("load")
+                pos = torch.arange(chunk[0].start, chunk[0].start + good * bs)
+                with self._timed("restore"):
+                    seg = capture(w.tensor, w.layout, torch.arange(good * bs), pos)
+                    restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
+                            self.rope)
+                self.stats["loaded_blocks"] += good
+            if good < len(chunk):
+                self._fail_blocks(plan, chunk[good].start)
                 return
-            w = self._window("load")
-            pos = torch.arange(it.start, it.start + bs)
-            seg = capture(w.tensor, w.layout, torch.arange(bs), pos)
-            restore(e.raw, e.layout, seg, slots_of(plan.block_ids, pos, bs), pos, self.rope)
-            self.stats["loaded_blocks"] += 1
 
     def _load_interior(self, plan: LoadPlan) -> None:
         from kmesh.vllm.repair import Placed, repair_span, write_span
@@ -342,7 +370,9 @@ class KMeshConnector(KVConnectorBase_V1):
                 continue
             seg = capture(w.tensor, w.layout, torch.arange(n), torch.arange(it.record.start, it.record.start + n))
             placed.append(Placed(seg, it.start))
-        rep = repair_span(self._repair_runner(), plan.span, placed, self._repair_config())
+        runner = self._repair_runner()
+        with self._timed("repair"):
+            rep = repair_span(runner, plan.span, placed, self._repair_config())
         pos = torch.arange(plan.num_tokens)
         write_span(self.engine.raw, self.engine.layout, rep.segment, slots_of(plan.block_ids, pos, self.block_size),
                    self.rope)
@@ -412,9 +442,20 @@ class KMeshConnector(KVConnectorBase_V1):
             restore(w.tensor, w.layout, seg, dst, pos, self.rope, first_layer=layer)
 
     def wait_for_save(self) -> None:
+        with self._timed("save"):
+            self._store_saves()
+
+    def _store_saves(self) -> None:
+        try:
+            self._store_saves_now()
+        finally:                        # this step's assignment is spent, saved or not
+            self._save_slots = []
+            self._save_meta = None
+
+    def _store_saves_now(self) -> None:
         w = self.link.windows.get("save")
         if w is None:
-            self._save_slots = []
+            return
         for it, _slots, at, _pos in self._save_slots:
             nblocks = math.ceil(len(it.tokens) / self.block_size)
             off, n = at * self._block_bytes, nblocks * self._block_bytes
@@ -430,8 +471,6 @@ class KMeshConnector(KVConnectorBase_V1):
             except (LinkUnavailable, LoadFailed) as e:
                 log.warning("kmesh: saving %r failed: %s", it.key, e)
                 return
-        self._save_slots = []
-        self._save_meta = None
 
 
 def _digest(tokens: Any) -> bytes:

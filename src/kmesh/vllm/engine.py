@@ -138,6 +138,14 @@ def _connector() -> Any:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
+def _scheduler_connector(llm: Any) -> Any:
+    """The scheduler side's connector instance (in-process engine core only), or None."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+    except AttributeError:
+        return None
+
+
 def _sampling(max_tokens: int, params: dict | None, logprobs: int) -> Any:
     from vllm import SamplingParams
 
@@ -184,6 +192,9 @@ def _serve() -> int:
             elif op == "stats":
                 conn = _connector()
                 st = conn.describe() if conn is not None else {}
+                sched = _scheduler_connector(llm)
+                if sched is not None:
+                    st["scheduler_seconds"] = dict(sched.stats["seconds"])
                 st["repairs"] = [{**r, "logits": r["logits"].tolist()} for r in st.get("repairs", [])]
                 result = st
             elif op == "exit":
