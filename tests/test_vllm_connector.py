@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, Record, RecordError, namespace, parse_spans, prefix_keys,
                                 segment_key, token_digest)

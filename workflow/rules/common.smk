@@ -24,8 +24,8 @@ STAGE_CODE = {
     "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
-    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py", "cuda/*.py",
-             "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
+    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
+             "cuda/*.py", "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
              "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }

@@ -21,8 +21,10 @@ def _views(dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = (B, H, N
            shared: bool = True) -> dict[str, torch.Tensor]:
     per = int(torch.Size(shape).numel())
     raw = torch.zeros(L * per, dtype=dtype)
-    return {f"model.layers.{i}.self_attn.attn": (raw[i * per:(i + 1) * per] if shared else torch.zeros(per, dtype=dtype))
-            .view(shape) for i in range(L)}
+    def one(i: int) -> torch.Tensor:
+        return raw[i * per:(i + 1) * per] if shared else torch.zeros(per, dtype=dtype)
+
+    return {f"model.layers.{i}.self_attn.attn": one(i).view(shape) for i in range(L)}
 
 
 CASES: dict[str, Callable[[], Any]] = {
