@@ -1,5 +1,5 @@
 # KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage ->
-#   integrity -> group -> restore_bench -> report.
+#   integrity -> group -> vllm -> restore_bench -> report.
 # Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all`).
 # On a cluster: `snakemake --profile workflow/profiles/slurm` (or .../kubernetes); see README.
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
@@ -26,6 +26,7 @@ include: "workflow/rules/equivalence.smk"
 include: "workflow/rules/storage.smk"
 include: "workflow/rules/integrity.smk"
 include: "workflow/rules/group.smk"
+include: "workflow/rules/vllm.smk"
 include: "workflow/rules/restore_bench.smk"
 include: "workflow/rules/report.smk"
 

@@ -8,7 +8,7 @@ set -o pipefail
 out=${OUT:-/tmp/out}; logs=results/cuda/logs; mkdir -p "$out" "$logs"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m kmesh doctor --json > "$out/doctor.json" 2>&1; python3 -m kmesh doctor 2>&1 | tail -14
-for stage in sources kernels model synthetic drain ownership equivalence storage integrity group restore_bench report; do
+for stage in sources kernels model synthetic drain ownership equivalence storage integrity group vllm restore_bench report; do
   start=$EPOCHREALTIME
   python3 -m kmesh run "$stage" --profile cuda > "$logs/$stage.log" 2>&1; rc=$?
   printf '%-10s rc=%s %6.1fs  %s\n' "$stage" "$rc" "$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN{print b-a}')" \

@@ -17,7 +17,7 @@ from kmesh.stages import STAGES
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RULES = set(STAGES) | {"all"}   # every stage's rule (kmesh.stages.STAGES), and `all`
-CPU_ONLY = {"sources", "report", "all"}
+CPU_ONLY = {"sources", "report", "vllm", "all"}   # vllm: the pinned vLLM is the CPU engine
 
 
 def _dry_run(profile_dir: str, pipeline_profile: str, tmp_path: Path) -> dict[str, dict[str, str]]:

@@ -12,7 +12,7 @@ RESULTS = config.get("results_dir", "results")
 GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "group", "restore_bench"]
+          "group", "vllm", "restore_bench"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -36,6 +36,9 @@ STAGE_CODE = {
                 "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
                 "sources/__init__.py", "sources/digest.py"],
     "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
+    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
+             "cuda/*.py", "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
+             "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }
 

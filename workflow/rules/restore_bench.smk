@@ -6,7 +6,7 @@ rule restore_bench:
         code=stage_code("restore_bench"),
         equivalence=result("equivalence"),
         kernels=result("kernels"),
-        group=result("group"),   # pipeline order (DESIGN §3)
+        vllm=result("vllm"),   # pipeline order (DESIGN §3)
     output:
         result=result("restore_bench"),
     log:

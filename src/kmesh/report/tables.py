@@ -234,3 +234,29 @@ def bandwidth_caption(goals: dict[str, Any]) -> str:
             "cells written + shift tables + slots; copy: read + write of the segment's bytes); ratios are medians of "
             f"matched-pair ratios. Goals: kernel/copy ≥ {goals.get('kernel_vs_copy')}, speedup vs torch ≥ "
             f"{goals.get('speedup_vs_torch')}× (recorded, not asserted). bytes ≠: restored buffer vs reference.")
+
+
+def vllm_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The vllm stage's headline rows (summary keys of results/<profile>/vllm/result.json)."""
+    t = summary.get("ttft") or {}
+    inter = summary.get("interior_tokens_equal_full") or {}
+    agree = summary.get("interior_vs_runner") or {}
+    rows = [
+        ("exact reuse: greedy tokens equal plain vLLM", summary.get("exact_reuse_tokens_equal")),
+        ("exact reuse: tokens supplied by KMesh", summary.get("tokens_supplied")),
+        ("interior: tokens equal the engine's full recompute", inter.get("equal")),
+        ("interior: first divergence per child", inter.get("first_divergence")),
+        ("interior: engine+KMesh vs KMesh runner, max first-token logprob gap (nats)",
+         agree.get("kmesh_logprob_gap_max")),
+        ("engine full vs KMesh runner full, max first-token logprob gap (nats)", agree.get("full_logprob_gap_max")),
+        ("corrupt/missing object: tokens equal plain vLLM", summary.get("corrupt_fallback_tokens_equal")),
+        ("service down: engine computes everything", summary.get("fallback_service_down")),
+        ("service back: tokens supplied again", summary.get("service_back_supplied")),
+        ("engine exit: registrations released", summary.get("engine_exit_released")),
+        (f"TTFT vLLM, median ms ({t.get('prompt_tokens')} tokens)", t.get("median_vllm_ms")),
+        (f"TTFT vLLM+KMesh, median ms ({t.get('tokens_supplied')} supplied)", t.get("median_kmesh_ms")),
+        ("TTFT median paired ratio KMesh / vLLM", t.get("median_ratio_kmesh_over_vllm")),
+        ("TTFT pairs KMesh faster", f"{t.get('kmesh_faster_pairs')} of {t.get('pairs')}" if t else None),
+    ]
+    return pd.DataFrame([{"measure": k, "value": v if isinstance(v, (bool, int, float, str, type(None))) else str(v)}
+                         for k, v in rows])

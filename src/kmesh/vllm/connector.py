@@ -1,0 +1,479 @@
+"""KMeshConnector: the pinned vLLM engine (0.32, V1 connector API) served by the KMesh cache service.
+
+    LLM(model, enforce_eager=True, kv_transfer_config={
+        "kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": "/run/user/1000/kmesh/kmesh.sock"}})
+
+Scheduler side (engine-core process): for each new request, how many leading prompt tokens KMesh supplies.
+  prefix    full blocks whose chain key has a committed record (kmesh.vllm.objects) — exact reuse;
+  interior  the request names shared segments (kv_transfer_params {"kmesh_segments": [[a, b], ...]}); the span
+            up to the end of the last one found is claimed and repaired (kmesh.vllm.repair).
+  Lookups read only the 256-byte records. The count and what was loaded come back to the caller in the
+  request output's kv_transfer_params["kmesh"].
+Worker side: detects the engine's arrangement from the caches vLLM registers (kmesh.vllm.arrangement; a clear
+  ArrangementError for one it does not understand), registers windows in that geometry with the service,
+  loads payloads, checks size and sha256 against the record, and writes them into the request's blocks with
+  kmesh.restore (a failed block is reported through get_block_ids_with_load_errors: vLLM recomputes from it,
+  with kv_load_failure_policy="recompute"). save_kv_layer copies each layer of the blocks to save into the
+  save window; wait_for_save stores payload, then record. shutdown closes every registration.
+Service down: no crash, one warning, the engine computes everything.
+
+Requirements: the worker runs in the engine-core process or receives the metadata by pickle (both work: plans
+are plain data); enable_prefix_caching may stay on (loads start after the locally cached blocks); prompts must
+be prefilled in one step to be saved (chunked prefill of a longer prompt saves nothing).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from kmesh.restore import capture, restore
+from kmesh.rope import RopeConfig
+from kmesh.sources.digest import sha256_tensor
+from kmesh.vllm import arrangement as arr
+from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceLink, shared_link
+from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record, RecordError, namespace,
+                                prefix_keys, record_key, segment_key)
+from kmesh.vllm.plans import Item, KMeshMetadata, LoadPlan, SavePlan, parse_spans, slots_of
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kmesh.vllm")
+
+
+class KMeshConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.extra = extra
+        mc = vllm_config.model_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.ns = namespace(str(extra.get("namespace", mc.model)),
+                            f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{self.block_size}")
+        self.save_prefix = bool(extra.get("save_prefix", True))
+        self.staging_blocks = int(extra.get("staging_blocks", 4))
+        self.records = int(extra.get("records", 64))
+        socket = extra.get("socket")
+        if socket:
+            self.link = shared_link(str(socket), float(extra.get("timeout_s", 30.0)), float(extra.get("retry_s", 5.0)))
+        else:
+            self.link = ServiceLink("", "kmesh-vllm")
+            self.link.closed = True
+            log.warning("kmesh: kv_connector_extra_config has no 'socket'; KMesh supplies nothing")
+        self.stats: dict[str, Any] = {"pid": os.getpid(), "loaded_blocks": 0, "load_errors": 0, "saved": 0,
+                                      "save_skipped": 0, "repairs": [], "seconds": {}}
+        self.engine: arr.EngineCache | None = None
+        # scheduler state
+        self._plans: dict[str, LoadPlan] = {}
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._saved_keys: set[bytes] = set()
+        # worker state
+        self._load_errors: set[int] = set()
+        self._save_slots: list[tuple[Item, torch.Tensor, int, torch.Tensor]] = []
+        self._save_meta: Any = None
+        self._failed_reqs: set[str] = set()
+        self._runner: Any = None
+
+    # ==================================================================================================
+    # shared
+    @contextmanager
+    def _timed(self, part: str):
+        """Accumulated wall time per part (lookup, fetch, verify, restore, repair, save) for the stage's table."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sec = self.stats["seconds"]
+            sec[part] = sec.get(part, 0.0) + time.perf_counter() - t0
+
+    def _window(self, name: str) -> Any:
+        """This link session's window (registered on first use, and again after a reconnect)."""
+        if name == "records":
+            return self.link.window(name, arr.record_layout(self.records), alloc_id=id(self.link))
+        if self.engine is None:
+            raise LinkUnavailable("no engine KV cache registered in this process")
+        # the engine cache's address names the allocation these windows serve (+ window number)
+        return self.link.window(name, arr.staging_layout(self.engine.layout, self.staging_blocks),
+                                alloc_id=self.engine.raw.data_ptr() + (name == "save"))
+
+    def _read_record(self, key: bytes) -> Record | None:
+        """The committed record of payload `key`, or None (missing / not ours)."""
+        w = self._window("records")
+        w.tensor[:RECORD_BYTES].zero_()            # a load that wrote nothing cannot pass as a record
+        try:
+            n = self.link.load(w, record_key(key), 0)
+            return Record.unpack(bytes(w.tensor[:n].numpy()))
+        except ObjectMissing:
+            return None
+        except (LoadFailed, RecordError) as e:
+            log.warning("kmesh: record of %r unusable: %s", key, e)
+            return None
+
+    def describe(self) -> dict[str, Any]:
+        """Counters + the link's state (for the stage and tests, through the engine process)."""
+        return {**self.stats, "namespace": self.ns.decode(), "block_size": self.block_size,
+                "link": {"up": self.link.up, "warnings": self.link.warnings, "sessions": self.link.sessions,
+                         "down_reason": self.link.down_reason, "closed": self.link.closed,
+                         "registrations": {n: [w.ref.reg, w.ref.gen] for n, w in self.link.windows.items()}}}
+
+    def shutdown(self) -> None:
+        """Engine exit: every registration of this process closes (the service drains, then releases it)."""
+        self.link.close()
+
+    # ==================================================================================================
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        params = request.kv_transfer_params or {}
+        self._reports[request.request_id] = {"tokens_supplied": 0, "mode": "none", "load_errors": 0,
+                                             "service": "up"}
+        if not self.link.connect():
+            self._reports[request.request_id]["service"] = "down"
+            return 0, False
+        try:
+            with self._timed("lookup"):
+                if "kmesh_segments" in params:
+                    plan = self._interior_plan(request.request_id, prompt, params["kmesh_segments"],
+                                               num_computed_tokens)
+                else:
+                    plan = self._prefix_plan(request.request_id, prompt, num_computed_tokens)
+        except LinkUnavailable:
+            self._reports[request.request_id]["service"] = "down"
+            return 0, False
+        if plan is None or plan.num_tokens <= num_computed_tokens:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = plan
+        return plan.num_tokens - num_computed_tokens, False
+
+    def _prefix_plan(self, req_id: str, prompt: list[int], computed: int) -> LoadPlan | None:
+        bs = self.block_size
+        blocks = (len(prompt) - 1) // bs          # the engine must compute at least the last prompt token
+        items = []
+        for i, key in enumerate(prefix_keys(self.ns, prompt, bs, blocks)):
+            toks = tuple(prompt[i * bs:(i + 1) * bs])
+            rec = self._read_record(key)
+            if rec is None or not rec.matches(KIND_PREFIX, toks, i * bs):
+                break
+            items.append(Item(key, rec, i * bs, toks))
+        self._saved_keys.update(it.key for it in items)
+        if not items:
+            return None
+        first = computed // bs
+        return LoadPlan(req_id, "prefix", len(items) * bs, first * bs, items[first:])
+
+    def _interior_plan(self, req_id: str, prompt: list[int], raw: Any, computed: int) -> LoadPlan | None:
+        spans = parse_spans(raw, len(prompt))
+        if spans is None:
+            log.warning("kmesh: request %s: kmesh_segments %r are not sorted disjoint [start, end) spans inside "
+                        "the %d-token prompt; ignored", req_id, str(raw)[:80], len(prompt))
+            return None
+        if computed:   # a local prefix hit already fixed the first positions; the repair needs the whole span
+            return None
+        items = []
+        for a, b in spans:
+            toks = tuple(prompt[a:b])
+            key = segment_key(self.ns, toks)
+            rec = self._read_record(key)
+            if rec is not None and rec.matches(KIND_SEGMENT, toks, None):
+                items.append(Item(key, rec, a, toks))
+        if not items:
+            return None
+        end = min(items[-1].start + len(items[-1].tokens), len(prompt) - 1)
+        return LoadPlan(req_id, "interior", end, 0, items, span=tuple(prompt[:end]))
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            self._plans.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KMeshMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            block_ids = list(new.block_ids[0])
+            plan = self._plans.pop(new.req_id, None)
+            report = self._reports.setdefault(new.req_id, {"tokens_supplied": 0, "mode": "none", "load_errors": 0,
+                                                           "service": "up"})
+            if plan is not None:
+                plan.block_ids = block_ids
+                meta.loads.append(plan)
+                report.update(tokens_supplied=plan.num_tokens - plan.first, mode=plan.mode,
+                              segments=len(plan.items) if plan.mode == "interior" else None,
+                              stored_tokens=sum(len(it.tokens) for it in plan.items),
+                              block_ids=block_ids)
+            save = self._save_plan(new, scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+            if save is not None:
+                save.block_ids = block_ids
+                meta.saves.append(save)
+                report["saving"] = len(save.items)
+        return meta
+
+    def _save_plan(self, new: Any, scheduled: int) -> SavePlan | None:
+        if not self.link.up:
+            return None
+        prompt = list(new.prompt_token_ids or [])
+        if new.num_computed_tokens + scheduled < len(prompt):
+            return None          # chunked prefill: not every prompt block is written in this step
+        sp = new.sampling_params
+        params = ((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None) or {}
+        items: list[Item] = []
+        if "kmesh_save_segments" in params:
+            spans = parse_spans(params["kmesh_save_segments"], len(prompt))
+            if spans is None:
+                log.warning("kmesh: request %s: kmesh_save_segments malformed; nothing saved", new.req_id)
+            for a, b in spans or ():
+                toks = tuple(prompt[a:b])
+                items.append(Item(segment_key(self.ns, toks), None, a, toks))
+        elif self.save_prefix:
+            bs = self.block_size
+            for i, key in enumerate(prefix_keys(self.ns, prompt, bs, len(prompt) // bs)):
+                if key not in self._saved_keys:
+                    items.append(Item(key, None, i * bs, tuple(prompt[i * bs:(i + 1) * bs])))
+            self._saved_keys.update(it.key for it in items)
+        return SavePlan(new.req_id, items) if items else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        for rep in self._reports.values():
+            ids = rep.get("block_ids") or []
+            hit = [i for i, b in enumerate(ids) if b in bad]
+            if hit and rep["tokens_supplied"]:
+                # vLLM recomputes from the first failed block: only the blocks before it were supplied
+                rep["load_errors"] += len(hit)
+                rep["tokens_supplied"] = max(0, min(rep["tokens_supplied"], hit[0] * self.block_size))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        rep = self._reports.pop(request.request_id, None)
+        if rep is None:
+            return False, None
+        rep.pop("block_ids", None)
+        return False, {"kmesh": rep}
+
+    # ==================================================================================================
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        vc = self._vllm_config
+        mc, pc = vc.model_config, vc.parallel_config
+        layers = vc.compilation_config.static_forward_context
+        self.engine = arr.detect(kv_caches, layers, mc.get_num_kv_heads(pc), mc.get_head_size(),
+                                 mc.get_num_layers(pc))
+        self.rope = RopeConfig.from_hf_config(mc.hf_text_config)
+        self._block_bytes = arr.staging_layout(self.engine.layout, 1).nbytes
+        self.stats.update(layout=self.engine.layout.to_dict(), backend=self.engine.backend,
+                          engine_address=self.engine.raw.data_ptr())
+        try:
+            for name in ("load", "save", "records"):
+                self._window(name)
+        except LinkUnavailable:
+            return
+        self.stats["registrations"] = [w.ref.reg for w in self.link.windows.values()]
+
+    # -- loads ---------------------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KMeshMetadata)
+        self._failed_reqs = set()
+        for plan in meta.loads:
+            try:
+                if plan.mode == "prefix":
+                    self._load_prefix(plan)
+                else:
+                    self._load_interior(plan)
+            except LinkUnavailable:
+                self._fail_blocks(plan, plan.first)
+
+    def _fail_blocks(self, plan: LoadPlan, from_position: int) -> None:
+        bs = self.block_size
+        self._failed_reqs.add(plan.req_id)       # this step's KV of the request is not trusted: no save
+        ids = plan.block_ids[from_position // bs:math.ceil(plan.num_tokens / bs)]
+        self._load_errors.update(ids)
+        self.stats["load_errors"] += len(ids)
+
+    def _fetch(self, item: Item, offset_blocks: int = 0) -> torch.Tensor | None:
+        """Load one payload into the load window and check it against its record; its bytes, or None."""
+        w = self._window("load")
+        rec = item.record
+        nblocks = math.ceil(rec.tokens / self.block_size)
+        off, n = offset_blocks * self._block_bytes, nblocks * self._block_bytes
+        if off + n > w.layout.nbytes:
+            log.warning("kmesh: payload %r (%d blocks) exceeds the %d-block staging window", item.key, nblocks,
+                        self.staging_blocks)
+            return None
+        region = w.tensor[off:off + n]
+        region.fill_(0xA5)                          # poison: a copy that wrote nothing fails the digest
+        try:
+            with self._timed("fetch"):
+                got = self.link.load(w, item.key, off)
+        except (ObjectMissing, LoadFailed) as e:
+            log.warning("kmesh: payload %r not loaded: %s", item.key, e)
+            return None
+        with self._timed("verify"):
+            ok = got == rec.nbytes == n and bytes.fromhex(sha256_tensor(region)) == rec.sha256
+        if not ok:
+            log.warning("kmesh: payload %r is corrupt (size %d, record says %d / sha256 differs); not used",
+                        item.key, got, rec.nbytes)
+            return None
+        return region
+
+    def _load_prefix(self, plan: LoadPlan) -> None:
+        """Blocks in window-sized chunks: fetch + verify each, then ONE capture + restore per chunk. A block that
+        fails ends the plan there: the verified blocks before it are restored, the rest reported."""
+        bs, W = self.block_size, self.staging_blocks
+        for c0 in range(0, len(plan.items), W):
+            chunk = plan.items[c0:c0 + W]
+            good = 0
+            for j, it in enumerate(chunk):
+                if self._fetch(it, offset_blocks=j) is None:
+                    break
+                good += 1
+            if good:
+                w = self._window("load")
+                pos = torch.arange(chunk[0].start, chunk[0].start + good * bs)
+                with self._timed("restore"):
+                    seg = capture(w.tensor, w.layout, torch.arange(good * bs), pos)
+                    restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
+                            self.rope)
+                self.stats["loaded_blocks"] += good
+            if good < len(chunk):
+                self._fail_blocks(plan, chunk[good].start)
+                return
+
+    def _load_interior(self, plan: LoadPlan) -> None:
+        from kmesh.vllm.repair import Placed, repair_span, write_span
+
+        placed, missing = [], []
+        for it in plan.items:
+            if self._fetch(it) is None:
+                missing.append(it.start)         # not restored: the repair computes these positions
+                continue
+            w = self._window("load")
+            n = min(len(it.tokens), plan.num_tokens - it.start)
+            if n <= 0:
+                continue
+            seg = capture(w.tensor, w.layout, torch.arange(n), torch.arange(it.record.start, it.record.start + n))
+            placed.append(Placed(seg, it.start))
+        runner = self._repair_runner()
+        with self._timed("repair"):
+            rep = repair_span(runner, plan.span, placed, self._repair_config())
+        pos = torch.arange(plan.num_tokens)
+        write_span(self.engine.raw, self.engine.layout, rep.segment, slots_of(plan.block_ids, pos, self.block_size),
+                   self.rope)
+        self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens, "segments": len(placed),
+                                      "segments_not_loaded": len(missing), "recomputed": rep.recomputed,
+                                      "logits": rep.logits.float().clone()})
+
+    def _repair_runner(self) -> Any:
+        if self._runner is None:
+            from kmesh.vllm.repair import load_runner
+
+            self._runner = load_runner(self.extra.get("repair_model") or self._vllm_config.model_config.model)
+        return self._runner
+
+    def _repair_config(self) -> Any:
+        from kmesh.model.blend import RepairConfig
+
+        return RepairConfig.from_dict(self.extra.get("repair") or {})
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None      # loads complete inside start_load_kv (synchronous)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # -- saves ---------------------------------------------------------------------------------------------
+    def _assign_saves(self, meta: KMeshMetadata) -> None:
+        """Window places for this step's saves: (item, engine slots, window offset in blocks, positions)."""
+        self._save_slots = []
+        if not meta.saves or not self.link.connect():
+            return
+        try:
+            w = self._window("save")
+        except LinkUnavailable:
+            return
+        used = 0
+        for plan in meta.saves:
+            if plan.req_id in self._failed_reqs:
+                continue
+            for it in plan.items:
+                nblocks = math.ceil(len(it.tokens) / self.block_size)
+                if used + nblocks > self.staging_blocks:
+                    self.stats["save_skipped"] += 1
+                    continue
+                pos = torch.arange(it.start, it.start + len(it.tokens))
+                # zeroed first: a partial last block saves defined bytes, never an earlier save's tail
+                w.tensor[used * self._block_bytes:(used + nblocks) * self._block_bytes].zero_()
+                self._save_slots.append((it, slots_of(plan.block_ids, pos, self.block_size), used, pos))
+                used += nblocks
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._save_meta is not meta:    # first layer of this step (vLLM may start loads after the forward)
+            self._save_meta = meta
+            self._assign_saves(meta)
+        if not self._save_slots:
+            return
+        layer = self.engine.layer_names.index(layer_name)
+        w = self.link.windows.get("save")
+        if w is None:
+            self._save_slots = []
+            return
+        for it, slots, at, pos in self._save_slots:
+            seg = capture(self.engine.raw, self.engine.layout, slots, pos, layers=[layer])
+            dst = at * self.block_size + torch.arange(len(it.tokens))
+            restore(w.tensor, w.layout, seg, dst, pos, self.rope, first_layer=layer)
+
+    def wait_for_save(self) -> None:
+        with self._timed("save"):
+            self._store_saves()
+
+    def _store_saves(self) -> None:
+        try:
+            self._store_saves_now()
+        finally:                        # this step's assignment is spent, saved or not
+            self._save_slots = []
+            self._save_meta = None
+
+    def _store_saves_now(self) -> None:
+        w = self.link.windows.get("save")
+        if w is None:
+            return
+        for it, _slots, at, _pos in self._save_slots:
+            nblocks = math.ceil(len(it.tokens) / self.block_size)
+            off, n = at * self._block_bytes, nblocks * self._block_bytes
+            rec = Record(KIND_SEGMENT if it.key.split(b"/")[2] == b"s" else KIND_PREFIX, len(it.tokens), it.start,
+                         n, bytes.fromhex(sha256_tensor(w.tensor[off:off + n])), _digest(it.tokens))
+            try:
+                if not self.link.save(w, it.key, off, n):
+                    continue                          # already stored by someone: their record follows theirs
+                rw = self._window("records")
+                rw.tensor[:RECORD_BYTES].copy_(torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8))
+                self.link.save(rw, record_key(it.key), 0, RECORD_BYTES)
+                self.stats["saved"] += 1
+            except (LinkUnavailable, LoadFailed) as e:
+                log.warning("kmesh: saving %r failed: %s", it.key, e)
+                return
+
+
+def _digest(tokens: Any) -> bytes:
+    from kmesh.vllm.objects import token_digest
+
+    return token_digest(tokens)

