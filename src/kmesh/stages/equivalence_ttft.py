@@ -5,6 +5,7 @@ Two comparisons per prompt length, children = the workload's four:
                          same execution (eager on CPU; on CUDA each arm's whole prefill is one CUDA graph,
                          verified bit-identical to its eager run before any timing)
   transformers vs full   transformers' own forward (SDPA, logits of the last position only) vs our full arm
+                         (ttft.compare_transformers: on in the cuda profile, off on cpu for its time budget)
 TTFT = from the first kernel of the prefill to the first token id on the host. Loading the segments is not
 part of it (the storage stage times reads); the restore (shift into the child's cache) is.
 """
@@ -37,6 +38,7 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
     tcfg = s.cfg.section("timing")
     pairs, warmup = int(sec.get("pairs", tcfg["pairs"])), int(sec.get("warmup", tcfg["warmup"]))
     use_graphs = bool(sec.get("graphs", False))
+    compare_tf = bool(sec.get("compare_transformers", True))
     dev = "cuda" if s.device.type == "cuda" else "cpu"
     out: dict[str, Any] = {}
     for T in sec["prompt_tokens"]:
@@ -83,8 +85,10 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
                     int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
             t1 = run_pairs(fn, ("full", "kmesh"), wl.children, pairs=pairs, warmup=warmup, device=dev, progress=False)
-            t2 = run_pairs(fn, ("transformers", "full"), wl.children, pairs=pairs, warmup=warmup, device=dev,
-                           progress=False)
+            # transformers' own forward as a third reference arm (the issue's bar for the full arm); the cpu
+            # profile leaves it out for its time budget (ttft.compare_transformers)
+            t2 = (run_pairs(fn, ("transformers", "full"), wl.children, pairs=pairs, warmup=warmup, device=dev,
+                            progress=False) if compare_tf else None)
             # The restore alone, timed the same way after the pairs (a part of the kmesh arm, not a third arm).
             restore_s: list[float] = []
             for child in wl.children:
@@ -93,20 +97,23 @@ def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
                     runs[("restore", child.name)]()
                 restore_s.append(iv.seconds()["restore"])
             res.timings[f"ttft_{T}_full_vs_kmesh"] = t1.to_dict()
-            res.timings[f"ttft_{T}_transformers_vs_full"] = t2.to_dict()
-            a, b = _speedup(t1.to_dict()), _speedup(t2.to_dict())
-            row = {"kmesh_vs_full": a, "full_vs_transformers": b,
-                   "restore_ms_median": statistics.median(restore_s) * 1e3}
+            a = _speedup(t1.to_dict())
+            row = {"kmesh_vs_full": a, "restore_ms_median": statistics.median(restore_s) * 1e3}
             if use_graphs:
                 c.check("graphs_equal_eager", all(all(v.values()) for d in checks.values() for v in d.values()),
                         value=checks)
-            c.check("pairs_recorded", a["pairs"] == pairs and b["pairs"] == pairs, value=[a["pairs"], b["pairs"]])
+            c.check("pairs_recorded", a["pairs"] == pairs, value=a["pairs"])
             c.record("kmesh_vs_full", a)
-            c.record("full_vs_transformers", b)
             c.record("goal_repair_3x", {"goal": 3.0, "measured_speedup": a["median_speedup_a_over_b"],
                                         "met": a["median_speedup_a_over_b"] >= 3.0})
-            c.record("goal_full_not_slower_than_transformers",
-                     {"measured_ratio_full_over_transformers": b["median_ratio_b_over_a"],
-                      "met": b["median_ratio_b_over_a"] <= 1.0})
+            if t2 is not None:
+                res.timings[f"ttft_{T}_transformers_vs_full"] = t2.to_dict()
+                b = _speedup(t2.to_dict())
+                row["full_vs_transformers"] = b
+                c.check("pairs_recorded_transformers", b["pairs"] == pairs, value=b["pairs"])
+                c.record("full_vs_transformers", b)
+                c.record("goal_full_not_slower_than_transformers",
+                         {"measured_ratio_full_over_transformers": b["median_ratio_b_over_a"],
+                          "met": b["median_ratio_b_over_a"] <= 1.0})
             out[str(T)] = row
     return out
