@@ -199,6 +199,9 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
     rows = [
         ("arms (as run)", ", ".join(summary.get("arms", []))),
         ("direct route (cuFile mode)", f"{dm.get('arm')} — {dm.get('reason')}"),
+        *([("arms run instead of the requested ones", f"{', '.join(summary['arms_fallback'].get('ran', []))} — "
+                                                    f"{summary['arms_fallback'].get('comparison')}")]
+          if summary.get("arms_fallback") else []),
         ("matched pairs", summary.get("pairs")),
         ("runs compared with the reference", summary.get("runs_compared")),
         ("outputs identical (every run)", summary.get("outputs_identical")),
