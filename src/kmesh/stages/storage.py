@@ -14,6 +14,8 @@ Cases:
   pairs                 7 matched pairs alternating order, 4 children per arm, page cache dropped before every
                         child; parts read ⊂ check ⊂ restore ⊂ outer; every run compared bit for bit
   floor                 the staging arm's restore vs the same bytes read with O_DIRECT alone (matched pairs)
+  checksum-*            checksum arms (CPU SHA-256 vs GPU SHA-256 / sha256-tree / BLAKE3) and the hash
+                        overlapped with the reads, matched pairs (kmesh.stages.storage_checksum_cases)
   read-once             four concurrent children, singleflight + retention vs forced eviction; reads counted;
                         every child's private copy = the leader's bytes (kmesh.storage.tier, threads)
   read-once-service     the same through the cache service process: its disk tier, group retention, four
@@ -41,7 +43,7 @@ from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
-from kmesh.stages import storage_readonce, storage_service
+from kmesh.stages import storage_checksum_cases, storage_readonce, storage_service
 from kmesh.stages.equivalence import deterministic_kernels, leader_prefill, load_model
 from kmesh.stages.storage_child import check_canaries, release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
@@ -323,6 +325,7 @@ def run(cfg: Config) -> Result:
         private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
         _floor(res, s, objs, built, landings, private, pairs, warmup, dev, refs)
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
+    storage_checksum_cases.run_cases(res, s, refs, pairs, warmup)
     _read_once_case(res, s, refs, pairs, warmup)
     if s.sec.get("read_once_service", True):
         _read_once_service_case(res, s, refs, pairs, warmup)
