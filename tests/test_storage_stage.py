@@ -131,6 +131,17 @@ def test_whole_stage_tiny(tmp_path):
     assert {"routes", "floor_sequential", "floor_pipelined", "read_once", "read_once_service"} <= set(res.timings)
     assert s["reads_per_object_read_once_service"] == 1
     assert set(s["floor_ratios"]) == {"sequential", "pipelined"}
+    cs = s["checksums"]
+    assert cs["outputs_identical"] and cs["algorithms"] == {"cpu-sha256": "sha256", "cpu-blake3": "blake3",
+                                                            "cpu-blake3-overlap": "blake3"}
+    assert set(cs["paired"]) == {"cpu-blake3"} and set(cs["overlap_paired"]["outer"]) >= {"median_ratio", "b_faster"}
+    assert cs["runs_compared"] == 2 * 2 * 2 * len(cs["children"]) and cs["route"]["reads"] > 0
+    assert {"checksum_cpu-blake3", "checksum_overlap"} <= set(res.timings)
+    assert {c.id for c in res.cases} >= {"checksum-objects", "checksums-cpu-sha256-vs-cpu-blake3",
+                                         "checksum-overlap", "checksum-corrupt"}
+    from kmesh.report.tables import storage_checksums_caption, storage_checksums_frame
+    df = storage_checksums_frame(s)
+    assert list(df["B"]) == ["cpu-blake3", "cpu-blake3-overlap"] and "of 2" in storage_checksums_caption(s)
 
 
 def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
