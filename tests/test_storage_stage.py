@@ -118,7 +118,7 @@ def test_read_once_counts(setup):
 
 
 def test_whole_stage_tiny(tmp_path):
-    res = storage.run(_cfg(tmp_path))
+    res = storage.run(_cfg(tmp_path, checksums={"warm_arms": True}))
     failed = [(c.id, c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
               if c.passed is not True]
     assert not failed
@@ -135,9 +135,9 @@ def test_whole_stage_tiny(tmp_path):
     assert cs["outputs_identical"] and cs["algorithms"] == {"cpu-sha256": "sha256", "cpu-blake3": "blake3",
                                                             "cpu-blake3-overlap": "blake3"}
     assert set(cs["paired"]) == {"cpu-blake3"} and set(cs["overlap_paired"]["outer"]) >= {"median_ratio", "b_faster"}
-    assert cs["runs_compared"] == 2 * 2 * 2 * len(cs["children"]) and cs["route"]["reads"] > 0
+    assert cs["runs_compared"] == 2 * 2 * 2 * len(cs["children"]) + 3 and cs["route"]["reads"] > 0
     assert {"checksum_cpu-blake3", "checksum_overlap"} <= set(res.timings)
-    assert {c.id for c in res.cases} >= {"checksum-objects", "checksums-cpu-sha256-vs-cpu-blake3",
+    assert {c.id for c in res.cases} >= {"checksum-objects", "checksum-warmup", "checksums-cpu-sha256-vs-cpu-blake3",
                                          "checksum-overlap", "checksum-corrupt"}
     from kmesh.report.tables import storage_checksums_caption, storage_checksums_frame
     df = storage_checksums_frame(s)
@@ -221,7 +221,7 @@ def test_whole_stage_tiny_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     cfg = _cfg(tmp_path, profile="cuda", device="cuda", arms=["staging", "direct"], floor_arm="staging",
-               pad_to=1 << 20)
+               pad_to=1 << 20, checksums={"pairs": 1, "children": 1})      # the cuda arms, one pair each
     res = storage.run(cfg)
     s = res.summary()
     bad = {c.id: (c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
@@ -235,4 +235,7 @@ def test_whole_stage_tiny_cuda(tmp_path):
         assert s["arrival_checks_passed"] == 2
     else:
         assert s["arms"][1] == s["direct_mode"]["arm"] and not s["skipped"]
+    cs = s["checksums"]
+    assert cs["outputs_identical"] and set(cs["paired"]) == {"gpu-sha256", "gpu-sha256-tree", "gpu-blake3"}
+    assert cs["overlap"] == ["gpu-blake3", "gpu-blake3-overlap"] and cs["overlap_paired"]["outer"]["pairs"] == 1
     assert s["reads_per_object_read_once"] == 1 and s["reads_per_object_read_once_service"] == 1

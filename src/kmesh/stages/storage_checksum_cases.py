@@ -69,6 +69,12 @@ def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, wa
     bufs = sc.Buffers(route, max(o.total_padded for o in sets.values()), s.export.catalog.nbytes, s.device)
     run = sc.PairRun(s.ctx, sets, bufs, refs, s.device)
     try:
+        if conf.get("warm_arms"):     # one untimed child per arm (kernel loads, plans) when the pairs have no warm-up
+            with res.case("checksum-warmup", {"arms": names, "child": children[0].name}) as c:
+                n0, same0 = run.compared, run.identical_runs
+                run.warm(names, children[0])
+                c.check("outputs_identical", run.compared - n0 == len(names) and
+                        run.identical_runs - same0 == len(names))
         info["paired"] = {}
         for b in compare:
             with res.case(f"checksums-{baseline}-vs-{b}", {"arms": [baseline, b], "pairs": pairs, "warmup": warmup,

@@ -266,14 +266,24 @@ class PairRun:
     compared: int = 0
     identical_runs: int = 0
 
+    def _one(self, a: ChecksumArm, child: Child, iv: Intervals) -> None:
+        out = timed_checksum_child(self.ctx, child, self.sets[a.algorithm], self.bufs, a, iv)
+        self.compared += 1
+        self.identical_runs += identical(compare_states(self.refs[child.name], out))
+
+    def warm(self, names: list[str], child: Child) -> None:
+        """One untimed run per arm (compared with the reference like every other run)."""
+        dev = "cuda" if self.device.type == "cuda" else "cpu"
+        for n in names:
+            iv = Intervals(dev)
+            self._one(arm(n, self.device), child, iv)
+            iv.seconds()
+
     def __call__(self, a_name: str, b_name: str, children: list[Child], pairs: int, warmup: int) -> Any:
         arms = {n: arm(n, self.device) for n in (a_name, b_name)}
 
         def fn(name: str, child: Child, iv: Intervals) -> None:
-            a = arms[name]
-            out = timed_checksum_child(self.ctx, child, self.sets[a.algorithm], self.bufs, a, iv)
-            self.compared += 1
-            self.identical_runs += identical(compare_states(self.refs[child.name], out))
+            self._one(arms[name], child, iv)
 
         paths = [p for s in self.sets.values() for p in s.paths]
         return run_pairs(fn, (a_name, b_name), children, pairs=pairs, warmup=warmup,
