@@ -118,7 +118,7 @@ def test_read_once_counts(setup):
 
 
 def test_whole_stage_tiny(tmp_path):
-    res = storage.run(_cfg(tmp_path, checksums={"warm_arms": True}))
+    res = storage.run(_cfg(tmp_path, checksums={"warm_arms": True, "max_new_tokens": 2}))
     failed = [(c.id, c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
               if c.passed is not True]
     assert not failed
@@ -137,6 +137,7 @@ def test_whole_stage_tiny(tmp_path):
     assert set(cs["paired"]) == {"cpu-blake3"} and set(cs["overlap_paired"]["outer"]) >= {"median_ratio", "b_faster"}
     assert cs["runs_compared"] == 2 * 2 * 2 * len(cs["children"]) + 3 and cs["route"]["reads"] > 0
     assert {"checksum_cpu-blake3", "checksum_overlap"} <= set(res.timings)
+    assert cs["max_new_tokens"] == 2 and s["max_new_tokens"] == 3      # own references for the checksum runs
     assert {c.id for c in res.cases} >= {"checksum-objects", "checksum-warmup", "checksums-cpu-sha256-vs-cpu-blake3",
                                          "checksum-overlap", "checksum-corrupt"}
     from kmesh.report.tables import storage_checksums_caption, storage_checksums_frame

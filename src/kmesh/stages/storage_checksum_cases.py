@@ -8,17 +8,22 @@
   checksum-corrupt              every arm refuses an object with one flipped byte; nothing left pending or held
 
 The arms are kmesh.stages.storage_checksums'. The cpu profile runs fewer pairs on fewer children here (the
-stage's 60 s budget); the result records the pairs and children used.
+stage's 60 s budget); the cuda profile decodes fewer tokens after the repair (`max_new_tokens`, with its own
+in-process references) so that the GPU call stays within its time; the result records pairs, children and
+tokens used.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from typing import Any
 
 import torch
 
-from kmesh.child import ChildOutcome
+from kmesh.child import ChildOutcome, run_child
+from kmesh.errors import StageError
 from kmesh.result import Result
+from kmesh.segments import InProcessSegments
 from kmesh.stages import storage_checksums as sc
 from kmesh.storage import objfile, routes
 
@@ -46,6 +51,17 @@ def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, wa
                             "warmup": warmup, "children": [c.name for c in children],
                             "children_of_workload": len(s.workload.children)}
     res.extra["checksums"] = info
+    mnt = int(conf.get("max_new_tokens", s.ctx.max_new_tokens))
+    info["max_new_tokens"] = mnt
+    ctx = s.ctx
+    if mnt != s.ctx.max_new_tokens:
+        # fewer decoded tokens than the route pairs: own in-process references with the same count
+        ctx = dataclasses.replace(s.ctx, max_new_tokens=mnt)
+        src = InProcessSegments(s.export)
+        st = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
+        refs = {c.name: run_child(ctx, c, src, st, torch.empty_like(st)) for c in children}
+        if any(o.fallback is not None for o in refs.values()):
+            raise StageError("checksum references fell back to recompute")
     root = s.root / "checksums"
     with res.case("checksum-objects", {"arms": names, "tree_chunk_bytes": chunk}) as c:
         arms = {n: sc.arm(n, s.device) for n in names}
@@ -67,7 +83,7 @@ def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, wa
         return
     route = routes.build(s.sec.get("checksum_route", "staging" if s.device.type == "cuda" else "odirect"), s.device)
     bufs = sc.Buffers(route, max(o.total_padded for o in sets.values()), s.export.catalog.nbytes, s.device)
-    run = sc.PairRun(s.ctx, sets, bufs, refs, s.device)
+    run = sc.PairRun(ctx, sets, bufs, refs, s.device)
     try:
         if conf.get("warm_arms"):     # one untimed child per arm (kernel loads, plans) when the pairs have no warm-up
             with res.case("checksum-warmup", {"arms": names, "child": children[0].name}) as c:
@@ -104,7 +120,7 @@ def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, wa
                 a = sc.arm(n, s.device)
                 bad = sc.corrupt_copy(sets[a.algorithm], s.export, root / f"corrupt-{a.algorithm}",
                                       s.sec.get("pad_to"))
-                why[n] = sc.refused(s.ctx, children[0], bad, bufs, a)
+                why[n] = sc.refused(ctx, children[0], bad, bufs, a)
                 shutil.rmtree(bad.paths[0].parent, ignore_errors=True)
             c.record("errors", why)
             c.check("every_arm_refuses", all(v is not None and "ObjectCorruptError" in v for v in why.values()),
