@@ -96,7 +96,7 @@ class Buffers:
         self.private = torch.empty(catalog_nbytes, dtype=torch.uint8, device=device)
         self.device = device
         self.hash_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kmesh-hash") if device.type != "cuda" else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kmesh-hash")    # host-hashing overlap arms
 
     def poison(self) -> None:
         self.host.fill_(0xA5)
@@ -105,8 +105,7 @@ class Buffers:
         self.private.fill_(0x5A)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        self.pool.shutdown()
 
 
 def _params(objs: ObjectSet) -> dict[str, Any]:
@@ -182,7 +181,6 @@ def checksum_restore(ctx: ChildContext, child: Child, objs: ObjectSet, b: Buffer
                     done: Any = torch.cuda.Event()
                     done.record(b.hash_stream)
                 else:
-                    assert b.pool is not None
                     done = threading.Event()
                     p = b.pool.submit(_hash_after, t1, dev_slot, a, params, done)
                 pending.append((e.index, p))
