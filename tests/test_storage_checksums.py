@@ -39,6 +39,9 @@ def test_arm_table_and_errors():
     assert {a.algorithm for a in sc.ARMS.values()} == {"sha256", "sha256-tree", "blake3"}
     with pytest.raises(sc.ChecksumArmError, match="hashes on the GPU"):
         sc.arm("gpu-blake3", torch.device("cpu"))
+    if torch.cuda.is_available():
+        with pytest.raises(sc.ChecksumArmError, match="cpu profile's overlap arm"):
+            sc.arm("cpu-blake3-overlap", torch.device("cuda"))
     with pytest.raises(sc.ChecksumArmError, match="unknown checksum arm"):
         sc.arm("md5", torch.device("cpu"))
 

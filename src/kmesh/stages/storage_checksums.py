@@ -78,6 +78,9 @@ def arm(name: str, device: torch.device) -> ChecksumArm:
         raise ChecksumArmError(f"unknown checksum arm {name!r} (known: {', '.join(ARMS)})") from None
     if a.where == "gpu" and device.type != "cuda":
         raise ChecksumArmError(f"checksum arm {name!r} hashes on the GPU; this stage runs on {device}")
+    if a.where == "host" and a.overlap and device.type == "cuda":
+        # on CUDA the overlapped check is the GPU one; a host hash would need its own download per object
+        raise ChecksumArmError(f"checksum arm {name!r} is the cpu profile's overlap arm; on CUDA use gpu-*-overlap")
     return a
 
 
