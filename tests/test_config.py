@@ -107,4 +107,5 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
                 for a in sec.get("allow_skips", [])}
 
     assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests")}
-    assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*")}
+    assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*"),
+                               ("storage", "arrival-direct")}   # only when cuFile cannot run there

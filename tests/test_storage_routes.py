@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import tempfile
 
 import pytest
 import torch
@@ -95,8 +96,25 @@ class FakeCuFile:
         USE_PCI_P2PDMA = 7
         FORCE_COMPAT_MODE = 8
 
-    def __init__(self, nvfs=0, flags=0, params=None, open_error=None):
+    def __init__(self, nvfs=0, flags=0, params=None, open_error=None, register_error=None, log_lines=()):
         self.nvfs, self.flags, self.params, self.open_error = nvfs, flags, params or {}, open_error
+        self.register_error, self.log_lines = register_error, log_lines
+        self.registered, self.deregistered, self.flags_seen = [], [], []
+
+    def handle_register(self, descr_ptr):
+        import fcntl
+        import os
+        fd = cufile.CUfileDescr.from_address(descr_ptr).handle.fd
+        self.flags_seen.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        if self.register_error:   # as libcufile does: a log line in the CWD's cufile.log, then the error
+            with open("cufile.log", "a") as f:
+                f.writelines(ln + "\n" for ln in self.log_lines)
+            raise self.register_error
+        self.registered.append(fd)
+        return 1000 + fd
+
+    def handle_deregister(self, fh):
+        self.deregistered.append(fh)
 
     def driver_open(self):
         if self.open_error:
@@ -122,9 +140,80 @@ def test_detect_with_fake_libraries():
     assert m.mode is None and m.arm == "direct-unavailable" and "DRIVER_NOT_INITIALIZED" in m.reason
 
 
+H200_LOG = ["01-12-2026 10:00:00:001 [pid=7 tid=7] ERROR  cufio-udev:67 udev property not found: ID_FS_USAGE vda",
+            "01-12-2026 10:00:00:002 [pid=7 tid=7] NOTICE  cufio-drv:720 something harmless",
+            "01-12-2026 10:00:00:003 [pid=7 tid=7] ERROR  cufio:303 cuFileHandleRegister error, failed to allocate "
+            "file object"]
+
+
+@pytest.fixture
+def log_in_cwd(tmp_path, monkeypatch):
+    """cuFile's default log place (the CWD), no configured log file or directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("CUFILE_LOGFILE_PATH", raising=False)
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(tmp_path / "no-such-cufile.json"))
+    return cwd
+
+
+def test_probe_registration_fails_mode_unavailable_with_reason(tmp_path, log_in_cwd):
+    objdir = tmp_path / "objects"
+    objdir.mkdir()
+    lib = FakeCuFile(register_error=RuntimeError("cuFileError: HANDLE_NOT_REGISTERED (5027)"), log_lines=H200_LOG)
+    m = cufile.detect(lib, probe_dir=objdir)
+    assert m.mode is None and m.arm == cufile.UNREGISTRABLE_ARM == "cufile-unavailable" and not m.direct
+    assert "HANDLE_NOT_REGISTERED (5027)" in m.reason and str(objdir) in m.reason
+    assert "ID_FS_USAGE vda" in m.reason and "failed to allocate file object" in m.reason
+    assert "something harmless" not in m.reason                      # ERROR lines only
+    assert m.props["classified_mode"] == "compat" and m.props["probe"] == "failed"
+    import os
+    assert lib.flags_seen and all(f & os.O_DIRECT for f in lib.flags_seen)   # the probe fd is O_DIRECT
+    assert list(objdir.iterdir()) == []                              # the probe file is gone
+    with pytest.raises(RouteUnavailableError, match="needs a CUDA device"):
+        routes.build("direct", "cpu", probe_dir=objdir)
+
+
+def test_probe_reads_only_new_log_errors_and_configured_dir(tmp_path, log_in_cwd, monkeypatch):
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    (logdir / "cufile.log").write_text("old ERROR  cufio:1 an error from an earlier process\n")
+    conf = tmp_path / "cufile.json"
+    conf.write_text('{ // comment\n "logging": { "dir": "%s", "level": "ERROR" } }' % logdir)
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(conf))
+    assert cufile.log_paths()[0] == logdir / "cufile.log"
+
+    class LogsThere(FakeCuFile):
+        def handle_register(self, descr_ptr):
+            with open(logdir / "cufile.log", "a") as f:
+                f.write("new ERROR  cufio-fs:777 error getting volume attributes\n")
+            raise RuntimeError("HANDLE_NOT_REGISTERED")
+
+    m = cufile.detect(LogsThere(), probe_dir=tmp_path)
+    assert "volume attributes" in m.reason and "earlier process" not in m.reason
+
+
+def test_probe_without_log_says_so(tmp_path, log_in_cwd):
+    m = cufile.detect(FakeCuFile(register_error=RuntimeError("HANDLE_NOT_REGISTERED")), probe_dir=tmp_path)
+    assert m.arm == "cufile-unavailable" and "no ERROR lines in cufile.log" in m.reason
+
+
+def test_probe_registration_succeeds_keeps_classified_mode(tmp_path, log_in_cwd):
+    for lib, arm, direct in ((FakeCuFile(), "cufile-compat", False), (FakeCuFile(nvfs=2), "cufile-nvfs", True)):
+        m = cufile.detect(lib, probe_dir=tmp_path)
+        assert (m.arm, m.direct) == (arm, direct) and m.props["probe"] == "registered"
+        assert len(lib.registered) == 1 and lib.deregistered == [1000 + lib.registered[0]]
+    assert [p.name for p in tmp_path.iterdir()] == ["cwd"]
+
+
+def test_probe_directory_problems_are_reasons(tmp_path, log_in_cwd):
+    m = cufile.detect(FakeCuFile(), probe_dir=tmp_path / "missing")
+    assert m.arm == "cufile-unavailable" and "cannot create a probe file" in m.reason
+
+
 def test_detect_real_library_never_raises():
-    m = cufile.detect()
-    assert m.arm in ("direct-unavailable", *cufile.ARMS.values()) and m.reason
+    m = cufile.detect(probe_dir=tempfile.gettempdir())
+    assert m.arm in ("direct-unavailable", "cufile-unavailable", *cufile.ARMS.values()) and m.reason
 
 
 def test_drvprops_layout_matches_cufile_h():
@@ -153,8 +242,11 @@ def test_direct_route_on_cuda_reports_mode(objects):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     try:
-        r = routes.build("direct", "cuda")
+        r = routes.build("direct", "cuda", probe_dir=objects[0][0].parent)
     except RouteUnavailableError as e:
+        # the H200 container: cuFile is there but cannot register a file (its reason names the error); the stage
+        # then runs its fallback arms. Anything else (no cuFile at all) is also a reason, never a silent pass.
+        assert "direct route unavailable" in str(e)
         pytest.skip(str(e))
     p, h, data = objects[2]
     land = r.landing(h.padded_nbytes)

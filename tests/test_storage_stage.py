@@ -28,9 +28,9 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 WORKLOAD = {"prompt_tokens": 352, "segment_tokens": [80, 80, 80], "children": 2, "block_size": 16}
 
 
-def _cfg(tmp_path, **storage_over):
+def _cfg(tmp_path, profile="cpu", **storage_over):
     storage_over.setdefault("floor_variants", ["sequential", "pipelined"])
-    return load_config(profile="cpu", overrides={
+    return load_config(profile=profile, overrides={
         "results_dir": str(tmp_path / "results"),
         "model": {"qwen2_random": TINY},
         "equivalence": {"model": "qwen2_random", "workload": WORKLOAD},
@@ -118,7 +118,7 @@ def test_read_once_counts(setup):
 
 
 def test_whole_stage_tiny(tmp_path):
-    res = storage.run(_cfg(tmp_path))
+    res = storage.run(_cfg(tmp_path, checksums={"warm_arms": True, "max_new_tokens": 2}))
     failed = [(c.id, c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
               if c.passed is not True]
     assert not failed
@@ -131,6 +131,18 @@ def test_whole_stage_tiny(tmp_path):
     assert {"routes", "floor_sequential", "floor_pipelined", "read_once", "read_once_service"} <= set(res.timings)
     assert s["reads_per_object_read_once_service"] == 1
     assert set(s["floor_ratios"]) == {"sequential", "pipelined"}
+    cs = s["checksums"]
+    assert cs["outputs_identical"] and cs["algorithms"] == {"cpu-sha256": "sha256", "cpu-blake3": "blake3",
+                                                            "cpu-blake3-overlap": "blake3"}
+    assert set(cs["paired"]) == {"cpu-blake3"} and set(cs["overlap_paired"]["outer"]) >= {"median_ratio", "b_faster"}
+    assert cs["runs_compared"] == 2 * 2 * 2 * len(cs["children"]) + 3 and cs["route"]["reads"] > 0
+    assert {"checksum_cpu-blake3", "checksum_overlap"} <= set(res.timings)
+    assert cs["max_new_tokens"] == 2 and s["max_new_tokens"] == 3      # own references for the checksum runs
+    assert {c.id for c in res.cases} >= {"checksum-objects", "checksum-warmup", "checksums-cpu-sha256-vs-cpu-blake3",
+                                         "checksum-overlap", "checksum-corrupt"}
+    from kmesh.report.tables import storage_checksums_caption, storage_checksums_frame
+    df = storage_checksums_frame(s)
+    assert list(df["B"]) == ["cpu-blake3", "cpu-blake3-overlap"] and "of 2" in storage_checksums_caption(s)
 
 
 def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
@@ -169,21 +181,62 @@ def test_storage_summary_table_renders_result_keys():
     assert d["floor ratios by variant"] == "sequential 1.6, pipelined 1.4"
 
 
+def test_unavailable_arm_runs_fallback_arms_and_skips_its_arrival(setup):
+    """A requested arm that cannot run here (direct on a CPU device) is not run under its name: the fallback arms
+    run, the result says why, and its arrival check is a skip with exactly that reason (allowed by the profile)."""
+    import dataclasses
+
+    from kmesh.config import SkipAllowance
+    from kmesh.result import Result
+
+    s, objs, _, _ = setup
+    s2 = dataclasses.replace(s, sec={**s.sec, "arms": ["buffered", "direct"], "fallback_arms": ["buffered", "odirect"],
+                                     "fallback_note": "buffered vs O_DIRECT"})
+    res = Result("storage", "cpu", {}, (SkipAllowance("arrival-direct", "direct cannot run on a CPU device"),))
+    built, info = storage._routes_case(res, s2, objs)
+    assert list(built) == ["buffered", "odirect"] and res.cases[0].passed is True
+    why = info["unavailable"]["direct"]
+    assert "needs a CUDA device" in why and info["fallback"]["ran"] == ["buffered", "odirect"]
+    assert info["fallback"]["why"] == {"direct": why} and info["fallback"]["comparison"] == "buffered vs O_DIRECT"
+    storage._unavailable_arrival_cases(res, info["unavailable"])
+    assert res.cases[-1].id == "arrival-direct" and res.cases[-1].skipped == why
+    sm = res.summary()
+    assert sm["ok"] and sm["skips_allowed"][0]["case"] == "arrival-direct" and not sm["skips_unallowed"]
+    bare = Result("storage", "cpu", {})      # a profile that does not allow it: the stage is not ok
+    storage._unavailable_arrival_cases(bare, info["unavailable"])
+    assert bare.skip_verdicts()[1] and not bare.summary()["ok"]
+    for r in built.values():
+        r.close()
+    # without fallback arms the routes case fails (one arm), naming the unavailable one
+    res3 = Result("storage", "cpu", {})
+    built3, info3 = storage._routes_case(res3, dataclasses.replace(s2, sec={**s2.sec, "fallback_arms": None}), objs)
+    assert list(built3) == ["buffered"] and res3.cases[0].passed is False and "fallback" not in info3
+    for r in built3.values():
+        r.close()
+
+
 @pytest.mark.gpu
 def test_whole_stage_tiny_cuda(tmp_path):
     """The cuda arms end to end on a tiny model: staging (pinned host, async device copy) vs cuFile (whatever
     mode this machine has: the arm name says which); every run bit-identical to the in-process reference."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    cfg = _cfg(tmp_path, device="cuda", arms=["staging", "direct"], floor_arm="staging", pad_to=1 << 20)
+    cfg = _cfg(tmp_path, profile="cuda", device="cuda", arms=["staging", "direct"], floor_arm="staging",
+               pad_to=1 << 20, checksums={"pairs": 1, "children": 1})      # the cuda arms, one pair each
     res = storage.run(cfg)
     s = res.summary()
     bad = {c.id: (c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
-           if c.passed is not True}
+           if c.passed is False}
     print("arms", s["arms"], "direct_mode", s["direct_mode"], "floor_ratios", s.get("floor_ratios"), "bad", bad)
-    assert "staging" in s["arms"]
-    if s["direct_mode"]["mode"] is None:          # no cuFile here: only the routes case may fail, saying why
-        assert set(bad) <= {"routes"} and s["unavailable"]
+    assert not bad and s["ok"] and s["outputs_identical"] and "staging" in s["arms"]
+    if s["direct_mode"]["mode"] is None:          # cuFile cannot run here: the fallback arms ran, the skip says why
+        assert s["arms"] == ["staging", "staging-buffered"] and s["arms_fallback"]["why"]["direct"]
+        skip = next(c for c in res.cases if c.id == "arrival-direct")
+        assert skip.skipped == s["unavailable"]["direct"] and s["direct_mode"]["reason"] in skip.skipped
+        assert s["arrival_checks_passed"] == 2
     else:
-        assert not bad and s["outputs_identical"] and s["arms"][1] == s["direct_mode"]["arm"]
+        assert s["arms"][1] == s["direct_mode"]["arm"] and not s["skipped"]
+    cs = s["checksums"]
+    assert cs["outputs_identical"] and set(cs["paired"]) == {"gpu-sha256", "gpu-sha256-tree", "gpu-blake3"}
+    assert cs["overlap"] == ["gpu-blake3", "gpu-blake3-overlap"] and cs["overlap_paired"]["outer"]["pairs"] == 1
     assert s["reads_per_object_read_once"] == 1 and s["reads_per_object_read_once_service"] == 1

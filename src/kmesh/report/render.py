@@ -51,6 +51,10 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.storage_frame(r["summary"]), tdir / "storage_summary", fmts,
                                           "Stage storage: routes as run, cuFile mode, bit-identity, floor ratio, "
                                           "reads per object (read-once vs forced eviction).")
+            if r["summary"].get("checksums", {}).get("paired"):
+                written += tables.write_table(tables.storage_checksums_frame(r["summary"]),
+                                              tdir / "storage_checksums", fmts,
+                                              tables.storage_checksums_caption(r["summary"]))
         if stage == "vllm" and "ttft" in r["summary"]:
             written += tables.write_table(tables.vllm_frame(r["summary"]), tdir / "vllm_summary", fmts,
                                           "Stage vllm: the pinned vLLM engine with KMeshConnector (TTFT: matched "

@@ -199,6 +199,9 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
     rows = [
         ("arms (as run)", ", ".join(summary.get("arms", []))),
         ("direct route (cuFile mode)", f"{dm.get('arm')} — {dm.get('reason')}"),
+        *([("arms run instead of the requested ones", f"{', '.join(summary['arms_fallback'].get('ran', []))} — "
+                                                    f"{summary['arms_fallback'].get('comparison')}")]
+          if summary.get("arms_fallback") else []),
         ("matched pairs", summary.get("pairs")),
         ("runs compared with the reference", summary.get("runs_compared")),
         ("outputs identical (every run)", summary.get("outputs_identical")),
@@ -212,6 +215,36 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),
     ]
     return pd.DataFrame([{"quantity": k, "value": v} for k, v in rows])
+
+
+def storage_checksums_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """One row per checksum comparison of the storage stage: A vs B, algorithm of B, complete restoration (outer)
+    and verify medians, median ratio and pairs B was faster."""
+    cs = summary.get("checksums") or {}
+    algos = cs.get("algorithms", {})
+    rows = []
+    comparisons = [(cs.get("baseline"), b, v) for b, v in (cs.get("paired") or {}).items()]
+    if cs.get("overlap_paired") and len(cs.get("overlap", [])) == 2:
+        comparisons.append((cs["overlap"][0], cs["overlap"][1], cs["overlap_paired"]))
+    for a, b, parts in comparisons:
+        o, v = parts.get("outer", {}), parts.get("verify", {})
+        rows.append({"A": a, "B": b, "B algorithm": algos.get(b),
+                     "outer A [ms]": o.get("median_a_s", float("nan")) * 1e3,
+                     "outer B [ms]": o.get("median_b_s", float("nan")) * 1e3,
+                     "outer ratio B/A": o.get("median_ratio"),
+                     "B faster (outer)": f"{o.get('b_faster')}/{o.get('pairs')}",
+                     "verify A [ms]": v.get("median_a_s", float("nan")) * 1e3,
+                     "verify B [ms]": v.get("median_b_s", float("nan")) * 1e3})
+    return pd.DataFrame(rows)
+
+
+def storage_checksums_caption(summary: dict[str, Any]) -> str:
+    cs = summary.get("checksums") or {}
+    return (f"Stage storage, checksum arms: {cs.get('pairs')} matched pairs after {cs.get('warmup')} warm-up, "
+            f"children {', '.join(cs.get('children', []))} of {cs.get('children_of_workload')}; outer = complete "
+            "restoration (restore + repair + cleanup), verify = hashing not hidden by the reads (⊂ restore); "
+            "medians of per-pair values, ratio = median of paired ratios. Every run's outputs equal the reference: "
+            f"{cs.get('outputs_identical')}.")
 
 
 BANDWIDTH_ARMS = (("copy_GBps", "copy"), ("kernel_GBps", "kernel"), ("torch_GBps", "torch path"))

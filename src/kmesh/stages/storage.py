@@ -14,6 +14,8 @@ Cases:
   pairs                 7 matched pairs alternating order, 4 children per arm, page cache dropped before every
                         child; parts read ⊂ check ⊂ restore ⊂ outer; every run compared bit for bit
   floor                 the staging arm's restore vs the same bytes read with O_DIRECT alone (matched pairs)
+  checksum-*            checksum arms (CPU SHA-256 vs GPU SHA-256 / sha256-tree / BLAKE3) and the hash
+                        overlapped with the reads, matched pairs (kmesh.stages.storage_checksum_cases)
   read-once             four concurrent children, singleflight + retention vs forced eviction; reads counted;
                         every child's private copy = the leader's bytes (kmesh.storage.tier, threads)
   read-once-service     the same through the cache service process: its disk tier, group retention, four
@@ -41,7 +43,7 @@ from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
-from kmesh.stages import storage_readonce, storage_service
+from kmesh.stages import storage_checksum_cases, storage_readonce, storage_service
 from kmesh.stages.equivalence import deterministic_kernels, leader_prefill, load_model
 from kmesh.stages.storage_child import check_canaries, release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
@@ -101,25 +103,54 @@ def _objects_case(res: Result, s: Setup) -> ObjectSet:
     raise StageError("objects could not be saved")
 
 
-def _routes_case(res: Result, s: Setup) -> tuple[dict[str, routes.Route], dict[str, Any]]:
+def _build_arms(names: list[str], s: Setup, probe_dir: Path) -> tuple[dict[str, routes.Route], dict[str, str]]:
     built: dict[str, routes.Route] = {}
-    mode = cufile.detect() if s.device.type == "cuda" else cufile.unavailable("cpu profile: no CUDA device")
+    missing: dict[str, str] = {}
+    for name in names:
+        try:
+            r = routes.build(name, s.device, probe_dir=probe_dir)
+        except RouteUnavailableError as e:
+            missing[name] = str(e)
+            continue
+        built[r.arm] = r
+    return built, missing
+
+
+def _routes_case(res: Result, s: Setup, objs: ObjectSet) -> tuple[dict[str, routes.Route], dict[str, Any]]:
+    """The requested arms; where one cannot run here (e.g. cuFile cannot register a file in the objects'
+    directory), the profile's `fallback_arms` run instead and the result says so: never under the lost arm's name."""
+    probe_dir = objs.paths[0].parent
+    mode = (cufile.detect(probe_dir=probe_dir) if s.device.type == "cuda"
+            else cufile.unavailable("cpu profile: no CUDA device"))
     info: dict[str, Any] = {"direct_mode": {"mode": mode.mode, "arm": mode.arm, "reason": mode.reason,
                                             "props": mode.props}}
-    with res.case("routes", {"requested": s.sec["arms"], "device": str(s.device)}) as c:
-        for name in s.sec["arms"]:
-            try:
-                r = routes.build(name, s.device)
-            except RouteUnavailableError as e:
-                c.record(f"unavailable:{name}", str(e))
-                info.setdefault("unavailable", {})[name] = str(e)
-                continue
-            built[r.arm] = r
+    with res.case("routes", {"requested": s.sec["arms"], "device": str(s.device),
+                             "fallback_arms": s.sec.get("fallback_arms")}) as c:
+        built, missing = _build_arms(list(s.sec["arms"]), s, probe_dir)
+        for name, why in missing.items():
+            c.record(f"unavailable:{name}", why)
+        info["unavailable"] = missing
+        if missing and s.sec.get("fallback_arms"):
+            for r in built.values():
+                r.close()
+            built, fb_missing = _build_arms(list(s.sec["fallback_arms"]), s, probe_dir)
+            info["fallback"] = {"requested": list(s.sec["arms"]), "ran": list(built), "why": missing,
+                                "fallback_unavailable": fb_missing,
+                                "comparison": s.sec.get("fallback_note", "the profile's fallback arms")}
+            c.record("fallback", info["fallback"])
         c.record("arms", {a: r.describe() for a, r in built.items()})
         c.check("two_arms_built", len(built) == 2, value=list(built))
         if s.device.type == "cuda":
             c.check("direct_arm_named_by_mode", all(a != "direct" for a in built), value=list(built))
     return built, info
+
+
+def _unavailable_arrival_cases(res: Result, missing: dict[str, str]) -> None:
+    """The arrival check of an arm that could not run is a skip with exactly the reason the arm is missing
+    (allowed only where the profile's allow_skips names it)."""
+    for name, why in missing.items():
+        with res.case(f"arrival-{name}", {"route": name}) as c:
+            c.skip(why)
 
 
 def _arrival_case(res: Result, s: Setup, objs: ObjectSet, route: routes.Route) -> bool:
@@ -245,8 +276,10 @@ def run(cfg: Config) -> Result:
         "io": routes.IO_NOTE,
         "max_new_tokens": s.ctx.max_new_tokens,
     }
-    built, info = _routes_case(res, s)
+    built, info = _routes_case(res, s, objs)
     res.extra.update(arms=list(built), direct_mode=info["direct_mode"], unavailable=info.get("unavailable", {}))
+    if "fallback" in info:
+        res.extra["arms_fallback"] = info["fallback"]
 
     refs: dict[str, ChildOutcome] = {}
     with res.case("reference", {"source": "in-process", "runner": "kmesh.child.run_child"}) as c:
@@ -258,6 +291,7 @@ def run(cfg: Config) -> Result:
         c.check("reference_used_segments", all(o.fallback is None for o in refs.values()))
     arrivals = [_arrival_case(res, s, objs, r) for r in built.values()]
     res.extra["arrival_checks_passed"] = sum(arrivals)
+    _unavailable_arrival_cases(res, info.get("unavailable", {}))
     if built:
         res.extra["failure_controls_passed"] = _control_cases(res, s, objs, next(iter(built.values())))
 
@@ -291,6 +325,7 @@ def run(cfg: Config) -> Result:
         private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
         _floor(res, s, objs, built, landings, private, pairs, warmup, dev, refs)
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
+    storage_checksum_cases.run_cases(res, s, refs, pairs, warmup)
     _read_once_case(res, s, refs, pairs, warmup)
     if s.sec.get("read_once_service", True):
         _read_once_service_case(res, s, refs, pairs, warmup)

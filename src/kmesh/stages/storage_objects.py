@@ -39,7 +39,8 @@ class ObjectSet:
 
 
 def save_objects(export: Export, directory: Path, algorithm: str = "sha256", pad_to: int | None = None,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ObjectSet:
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 params: dict[str, Any] | None = None) -> ObjectSet:
     """One object file per catalog entry (its bytes from the export buffer; `transform` alters them, e.g. the
     arrival checks' complemented bytes)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,7 @@ def save_objects(export: Export, directory: Path, algorithm: str = "sha256", pad
         p = directory / f"segment-{e.index}.kmo"
         h = write_object(p, data.numpy(), e.key, {"catalog_layout": export.catalog.layout.to_dict(),
                                                   "offset": e.offset, "nbytes": e.nbytes, "sha256": e.sha256},
-                         algorithm=algorithm, pad_to=pad_to)
+                         algorithm=algorithm, params=params, pad_to=pad_to)
         paths.append(p)
         headers.append(h)
         slots.append(off)

@@ -6,12 +6,20 @@ Mode (what a cuFile read really does on this machine), from cuFileDriverGetPrope
   compat     neither: cuFile reads into its own host bounce buffers and copies to the GPU — a staging route
              under another name, so the arm is reported as `cufile-compat`, never as direct
 A machine without CUDA, libcufile or the bindings has no direct route; `detect()` says why.
+The driver's properties are not enough: cuFile must also be able to register a file handle where the objects
+live (it needs the volume's udev attributes, which a container may lack: then not even compat mode runs).
+`detect(probe_dir=...)` therefore registers a small O_DIRECT temp file there; if that fails the arm is
+`cufile-unavailable` and the reason carries cuFile's error and the last ERROR lines of cufile.log.
 `classify()` is pure (tested with fake property values); `detect()` asks the real library.
 """
 from __future__ import annotations
 
 import ctypes
+import os
+import re
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kmesh.storage.errors import RouteIOError, RouteUnavailableError
@@ -63,6 +71,80 @@ def unavailable(reason: str) -> Mode:
     return Mode(None, "direct-unavailable", False, reason)
 
 
+UNREGISTRABLE_ARM = "cufile-unavailable"
+PROBE_BYTES = 8192
+
+
+def log_paths() -> list[Path]:
+    """Where cuFile writes cufile.log: $CUFILE_LOGFILE_PATH, else logging.dir of its JSON config, else the CWD."""
+    out: list[Path] = []
+    if os.environ.get("CUFILE_LOGFILE_PATH"):
+        out.append(Path(os.environ["CUFILE_LOGFILE_PATH"]))
+    conf = Path(os.environ.get("CUFILE_ENV_PATH_JSON", "/etc/cufile.json"))
+    try:   # the file carries // comments (not JSON): look for the "logging" section's "dir" only
+        m = re.search(r'"logging"\s*:\s*\{[^}]*?"dir"\s*:\s*"([^"]+)"', conf.read_text())
+        if m:
+            out.append(Path(m.group(1)) / "cufile.log")
+    except OSError:
+        pass
+    out.append(Path.cwd() / "cufile.log")
+    return out
+
+
+def _log_sizes() -> dict[Path, int]:
+    sizes = {}
+    for p in log_paths():
+        try:
+            sizes[p] = p.stat().st_size
+        except OSError:
+            sizes[p] = 0
+    return sizes
+
+
+def log_errors(since: dict[Path, int] | None = None, limit: int = 4) -> list[str]:
+    """The last ERROR lines cuFile wrote to cufile.log (only those after `since`'s sizes, when given)."""
+    for p in log_paths():
+        try:
+            with open(p, "rb") as f:
+                f.seek((since or {}).get(p, 0))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        errs = [ln.strip() for ln in lines if "ERROR" in ln]
+        if errs:
+            return [f"{p}: {e}" for e in errs[-limit:]]
+    return []
+
+
+def probe_registration(lib: Any, directory: Path | str) -> str | None:
+    """Register (then deregister) a small O_DIRECT temp file in `directory`; None if cuFile accepted it, else why."""
+    directory = Path(directory)
+    try:
+        fd0, name = tempfile.mkstemp(prefix=".kmesh-cufile-probe-", dir=directory)
+    except OSError as e:
+        return f"cannot create a probe file in {directory}: {e}"
+    try:
+        with os.fdopen(fd0, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            return f"O_DIRECT open of a probe file in {directory} failed: {e}"
+        try:
+            sizes = _log_sizes()
+            try:
+                CuFileHandle(lib, fd).close()
+            except RouteIOError as e:
+                errs = log_errors(sizes) or log_errors()
+                return f"{e} (probe file in {directory})" + (f"; cufile.log: {' | '.join(errs)}" if errs else
+                                                             "; no ERROR lines in cufile.log")
+            return None
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(name)
+
+
 def _bool_param(lib: Any, name: str) -> bool | None:
     enum = getattr(lib, "BoolConfigParameter", None)
     p = getattr(enum, name, None) if enum is not None else None
@@ -83,8 +165,9 @@ def load_lib() -> Any:
     return cufile
 
 
-def detect(lib: Any | None = None) -> Mode:
-    """Open the cuFile driver and classify what a read would do. Never raises: no cuFile is a Mode too."""
+def detect(lib: Any | None = None, probe_dir: Path | str | None = None) -> Mode:
+    """Open the cuFile driver and classify what a read would do; with `probe_dir`, also register a file handle
+    there (module doc). Never raises: no cuFile, or one that cannot register a file, is a Mode too."""
     try:
         lib = lib or load_lib()
         lib.driver_open()
@@ -97,8 +180,17 @@ def detect(lib: Any | None = None) -> Mode:
         lib.driver_get_properties(ctypes.addressof(props))
     except Exception as e:
         return unavailable(f"cuFileDriverGetProperties failed: {type(e).__name__}: {e}")
-    return classify(props.nvfs.major_version, props.nvfs.dstatusflags,
-                    _bool_param(lib, "USE_PCI_P2PDMA"), _bool_param(lib, "FORCE_COMPAT_MODE"))
+    m = classify(props.nvfs.major_version, props.nvfs.dstatusflags,
+                 _bool_param(lib, "USE_PCI_P2PDMA"), _bool_param(lib, "FORCE_COMPAT_MODE"))
+    if probe_dir is None:
+        return m
+    why = probe_registration(lib, probe_dir)
+    if why is None:
+        return Mode(m.mode, m.arm, m.direct, f"{m.reason}; a file handle registered in {probe_dir}",
+                    {**m.props, "probe_dir": str(probe_dir), "probe": "registered"})
+    return Mode(None, UNREGISTRABLE_ARM, False,
+                f"cuFile would run in {m.mode} mode ({m.reason}), but cannot register a file here: {why}",
+                {**m.props, "classified_mode": m.mode, "probe_dir": str(probe_dir), "probe": "failed"})
 
 
 class _DescrHandle(ctypes.Union):

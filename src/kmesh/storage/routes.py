@@ -1,6 +1,6 @@
 """Storage routes: bring an object file's padded payload into a landing buffer, and say what actually ran.
 
-    route = build("odirect", device)       # buffered | odirect (CPU arms) | staging | direct (CUDA arms)
+    route = build("odirect", device)       # buffered | odirect (CPU arms) | staging | staging-buffered | direct
     land = route.landing(total_bytes)      # aligned host (pinned on CUDA) or device memory, allocated once
     f = route.open(path)                   # header checked
     route.read(f, land[off:off + f.header.padded_nbytes])
@@ -11,11 +11,16 @@ Reads are os.preadv (no io_uring: no maintained Python binding is installed here
 returns only once the I/O completed, which is the explicit I/O-completion wait the device copy that follows
 must have: an I/O is never a CUDA stream event. The device copy itself is the caller's (kmesh.transfer: a ticket,
 holds on both buffers until drained). The `direct` route is cuFile: its arm name comes from the detected mode
-(`cufile-compat` when cuFile stages through host memory); with no cuFile it raises RouteUnavailableError.
+(`cufile-compat` when cuFile stages through host memory); with no cuFile, or a cuFile that cannot register a
+file handle in the objects' directory (the probe in kmesh.storage.cufile), it raises RouteUnavailableError:
+the direct route never falls back to another route under its name. `staging-buffered` is the staging route
+with ordinary buffered reads (page cache) into the same pinned buffer: the comparison a machine without a
+usable cuFile can still run.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +127,14 @@ class StagingRoute(Route):
     pin = True
 
 
+class StagingBufferedRoute(Route):
+    """CUDA: buffered reads (through the page cache, dropped before every child) into a page-locked host buffer;
+    the caller's device copy follows each read, as in `staging`."""
+
+    arm = route = "staging-buffered"
+    pin = True
+
+
 class CuFileRoute(Route):
     """CUDA: cuFile reads into registered device memory. The arm is named after the detected mode."""
 
@@ -178,16 +191,19 @@ class CuFileRoute(Route):
             self._dev = None
 
 
-ROUTES = {"buffered": BufferedRoute, "odirect": DirectIORoute, "staging": StagingRoute}
+ROUTES = {"buffered": BufferedRoute, "odirect": DirectIORoute, "staging": StagingRoute,
+          "staging-buffered": StagingBufferedRoute}
+CUDA_ROUTES = ("staging", "staging-buffered", "direct")
 
 
-def build(name: str, device: torch.device | str = "cpu") -> Route:
-    """A route by name; `direct` detects the cuFile mode (raises RouteUnavailableError with what was found)."""
+def build(name: str, device: torch.device | str = "cpu", probe_dir: Path | str | None = None) -> Route:
+    """A route by name; `direct` detects the cuFile mode and registers a probe file in `probe_dir` (default: the
+    temp directory; give the objects' directory). Raises RouteUnavailableError with what was found."""
     device = torch.device(device)
-    if name in ("staging", "direct") and device.type != "cuda":
+    if name in CUDA_ROUTES and device.type != "cuda":
         raise RouteUnavailableError(f"route {name!r} needs a CUDA device, not {device}")
     if name == "direct":
-        mode = cufile.detect()
+        mode = cufile.detect(probe_dir=probe_dir if probe_dir is not None else tempfile.gettempdir())
         if mode.mode is None:
             raise RouteUnavailableError(f"direct route unavailable: {mode.reason}")
         return CuFileRoute(device, mode, cufile.load_lib())

@@ -53,6 +53,13 @@ class Ticket:
     def __repr__(self) -> str:
         return f"Ticket(id={self.id}, owner={self.owner!r}, state={self.state}, {self.route}, {self.nbytes} B)"
 
+    def issued(self, timeout: float | None = None) -> object | None:
+        """Wait until every chunk of this copy is issued (CPU: copied), then return the CUDA event recorded after
+        the last chunk, for a consumer stream to wait on (device visibility); None on CPU. The holds stay until
+        drain(): a consumer of the destination keeps it alive by submitting its own ticket after its work."""
+        self._stopped.wait(timeout)
+        return self._event
+
 
 @dataclass
 class DrainReport:
