@@ -23,7 +23,9 @@ CPU_ONLY = {"sources", "report", "vllm", "all"}   # vllm: the pinned vLLM is the
 def _dry_run(profile_dir: str, pipeline_profile: str, tmp_path: Path) -> dict[str, dict[str, str]]:
     """Rule -> its planned resources (as Snakemake prints them) of `snakemake -n --profile ...`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([*SNAKEMAKE, "-n", "--profile", profile_dir, "--config", f"profile={pipeline_profile}"],
+    # A scratch results dir: with the user's results/ up to date a dry run would plan nothing.
+    out = subprocess.run([*SNAKEMAKE, "-n", "--profile", profile_dir, "--config", f"profile={pipeline_profile}",
+                          f"results_dir={tmp_path / 'results'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
