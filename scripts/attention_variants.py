@@ -15,19 +15,11 @@ import json
 import sys
 
 import torch
+
+from gpu_timing import timed
 import torch.nn.functional as F
 
 dev, dt, Hq, Hkv, D = "cuda", torch.bfloat16, 14, 2, 64
-
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 out = {}

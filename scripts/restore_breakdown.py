@@ -4,26 +4,20 @@ Parts timed separately with CUDA events after warm-up (median of 15): the gather
 the private copy (capture), plan_restore (validation, shift tables), the write (torch vs cuda backend), and
 restore_child end to end per backend. Writes JSON to argv[1].
 """
+import functools
 import json
 import sys
 
 import torch
+from gpu_timing import timed
+
+timed15 = functools.partial(timed, reps=15)
 
 from kmesh.config import load_config
 from kmesh.restore import capture, plan_restore
 from kmesh.segments import restore_child
 from kmesh.stages import equivalence as eq
 from kmesh.workload import build
-
-
-def timed(fn, reps=15):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 cfg = load_config(profile="cuda")
@@ -42,12 +36,12 @@ for T in (4096, 16384):
     new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in sl])
     seg = capture(ex.raw, ex.catalog.layout, src, old)
     row = {"tokens_restored": int(new.numel()), "segment_bytes": seg.nbytes,
-           "capture_ms": timed(lambda: capture(ex.raw, ex.catalog.layout, src, old)),
-           "plan_ms": timed(lambda: plan_restore(cache.raw, cache.layout, seg, new, new, r.rope))}
+           "capture_ms": timed15(lambda: capture(ex.raw, ex.catalog.layout, src, old)),
+           "plan_ms": timed15(lambda: plan_restore(cache.raw, cache.layout, seg, new, new, r.rope))}
     pl = plan_restore(cache.raw, cache.layout, seg, new, new, r.rope)
     for be in ("torch", "cuda"):
-        row[f"write_{be}_ms"] = timed(lambda: pl.run(be))
-        row[f"restore_child_{be}_ms"] = timed(lambda: restore_child(cache, ex.catalog, ex.raw, child, r, be))
+        row[f"write_{be}_ms"] = timed15(lambda: pl.run(be))
+        row[f"restore_child_{be}_ms"] = timed15(lambda: restore_child(cache, ex.catalog, ex.raw, child, r, be))
     a = r.new_cache(T, wl.spec.block_size); b = r.new_cache(T, wl.spec.block_size)
     restore_child(a, ex.catalog, ex.raw, child, r, "torch"); restore_child(b, ex.catalog, ex.raw, child, r, "cuda")
     row["backends_bytes_equal"] = bool(torch.equal(a.raw, b.raw))

@@ -41,9 +41,8 @@ from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import ChunkGate, FaultPlan
 from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from tiny_llama import tiny_llama
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=300, max_position_embeddings=512)
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=2, block_size=16)
 SEED = 0
 MAX_NEW = 8
@@ -61,25 +60,9 @@ CONTROL_CHUNK = 65536
 
 # --- fixtures ------------------------------------------------------------------------------------------------
 
-def _tiny_llama(seed: int = 0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
-
-
 @pytest.fixture(scope="module")
 def env():
-    model = _tiny_llama()
+    model = tiny_llama()
     runner = LayerRunner(model)
     workload = build(ByteTokenizer(vocab_size=300), SEED, SPEC)
     ids = torch.tensor(workload.leader_ids)

@@ -9,7 +9,6 @@ asserted bit-identical; the whole batched prefill is asserted within BATCHED_TOL
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -22,33 +21,16 @@ from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture
 from kmesh.segments import export_segments, restore_child
 from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from tiny_llama import tiny_llama
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=300, max_position_embeddings=512)
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=4, block_size=16)
 BS = 16
 BATCHED_TOL = 1e-5     # relative to max(1, max |logit|)
 
 
-def _tiny_llama(seed: int = 0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
-
-
 @pytest.fixture(scope="module")
 def env():
-    runner = LayerRunner(_tiny_llama())
+    runner = LayerRunner(tiny_llama())
     w = build(ByteTokenizer(300), 0, SPEC)
     lc = runner.new_cache(len(w.leader_ids), BS)
     runner.prefill(torch.tensor(w.leader_ids), lc)
@@ -252,7 +234,7 @@ def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable
     from kmesh.model.graphs import GraphedBlend
 
     dev = torch.device("cuda")
-    runner = LayerRunner(_tiny_llama().to(dev))
+    runner = LayerRunner(tiny_llama().to(dev))
     w = build(ByteTokenizer(300), 0, SPEC)
     lc = runner.new_cache(len(w.leader_ids), BS)
     runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)

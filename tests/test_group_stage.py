@@ -8,7 +8,6 @@ with 3 children A, B, C. The service copies in 64 KiB chunks (a segment = 2 chun
 from __future__ import annotations
 
 import dataclasses
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -26,32 +25,15 @@ from kmesh.stages.group import run_group
 from kmesh.stages.group_load import GroupAdmissionError, GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from tiny_llama import tiny_llama
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=300, max_position_embeddings=512)
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=3, block_size=16)
 MAX_NEW = 8
 
 
-def _tiny_llama(seed: int = 0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
-
-
 @pytest.fixture(scope="module")
 def env():
-    runner = LayerRunner(_tiny_llama())
+    runner = LayerRunner(tiny_llama())
     w = build(ByteTokenizer(300), 0, SPEC)
     lc = runner.new_cache(len(w.leader_ids), 16)
     runner.prefill(torch.tensor(w.leader_ids), lc)

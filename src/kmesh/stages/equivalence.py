@@ -26,7 +26,7 @@ import dataclasses
 import gc
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -201,16 +201,22 @@ def deterministic_kernels() -> dict[str, Any]:
             "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
 
 
-def run(cfg: Config) -> Result:
-    res = Result.begin("equivalence", cfg)
+def begin_with_setup(stage: str, cfg: Config, make: Callable[[Config], Any]) -> tuple[Result, Any]:
+    """A model stage's result with determinism recorded and its `setup` case run (model, workload, leader export
+    by `make`); the setup is None when that case failed (the result then says why)."""
+    res = Result.begin(stage, cfg)
     res.extra["determinism"] = deterministic_kernels()
-    setup: list[Setup] = []
+    setup: list[Any] = []
     with res.case("setup", {"model": cfg.section("equivalence")["model"]}) as c:
-        setup.append(_setup(cfg))
+        setup.append(make(cfg))
         c.check("leader_exported", len(setup[0].export.catalog.entries) == len(setup[0].workload.segments))
-    if not setup:
+    return res, (setup[0] if setup else None)
+
+
+def run(cfg: Config) -> Result:
+    res, s = begin_with_setup("equivalence", cfg, _setup)
+    if s is None:
         return res
-    s = setup[0]
     res.extra.update(model=s.what, device=str(s.device), children=len(s.workload.children),
                      layers=s.runner.num_layers)
     _runner_case(res, s)

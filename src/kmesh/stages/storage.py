@@ -44,7 +44,7 @@ from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
 from kmesh.stages import storage_checksum_cases, storage_readonce, storage_service
-from kmesh.stages.equivalence import deterministic_kernels, leader_prefill, load_model
+from kmesh.stages.equivalence import begin_with_setup, leader_prefill, load_model
 from kmesh.stages.storage_child import check_canaries, release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
 from kmesh.stages.storage_pipeline import pipelined_restore
@@ -250,15 +250,9 @@ def _paired_summary(t: Any) -> dict[str, Any]:
 
 
 def run(cfg: Config) -> Result:
-    res = Result.begin("storage", cfg)
-    res.extra["determinism"] = deterministic_kernels()
-    setup: list[Setup] = []
-    with res.case("setup", {"model": cfg.section("equivalence")["model"]}) as c:
-        setup.append(_setup(cfg))
-        c.check("leader_exported", len(setup[0].export.catalog.entries) == len(setup[0].workload.segments))
-    if not setup:
+    res, s = begin_with_setup("storage", cfg, _setup)
+    if s is None:
         return res
-    s = setup[0]
     timing_cfg = cfg.section("timing")
     pairs, warmup = int(s.sec.get("pairs", timing_cfg["pairs"])), int(s.sec.get("warmup", timing_cfg["warmup"]))
     dev = "cuda" if s.device.type == "cuda" else "cpu"
