@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,31 +46,39 @@ def forced_eviction(tier: TieredObjects, catalog: Catalog, privates: list[torch.
     return out
 
 
-def read_once(tier: TieredObjects, catalog: Catalog, privates: list[torch.Tensor], group: str) -> list[float]:
-    tier.singleflight_enabled = True
-    tier.evict(force=True)
-    drop_page_cache([tier.path(e.key) for e in catalog.entries])
-    tier.retain(group, [e.key for e in catalog.entries])
-    barrier = threading.Barrier(len(privates))
-    times: list[float | None] = [None] * len(privates)
+def concurrent_children(n: int, load: Callable[[int], float], name: str) -> list[float]:
+    """Run load(0..n-1) in n threads released together by a barrier (simultaneous loads, so singleflight has
+    something to join); the per-child seconds, or the first child's exception re-raised in this thread."""
+    barrier = threading.Barrier(n)
+    times: list[float | None] = [None] * n
     errors: list[BaseException] = []
 
     def child(i: int) -> None:
         try:
             barrier.wait()
-            times[i] = _load_child(tier, catalog, privates[i])
+            times[i] = load(i)
         except BaseException as e:  # re-raised below, in the stage's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=child, args=(i,), name=f"read-once-{i}") for i in range(len(privates))]
+    threads = [threading.Thread(target=child, args=(i,), name=f"{name}-{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    tier.release(group)   # every child holds its private copy now
     if errors:
         raise errors[0]
     return [float(t) for t in times if t is not None]
+
+
+def read_once(tier: TieredObjects, catalog: Catalog, privates: list[torch.Tensor], group: str) -> list[float]:
+    tier.singleflight_enabled = True
+    tier.evict(force=True)
+    drop_page_cache([tier.path(e.key) for e in catalog.entries])
+    tier.retain(group, [e.key for e in catalog.entries])
+    try:
+        return concurrent_children(len(privates), lambda i: _load_child(tier, catalog, privates[i]), "read-once")
+    finally:
+        tier.release(group)   # every child holds its private copy now (or failed)
 
 
 def run_pairs(tier: TieredObjects, catalog: Catalog, privates: list[torch.Tensor], pairs: int,

@@ -23,6 +23,7 @@ from kmesh.bench import PairedTiming
 from kmesh.segments import Export, ServiceSegments
 from kmesh.service.harness import Harness
 from kmesh.stages.equivalence_service import ServiceSide
+from kmesh.stages.storage_readonce import concurrent_children
 from kmesh.storage.routes import drop_page_cache
 
 ARMS = ("forced-eviction", "read-once")
@@ -76,26 +77,10 @@ class ServiceChildren:
         self.cold()
         for e in self.export.catalog.entries:
             self.h.admin.retain(group, e.key)
-        barrier = threading.Barrier(len(privates))
-        times: list[float | None] = [None] * len(privates)
-        errors: list[BaseException] = []
-
-        def child(i: int) -> None:
-            try:
-                barrier.wait()
-                times[i] = self.load_child(i, privates[i])
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=child, args=(i,), name=f"svc-read-once-{i}") for i in range(len(privates))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.h.admin.unretain(group)
-        if errors:
-            raise errors[0]
-        return [float(t) for t in times if t is not None]
+        try:
+            return concurrent_children(len(privates), lambda i: self.load_child(i, privates[i]), "svc-read-once")
+        finally:
+            self.h.admin.unretain(group)
 
     def run_pairs(self, privates: list[torch.Tensor], pairs: int, warmup: int) -> tuple[PairedTiming, list[Any]]:
         timing = PairedTiming(*ARMS, warmup=warmup)
