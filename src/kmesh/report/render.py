@@ -1,6 +1,8 @@
 """Render every stage result of a profile into results/<profile>/tables and results/<profile>/plots."""
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,11 @@ from kmesh.report import plots, tables
 from kmesh.result import load_result
 from kmesh.stages import STAGES
 
+
+
+def _file_stem(name: str) -> str:
+    """A timing's name as a portable file name (names like `qwen05b:copy_vs_kernel[cuda]` carry : and [])."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 def collect_results(cfg: Config) -> tuple[list[dict[str, Any]], list[str]]:
     """Result files present for this profile, in pipeline order, plus problems with unreadable ones."""
@@ -82,20 +89,20 @@ def render_all(cfg: Config) -> list[Path]:
                                             f"{stage} ({cfg.profile}): bandwidth per arm")
         for name, timing in r.get("timings", {}).items():
             if isinstance(timing, dict) and timing.get("kind") == "arms":
-                base = f"{stage}_{name}"
+                base = _file_stem(f"{stage}_{name}")
                 written += tables.write_table(tables.arms_frame(timing), tdir / base, fmts,
                                               f"Stage {stage}, {name}: " + tables.arms_caption(timing))
                 written += plots.arms_plot(timing, pdir / base, pfmts, f"{stage} / {name}: throughput per arm")
                 continue
             if isinstance(timing, dict) and timing.get("kind") == "sweep":
-                base = f"{stage}_{name}"
+                base = _file_stem(f"{stage}_{name}")
                 written += tables.write_table(tables.sweep_frame(timing), tdir / base, fmts,
                                               f"Stage {stage}, {name}: " + tables.sweep_caption(timing))
                 written += plots.sweep_plot(timing, pdir / base, pfmts, f"{stage} / {name}: GB/s vs chunk size")
                 continue
             if not isinstance(timing, dict) or timing.get("kind") != "paired":
                 continue
-            base = f"{stage}_{name}"
+            base = _file_stem(f"{stage}_{name}")
             written += tables.write_table(tables.paired_frame(timing), tdir / base, fmts,
                                           f"Stage {stage}, {name}: " + tables.paired_caption(timing))
             written += plots.paired_plot(timing, pdir / base, pfmts, f"{stage} / {name}: per-pair differences")
