@@ -7,6 +7,7 @@ import json
 import sys
 
 import torch
+from gpu_timing import timed
 from torch.profiler import ProfilerActivity, profile
 
 from kmesh.config import load_config
@@ -42,12 +43,9 @@ for T in (4096, 16384):
         top = [{"name": e.key[:120], "ms_per_blend": e.device_time_total / 3 / 1e3, "calls_per_blend": e.count / 3}
                for e in ka[:18]]
         g = GraphedBlend(r, ids, cache, rmask, s.ctx.repair, arm)
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); g.replay(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-        out[f"{T}_{arm}"] = {"kernel_ms_sum": total, "graph_replay_ms_median": sorted(ts)[5], "top": top}
-        print(T, arm, round(total, 2), "graph", round(sorted(ts)[5], 2), flush=True)
+        replay_ms = timed(g.replay, reps=10)
+        out[f"{T}_{arm}"] = {"kernel_ms_sum": total, "graph_replay_ms_median": replay_ms, "top": top}
+        print(T, arm, round(total, 2), "graph", round(replay_ms, 2), flush=True)
         for t in top[:12]:
             print("   ", round(t["ms_per_blend"], 3), t["calls_per_blend"], t["name"][:90], flush=True)
         del g

@@ -14,6 +14,13 @@ from kmesh.stages import STAGES
 
 
 
+# A timing's `kind` → (table frame, caption, plot, plot title): one table and one plot per timing.
+_TIMING_KINDS = {
+    "paired": (tables.paired_frame, tables.paired_caption, plots.paired_plot, "per-pair differences"),
+    "arms": (tables.arms_frame, tables.arms_caption, plots.arms_plot, "throughput per arm"),
+    "sweep": (tables.sweep_frame, tables.sweep_caption, plots.sweep_plot, "GB/s vs chunk size"),
+}
+
 def _file_stem(name: str) -> str:
     """A timing's name as a portable file name (names like `qwen05b:copy_vs_kernel[cuda]` carry : and [])."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
@@ -88,22 +95,11 @@ def render_all(cfg: Config) -> list[Path]:
             written += plots.bandwidth_plot(bandwidth, pdir / f"{stage}_bandwidth", pfmts,
                                             f"{stage} ({cfg.profile}): bandwidth per arm")
         for name, timing in r.get("timings", {}).items():
-            if isinstance(timing, dict) and timing.get("kind") == "arms":
-                base = _file_stem(f"{stage}_{name}")
-                written += tables.write_table(tables.arms_frame(timing), tdir / base, fmts,
-                                              f"Stage {stage}, {name}: " + tables.arms_caption(timing))
-                written += plots.arms_plot(timing, pdir / base, pfmts, f"{stage} / {name}: throughput per arm")
+            kind = _TIMING_KINDS.get(timing.get("kind")) if isinstance(timing, dict) else None
+            if kind is None:
                 continue
-            if isinstance(timing, dict) and timing.get("kind") == "sweep":
-                base = _file_stem(f"{stage}_{name}")
-                written += tables.write_table(tables.sweep_frame(timing), tdir / base, fmts,
-                                              f"Stage {stage}, {name}: " + tables.sweep_caption(timing))
-                written += plots.sweep_plot(timing, pdir / base, pfmts, f"{stage} / {name}: GB/s vs chunk size")
-                continue
-            if not isinstance(timing, dict) or timing.get("kind") != "paired":
-                continue
+            frame, caption, plot, what = kind
             base = _file_stem(f"{stage}_{name}")
-            written += tables.write_table(tables.paired_frame(timing), tdir / base, fmts,
-                                          f"Stage {stage}, {name}: " + tables.paired_caption(timing))
-            written += plots.paired_plot(timing, pdir / base, pfmts, f"{stage} / {name}: per-pair differences")
+            written += tables.write_table(frame(timing), tdir / base, fmts, f"Stage {stage}, {name}: " + caption(timing))
+            written += plot(timing, pdir / base, pfmts, f"{stage} / {name}: {what}")
     return written
