@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.child import ChildContext, ChildStateError, _check_poison, full_reference, new_cache, run_child
+from kmesh.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import compare_states, first_divergence, identical, kl_divergence, max_abs_diff
 from kmesh.model.runner import LayerRunner
@@ -317,7 +317,7 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         engine.close()
 
 
-def test_check_poison_catches_leftover_poison_and_overwritten_canary(env):
+def testcheck_canaries_catches_leftover_poison_and_overwritten_canary(env):
     child = env.workload.children[0]
     used = len(child.ids) + MAX_NEW - 1
     cache = new_cache(env.ctx, child)
@@ -325,14 +325,14 @@ def test_check_poison_catches_leftover_poison_and_overwritten_canary(env):
     for k, v in zip(cache.k, cache.v):
         k[:used] = 0.5
         v[:used] = 0.5
-    _check_poison(cache, used)                  # passes
+    check_canaries(cache, used)                  # passes
     cache.v[2][used - 1, 1, 3] = float("nan")
     with pytest.raises(ChildStateError, match="layer 2: poison left"):
-        _check_poison(cache, used)
+        check_canaries(cache, used)
     cache.v[2][used - 1, 1, 3] = 0.5
     cache.k[3][used, 0, 0] = 1.0
     with pytest.raises(ChildStateError, match="layer 3: a canary"):
-        _check_poison(cache, used)
+        check_canaries(cache, used)
 
 
 # --- 5. the cache service ---------------------------------------------------------------------------------------

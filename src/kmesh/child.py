@@ -60,7 +60,7 @@ class ChildOutcome:
                 "recomputed_per_layer": [int(x) for x in self.masks.sum(1).tolist()]}
 
 
-def _check_poison(cache: KVCache, used: int) -> None:
+def check_canaries(cache: KVCache, used: int) -> None:
     """No NaN inside [0, used) of any layer; every slot after it still NaN (nothing wrote outside)."""
     for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
         if torch.isnan(k[:used]).any() or torch.isnan(v[:used]).any():
@@ -80,7 +80,7 @@ def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored
 def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
              res: BlendResult, tokens: list[int], fallback: str | None, events: list[str]) -> ChildOutcome:
     T = len(child.ids)
-    _check_poison(cache, T + ctx.max_new_tokens - 1)
+    check_canaries(cache, T + ctx.max_new_tokens - 1)
     k, v = cache.stacked(T)
     return ChildOutcome(child.name, source, arm, k, v, res.logits.clone(), tokens, res.masks.clone(), restored,
                         fallback, events)

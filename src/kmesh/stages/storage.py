@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.child import ChildContext, ChildOutcome, full_reference, new_cache, prefill_and_decode, run_child
+from kmesh.child import (ChildContext, ChildOutcome, check_canaries, full_reference, new_cache, prefill_and_decode,
+                         run_child)
 from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.model.blend import RepairConfig
@@ -45,7 +46,7 @@ from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
 from kmesh.stages import storage_checksum_cases, storage_readonce, storage_service
 from kmesh.stages.equivalence import begin_with_setup, leader_prefill, load_model
-from kmesh.stages.storage_child import check_canaries, release_checked, route_restore, timed_child
+from kmesh.stages.storage_child import release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
 from kmesh.stages.storage_pipeline import pipelined_restore
 from kmesh.storage import cufile, objfile, routes

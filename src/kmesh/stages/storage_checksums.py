@@ -37,10 +37,10 @@ import torch
 
 from kmesh import integrity
 from kmesh.bench import Intervals, run_pairs
-from kmesh.child import ChildContext, ChildOutcome, new_cache, prefill_and_decode
+from kmesh.child import ChildContext, ChildOutcome, new_cache, outcome_of, prefill_and_decode
 from kmesh.model.quality import compare_states, identical
 from kmesh.segments import restore_child
-from kmesh.stages.storage_child import check_canaries, release_checked
+from kmesh.stages.storage_child import release_checked
 from kmesh.stages.storage_objects import ObjectSet, save_objects
 from kmesh.storage import routes
 from kmesh.storage.errors import ObjectAlgorithmError, ObjectCorruptError
@@ -221,11 +221,8 @@ def timed_checksum_child(ctx: ChildContext, child: Child, objs: ObjectSet, b: Bu
         cache = new_cache(ctx, child)
         restored = checksum_restore(ctx, child, objs, b, a, cache, owner, iv)
         res, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        T = len(child.ids)
-        check_canaries(cache, T + ctx.max_new_tokens - 1)
-        k, v = cache.stacked(T)
-        out = ChildOutcome(child.name, f"storage:{a.name}", "kmesh", k, v, res.logits.clone(), tokens,
-                           res.masks.clone(), restored, None, ["restored", "repaired"])
+        out = outcome_of(ctx, child, f"storage:{a.name}", "kmesh", cache, restored, res, tokens, None,
+                         ["restored", "repaired"])
         release_checked(ctx, owner, b.host, b.dev, b.private)
     return out
 

@@ -20,7 +20,7 @@ from typing import Any, ContextManager
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.child import ChildContext, ChildOutcome, ChildStateError, new_cache, prefill_and_decode
+from kmesh.child import ChildContext, ChildOutcome, ChildStateError, new_cache, outcome_of, prefill_and_decode
 from kmesh.model.runner import KVCache
 from kmesh.segments import restore_child
 from kmesh.stages.storage_objects import ObjectSet, read_verified
@@ -30,15 +30,6 @@ from kmesh.workload import Child
 
 def _part(iv: Intervals | None, name: str) -> ContextManager[Any]:
     return iv.part(name) if iv is not None else contextlib.nullcontext()
-
-
-def check_canaries(cache: KVCache, used: int) -> None:
-    """No NaN poison left inside [0, used) of any layer, every slot after it still NaN."""
-    for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-        if torch.isnan(k[:used]).any() or torch.isnan(v[:used]).any():
-            raise ChildStateError(f"layer {layer}: poison left inside the request's {used} slots")
-        if not (torch.isnan(k[used:]).all() and torch.isnan(v[used:]).all()):
-            raise ChildStateError(f"layer {layer}: a canary slot past {used} was overwritten")
 
 
 def route_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
@@ -73,10 +64,7 @@ def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, 
         cache = new_cache(ctx, child)
         restored = route_restore(ctx, child, objs, route, landing, private, cache, owner, iv)
         res, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        T = len(child.ids)
-        check_canaries(cache, T + ctx.max_new_tokens - 1)
-        k, v = cache.stacked(T)
-        out = ChildOutcome(child.name, f"storage:{route.arm}", "kmesh", k, v, res.logits.clone(), tokens,
-                           res.masks.clone(), restored, None, ["restored", "repaired"])
+        out = outcome_of(ctx, child, f"storage:{route.arm}", "kmesh", cache, restored, res, tokens, None,
+                         ["restored", "repaired"])
         release_checked(ctx, owner, landing, private)
     return out
