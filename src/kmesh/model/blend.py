@@ -19,9 +19,9 @@ naive   restored positions reuse their (shifted) K/V at every layer, no repair; 
 full    every position recomputed at every layer: the reference (a plain prefill through the runner).
 
 Per-layer recompute masks (bool [layers, T]) are returned. blend() is a loop of BlendState.step() (one layer
-each), so a group of requests can interleave the same steps layer-major (kmesh.model.group). The loop has no host synchronisation once it
-starts (selection is a device top-k of static size), so one request's whole blend can be captured in a CUDA
-graph (kmesh.model.graphs).
+each), so a group of requests can interleave the same steps layer-major (kmesh.model.group). The loop has no
+host synchronisation once it starts (selection is a device top-k of static size), so one request's whole blend
+can be captured in a CUDA graph (kmesh.model.graphs).
 """
 from __future__ import annotations
 
