@@ -29,7 +29,8 @@ WORKLOAD = {"prompt_tokens": 352, "segment_tokens": [80, 80, 80], "children": 2,
 
 
 def _cfg(tmp_path, profile="cpu", **storage_over):
-    storage_over.setdefault("floor_variants", ["sequential", "pipelined"])
+    storage_over.setdefault("floor_variants", ["sequential", "pipelined", "pipelined-device-blake3"])
+    storage_over.setdefault("floor_hashers", 2)
     return load_config(profile=profile, overrides={
         "results_dir": str(tmp_path / "results"),
         "model": {"qwen2_random": TINY},
@@ -128,9 +129,14 @@ def test_whole_stage_tiny(tmp_path):
     assert s["arrival_checks_passed"] == 2 and s["failure_controls_passed"] == 7
     assert s["floor_ratio"] > 0 and set(s["paired"]) == {"read", "check", "restore", "outer"}
     assert s["direct_mode"]["arm"] == "direct-unavailable"
-    assert {"routes", "floor_sequential", "floor_pipelined", "read_once", "read_once_service"} <= set(res.timings)
+    assert {"routes", "floor_sequential", "floor_pipelined", "floor_pipelined-device-blake3", "read_once",
+            "read_once_service"} <= set(res.timings)
     assert s["reads_per_object_read_once_service"] == 1
-    assert set(s["floor_ratios"]) == {"sequential", "pipelined"}
+    assert set(s["floor_ratios"]) == {"sequential", "pipelined", "pipelined-device-blake3"}
+    assert s["floor_ratio"] == min(s["floor_ratios"].values()) and s["floor_ratios"][s["floor_ratio_variant"]] == \
+        s["floor_ratio"]
+    floor = next(c for c in res.cases if c.id == "floor")
+    assert floor.checks["pipelined-device-blake3_output_identical"]["ok"] is True
     cs = s["checksums"]
     assert cs["outputs_identical"] and cs["algorithms"] == {"cpu-sha256": "sha256", "cpu-blake3": "blake3",
                                                             "cpu-blake3-overlap": "blake3"}
@@ -167,6 +173,74 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
         child = s.workload.children[0]
         pipelined_restore(s.ctx, child, bad, r, land, private, new_cache(s.ctx, child), "pipe-bad")
     assert not s.ctx.engine.pending("pipe-bad") and s.ctx.engine.live_holds() == 0
+    r.close()
+
+
+@pytest.mark.parametrize("variant", ["pipelined", "pipelined-host-blake3", "pipelined-device-blake3",
+                                     "pipelined-device-sha256"])
+def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant):
+    """Every check placement writes exactly what restore_child writes from the export; a flipped payload byte is
+    refused before use (ObjectCorruptError), with nothing pending and no hold left, however many hashers run."""
+    from kmesh.child import new_cache
+    from kmesh.segments import restore_child
+    from kmesh.stages.storage_pipeline import parse_variant, pipelined_restore
+    from kmesh.storage.errors import ObjectCorruptError
+
+    s, objs, _, tmp = setup
+    chk = parse_variant(variant, hashers=3)
+    algo = chk.algorithm or "sha256"
+    vobjs = objs if algo == "sha256" else save_objects(s.export, tmp / f"var-{variant}", algo)
+    r = routes.build("odirect")
+    land = r.landing(vobjs.total_padded)
+    dev = torch.empty(vobjs.total_padded, dtype=torch.uint8) if chk.where == "device" else None
+    private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8)
+    for child in s.workload.children:
+        land.fill_(0xA5)
+        private.fill_(0x5A)
+        a, b = new_cache(s.ctx, child), new_cache(s.ctx, child)
+        ma = pipelined_restore(s.ctx, child, vobjs, r, land, private, a, "pipe-var", chk, dev)
+        mb = restore_child(b, s.ctx.catalog, s.export.raw, child, s.ctx.runner)
+        assert torch.equal(ma, mb) and bool(ma.any())
+        assert torch.equal(a.raw.view(torch.uint8), b.raw.view(torch.uint8))
+    bad = save_objects(s.export, tmp / f"var-bad-{variant}", algo)
+    raw = bytearray(bad.paths[1].read_bytes()); raw[-1] ^= 1; bad.paths[1].write_bytes(raw)
+    child = s.workload.children[0]
+    private.fill_(0x5A)
+    with pytest.raises(ObjectCorruptError):
+        pipelined_restore(s.ctx, child, bad, r, land, private, new_cache(s.ctx, child), "pipe-var-bad", chk, dev)
+    assert not s.ctx.engine.pending("pipe-var-bad") and s.ctx.engine.live_holds() == 0
+    e1 = s.export.catalog.entries[1]
+    assert bool((private[e1.offset:e1.offset + e1.nbytes] == 0x5A).all())    # the corrupt object was never used
+    r.close()
+
+
+def test_pipeline_variant_names_and_misuse():
+    from kmesh.stages.storage_pipeline import PipelineVariantError, parse_variant
+
+    assert parse_variant("sequential") is None
+    assert parse_variant("pipelined", hashers=4).describe() == {"where": "host", "algorithm": None, "hashers": 4}
+    assert parse_variant("pipelined-device-blake3", hashers=4).hashers == 1
+    for bad in ("pipelined-gpu-blake3", "pipelined-device-md5", "parallel", "pipelined-host-"):
+        with pytest.raises(PipelineVariantError):
+            parse_variant(bad)
+
+
+def test_pipeline_refuses_objects_of_another_algorithm_and_a_missing_device_landing(setup):
+    from kmesh.child import new_cache
+    from kmesh.stages.storage_pipeline import PipelineVariantError, parse_variant, pipelined_restore
+    from kmesh.storage.errors import ObjectAlgorithmError
+
+    s, objs, _, _ = setup
+    r = routes.build("odirect")
+    land = r.landing(objs.total_padded)
+    private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8)
+    child = s.workload.children[0]
+    with pytest.raises(ObjectAlgorithmError):
+        pipelined_restore(s.ctx, child, objs, r, land, private, new_cache(s.ctx, child), "pipe-algo",
+                          parse_variant("pipelined-host-blake3"))
+    with pytest.raises(PipelineVariantError):
+        pipelined_restore(s.ctx, child, objs, r, land, private, new_cache(s.ctx, child), "pipe-dev",
+                          parse_variant("pipelined-device-sha256"), None)
     r.close()
 
 

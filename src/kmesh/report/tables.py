@@ -210,6 +210,7 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("object payload bytes", ", ".join(str(x) for x in ob.get("payload", []))),
         ("padded bytes per child", ob.get("per_child_padded")),
         ("floor ratio (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
+        ("floor ratio's variant", summary.get("floor_ratio_variant")),
         ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
         ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),
         ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),

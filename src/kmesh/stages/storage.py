@@ -44,11 +44,10 @@ from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
-from kmesh.stages import storage_checksum_cases, storage_readonce, storage_service
+from kmesh.stages import storage_checksum_cases, storage_floor, storage_readonce, storage_service
 from kmesh.stages.equivalence import begin_with_setup, leader_prefill, load_model
 from kmesh.stages.storage_child import release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
-from kmesh.stages.storage_pipeline import pipelined_restore
 from kmesh.storage import cufile, objfile, routes
 from kmesh.storage.errors import RouteUnavailableError
 from kmesh.storage.tier import TieredObjects
@@ -316,9 +315,7 @@ def run(cfg: Config) -> Result:
         res.extra["pairs"] = pairs
         res.extra["runs_compared"] = compared[0]
     if s.sec["floor_arm"] in built:   # also when the other arm could not be built here: the floor still says much
-        landings = {a: r.landing(objs.total_padded) for a, r in built.items()}
-        private = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
-        _floor(res, s, objs, built, landings, private, pairs, warmup, dev, refs)
+        storage_floor.floor_case(res, s, objs, built, pairs, warmup, dev, refs)
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
     storage_checksum_cases.run_cases(res, s, refs, pairs, warmup)
     _read_once_case(res, s, refs, pairs, warmup)
@@ -328,64 +325,6 @@ def run(cfg: Config) -> Result:
         r.close()
     gc.collect()
     return res
-
-
-def _floor(res: Result, s: Setup, objs: ObjectSet, built: dict[str, routes.Route], landings: dict[str, Any],
-           private: torch.Tensor, pairs: int, warmup: int, dev: str,
-           refs: dict[str, ChildOutcome]) -> None:
-    """The floor arm's restore (read + check + device copy + restore, no repair) vs the same padded bytes read
-    with O_DIRECT alone, in matched pairs; once sequential (the timed pairs' flow), once pipelined."""
-    arm = s.sec["floor_arm"]
-    floor = routes.DirectIORoute()
-    floor_land = floor.landing(objs.total_padded)
-    variants = list(s.sec.get("floor_variants", ["sequential", "pipelined"]))
-    with res.case("floor", {"arm": arm, "floor": "O_DIRECT preadv of the same padded bytes, nothing else",
-                            "variants": variants}) as c:
-        if arm not in built:
-            raise StageError(f"floor arm {arm!r} was not built (arms: {list(built)})")
-        owner = f"floor-{arm}"
-
-        def fn(which: str, child: Any, iv: Intervals) -> None:
-            with iv.part("load"):
-                if which == "odirect-floor":
-                    for i, p in enumerate(objs.paths):
-                        with floor.open(p) as f:
-                            floor.read(f, floor_land[objs.slots[i]:objs.slots[i] + f.header.padded_nbytes])
-                    return
-                cache = new_cache(s.ctx, child)
-                if which.endswith("pipelined"):
-                    pipelined_restore(s.ctx, child, objs, built[arm], landings[arm], private, cache, owner)
-                else:
-                    route_restore(s.ctx, child, objs, built[arm], landings[arm], private, cache, owner)
-            release_checked(s.ctx, owner, landings[arm], private)
-
-        ratios = {}
-        for variant in variants:
-            b = f"{arm}-{variant}"
-            t = run_pairs(fn, ("odirect-floor", b), s.workload.children, pairs=pairs, warmup=warmup, device=dev,
-                          between=lambda: routes.drop_page_cache(objs.paths), progress=False)
-            res.timings[f"floor_{variant}"] = t.to_dict()
-            sm = t.summary()["load"]
-            ratios[variant] = sm["median_ratio"]
-            c.check(f"{variant}_timed_every_pair", sm["pairs"] == pairs)
-        if "pipelined" in variants:
-            # the pipelined restore must write exactly what the sequential one does: one child through it + repair
-            child = s.workload.children[-1]
-            cache = new_cache(s.ctx, child)
-            restored = pipelined_restore(s.ctx, child, objs, built[arm], landings[arm], private, cache, owner)
-            out, tokens = prefill_and_decode(s.ctx, child, cache, restored, "kmesh")
-            check_canaries(cache, len(child.ids) + s.ctx.max_new_tokens - 1)
-            k, v = cache.stacked(len(child.ids))
-            o = ChildOutcome(child.name, f"storage:{arm}:pipelined", "kmesh", k, v, out.logits.clone(), tokens,
-                             out.masks.clone(), restored)
-            c.check("pipelined_output_identical", identical(compare_states(refs[child.name], o)))
-            release_checked(s.ctx, owner, landings[arm], private)
-        res.extra["floor_ratio"] = min(ratios.values())
-        res.extra["floor_ratios"] = ratios
-        res.extra["floor_goal"] = 1.25
-        c.record("floor_ratios", ratios)
-        c.record("floor_goal_met", res.extra["floor_ratio"] <= 1.25)   # a goal, reported; not a pass/fail threshold
-    floor.close()
 
 
 def _repair_from(s: Setup, child: Any, private: torch.Tensor, source: str) -> ChildOutcome:
