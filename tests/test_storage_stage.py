@@ -137,6 +137,11 @@ def test_whole_stage_tiny(tmp_path):
         s["floor_ratio"]
     floor = next(c for c in res.cases if c.id == "floor")
     assert floor.checks["pipelined-device-blake3_output_identical"]["ok"] is True
+    tl = floor.checks["pipelined-device-blake3_timeline_ms"]["value"]
+    nobj = len(s["object_bytes"]["payload"])
+    assert sorted((ev, i) for ev, i, _ in tl) == sorted((ev, i) for ev in ("read-start", "read-end", "checked",
+                                                                         "restored") for i in range(nobj))
+    assert all(t >= 0 for _, _, t in tl)
     cs = s["checksums"]
     assert cs["outputs_identical"] and cs["algorithms"] == {"cpu-sha256": "sha256", "cpu-blake3": "blake3",
                                                             "cpu-blake3-overlap": "blake3"}

@@ -10,7 +10,9 @@ restore, no repair — vs the same padded bytes read with O_DIRECT alone, in mat
                                 in <algorithm>: the check the route cannot avoid, done where it costs least
 
 Each variant's floor reads exactly that variant's files (same padded sizes), with the same route settings as the
-arm. Every pipelined variant's output, through repair, is compared bit for bit with the in-process reference.
+arm; the child's new model state is made before the timed part (the floor makes none). One untimed child per
+pipelined variant records its per-object timeline (read start/end, checked, restored), which says where the time
+above the floor goes. Every pipelined variant's output, through repair, is compared bit for bit with the in-process reference.
 `floor_ratio` is the best variant's median ratio; all of them are in `floor_ratios`, and the goal (≤1.25) is
 reported, never a pass/fail threshold.
 """
@@ -45,15 +47,15 @@ def _variant_objects(s: Any, objs: ObjectSet, check: PipelineCheck | None) -> Ob
 
 def _same_as_reference(s: Any, child: Any, objs: ObjectSet, route: routes.Route, landing: torch.Tensor,
                        private: torch.Tensor, check: PipelineCheck, dev_land: torch.Tensor | None, owner: str,
-                       ref: ChildOutcome, name: str) -> bool:
+                       ref: ChildOutcome, name: str, trace: list[tuple[str, int, float]]) -> bool:
     """One child through the pipelined restore and repair: the same K/V, logits, tokens and masks as the
-    in-process reference."""
+    in-process reference. `trace` gets the restore's per-object timeline (kmesh.stages.storage_pipeline)."""
     landing.fill_(0xA5)
     private.fill_(0x5A)
     if dev_land is not None:
         dev_land.fill_(0xC3)
     cache = new_cache(s.ctx, child)
-    restored = pipelined_restore(s.ctx, child, objs, route, landing, private, cache, owner, check, dev_land)
+    restored = pipelined_restore(s.ctx, child, objs, route, landing, private, cache, owner, check, dev_land, trace)
     out, tokens = prefill_and_decode(s.ctx, child, cache, restored, "kmesh")
     check_canaries(cache, len(child.ids) + s.ctx.max_new_tokens - 1)
     k, v = cache.stacked(len(child.ids))
@@ -90,13 +92,14 @@ def floor_case(res: Result, s: Any, objs: ObjectSet, built: dict[str, routes.Rou
             dl = dev_land if chk is not None and chk.where == "device" else None
 
             def fn(which: str, child: Any, iv: Intervals) -> None:
+                # the child's new model state is made before the timed part: the floor has none
+                cache = new_cache(s.ctx, child) if which != "odirect-floor" else None
                 with iv.part("load"):
                     if which == "odirect-floor":
                         for i, p in enumerate(vobjs.paths):
                             with floor.open(p) as f:
                                 floor.read(f, floor_land[vobjs.slots[i]:vobjs.slots[i] + f.header.padded_nbytes])
                         return
-                    cache = new_cache(s.ctx, child)
                     if chk is None:
                         route_restore(s.ctx, child, vobjs, route, landing, private, cache, owner)
                     else:
@@ -111,9 +114,13 @@ def floor_case(res: Result, s: Any, objs: ObjectSet, built: dict[str, routes.Rou
             c.check(f"{variant}_timed_every_pair", sm["pairs"] == pairs)
             if chk is not None:
                 child = s.workload.children[-1]
+                trace: list[tuple[str, int, float]] = []
+                routes.drop_page_cache(vobjs.paths)
                 c.check(f"{variant}_output_identical",
                         _same_as_reference(s, child, vobjs, route, landing, private, chk, dl, owner,
-                                           refs[child.name], variant))
+                                           refs[child.name], variant, trace))
+                t0 = trace[0][2] if trace else 0.0
+                c.record(f"{variant}_timeline_ms", [[ev, i, round((t - t0) * 1e3, 3)] for ev, i, t in trace])
         best = min(ratios, key=ratios.get)
         res.extra["floor_ratio"] = ratios[best]
         res.extra["floor_ratio_variant"] = best

@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -135,9 +136,12 @@ class _DeviceChecker:
 
 def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
                       private: torch.Tensor, cache: KVCache, owner: str, check: PipelineCheck | None = None,
-                      device_landing: torch.Tensor | None = None) -> torch.Tensor:
+                      device_landing: torch.Tensor | None = None,
+                      trace: list[tuple[str, int, float]] | None = None) -> torch.Tensor:
     """Read on a reader thread, check + copy + restore per object; returns the bool [T] restored mask.
-    check.where == "device" needs `device_landing` (objs.total_padded bytes on the child's device)."""
+    check.where == "device" needs `device_landing` (objs.total_padded bytes on the child's device).
+    `trace` (untimed runs): (event, object, perf_counter seconds) for read-start/read-end/checked/restored
+    (restored: after a device synchronize, so the time is when the restore really finished)."""
     check = check or PipelineCheck()
     if check.algorithm is not None and any(h.algorithm != check.algorithm for h in objs.headers):
         raise se.ObjectAlgorithmError(f"objects are checked with {sorted({h.algorithm for h in objs.headers})}, "
@@ -150,12 +154,20 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
     pool = ThreadPoolExecutor(check.hashers, thread_name_prefix="kmesh-floor-hash") if check.where == "host" else None
     checker = _DeviceChecker(private.device) if check.where == "device" else None
 
+    def mark(event: str, i: int) -> None:
+        if trace is not None:
+            if event == "restored" and private.device.type == "cuda":
+                torch.cuda.synchronize(private.device)
+            trace.append((event, i, time.perf_counter()))
+
     def reader() -> None:
         for e in entries:
             if stop.is_set():
                 return
             try:
+                mark("read-start", e.index)
                 slot, h = _read(route, objs, e.index, landing)
+                mark("read-end", e.index)
                 fut = (pool.submit(h.verify, route.host_bytes(slot), str(objs.paths[e.index]))
                        if pool is not None else None)
                 q.put((e, slot, h, fut, None))
@@ -174,6 +186,7 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
             dst = private[e.offset:e.offset + e.nbytes]
             if checker is None:
                 fut.result()                                  # ObjectCorruptError before any use
+                mark("checked", e.index)
                 ctx.engine.drain([ctx.engine.submit(slot[:e.nbytes], dst, owner=owner)])
             else:
                 dslot = device_landing[objs.slots[e.index]:objs.slots[e.index] + h.padded_nbytes]
@@ -181,8 +194,10 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
                 d, hashed = checker.digest(t1, dslot, h)
                 if d != h.digest:
                     raise _mismatch(objs, e.index, h, d)
+                mark("checked", e.index)
                 ctx.engine.drain([t1, ctx.engine.submit(dslot[:e.nbytes], dst, owner=owner, after=hashed)])
             _restore_segment(ctx, cache, private, child, e.index, restored)
+            mark("restored", e.index)
     finally:
         stop.set()
         th.join()
