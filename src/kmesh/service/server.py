@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.service import descriptor, identity
-from kmesh.service.diskreads import DiskReads, Flight
+from kmesh.service.diskreads import DiskReads, Flight, ReadCancelledError
 from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, DiskReadError, FrameTooLargeError,
                                   HandleError,
                                   InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError,
@@ -696,7 +696,11 @@ class Service:
         try:
             if obj is None or not obj.reading:  # a reading object can be neither dropped nor evicted
                 raise InternalError(f"object {f.key[:64]!r} changed while its read-back was in flight")
-            self.store.end_read_back(obj, f.tensor, f.digest, f.error)
+            if isinstance(f.error, ReadCancelledError):  # shutdown came first: nothing was read
+                self.store.cancel_read_back(obj)
+                err = ShuttingDownError(f"service is shutting down (the read of {f.key[:64]!r} was cancelled)")
+            else:
+                self.store.end_read_back(obj, f.tensor, f.digest, f.error)
         except DiskReadError as e:
             log.warning("read-back of %r failed (%d load(s) refused): %s", f.key[:64], len(f.waiters), e)
             err = e
