@@ -103,6 +103,32 @@ def test_a_held_read_back_blocks_nobody_else(tmp_path):
         assert h.no_leaks(), h.leaks()
 
 
+def test_negative_control_a_read_on_the_loop_thread_answers_nobody(tmp_path):
+    """The read_on_loop fault (the serialised design this replaced): the same kind of probe sees another
+    process's ping go unanswered until the held read is let go — the test above can tell the two apart."""
+    with Harness(disk_dir=tmp_path / "disk", disk_read_gate=True, faults=["read_on_loop"],
+                 heartbeat_timeout_s=10.0) as h:
+        saver, sref = h.worker_with_original(None, COLD, LAYOUT, N, SEED_COLD, name="saver")
+        assert h.admin.evict(COLD, tier="ram")["evicted"] == 1
+        slow, slow_ref = _loader(h, "cold-loader")
+        other = h.worker(name="pinger")
+        slow.send("load", reg=slow_ref["reg"], key=COLD, offset=0)
+        blocked = False
+        for _ in range(20):   # until a ping finds the loop inside the held read
+            other.send("call", op="ping")
+            if select.select([other.proc.stdout], [], [], 0.5)[0]:
+                other.result()   # answered: the load had not reached the service yet
+                continue
+            blocked = True
+            break
+        assert blocked
+        h.allow_disk_reads(1)
+        assert other.result()["pong"] is True           # answered only once the read ended
+        assert _finish_load(h, slow, slow.result()) == "done"
+        assert slow.call("digest", name="kv") == sha(pattern(SEED_COLD, N))
+        _close(h, (saver, sref), (slow, slow_ref))
+
+
 def test_four_client_processes_share_one_read(tmp_path):
     with Harness(disk_dir=tmp_path / "disk", disk_read_gate=True) as h:
         saver, sref = h.worker_with_original(None, COLD, LAYOUT, N, SEED_COLD, name="saver")
@@ -323,3 +349,27 @@ def test_store_read_back_reserves_capacity_and_blocks_eviction(tmp_path):
     with pytest.raises(CapacityError):
         s.begin_read_back(o)
     assert s.used_bytes == 0 and not o.reading
+
+
+def test_read_backs_in_flight_are_limited_and_refused_loads_cost_nothing(tmp_path):
+    from kmesh.service.errors import CapacityError
+
+    with Harness(disk_dir=tmp_path / "disk", disk_read_gate=True, limits={"max_disk_reads": 1}) as h:
+        saver, sref = h.worker_with_original(None, COLD, LAYOUT, N, SEED_COLD, name="saver-cold")
+        saver2, sref2 = h.worker_with_original(None, WARM, LAYOUT, N, SEED_WARM, name="saver-warm")
+        assert h.admin.evict(tier="ram")["evicted"] == 2
+        a, aref = _loader(h, "a")
+        b, bref = _loader(h, "b")
+        a.send("load", reg=aref["reg"], key=COLD, offset=0)
+        _flight(h, COLD, 1)
+        with pytest.raises(CapacityError, match="disk reads in flight"):
+            b.call("load", reg=bref["reg"], key=WARM, offset=0)   # a second object: over the limit
+        st = h.status()
+        assert st["disk_reads"]["in_flight"] == 1 and st["store"]["used_bytes"] == N   # only the first reserved
+        h.allow_disk_reads(2)
+        assert _finish_load(h, a, a.result()) == "done"
+        req = b.call("load", reg=bref["reg"], key=WARM, offset=0)  # the refused load, again: now it runs
+        assert _finish_load(h, b, req) == "done"
+        assert b.call("digest", name="kv") == sha(pattern(SEED_WARM, N))
+        _close(h, (saver, sref), (saver2, sref2), (a, aref), (b, bref))
+        assert h.no_leaks(), h.leaks()

@@ -57,13 +57,17 @@ class Flight:
 class DiskReads:
     """The reader pool, its flights (one per key) and the wake pipe that brings finished ones to the loop."""
 
-    def __init__(self, directory: Path, threads: int = 2, max_flights: int = 64, gate_fd: int | None = None) -> None:
+    def __init__(self, directory: Path, threads: int = 2, max_flights: int = 64, gate_fd: int | None = None,
+                 on_caller: bool = False) -> None:
         from kmesh.storage.tier import DiskTier
 
         if threads < 1 or max_flights < 1:
             raise ValueError(f"threads ({threads}) and max_flights ({max_flights}) must be at least 1")
         self.directory = Path(directory)
         self.max_flights = max_flights
+        # on_caller: the read runs inside start(), on the loop thread: the serialised design this module
+        # replaces, kept only as the negative control of the server's read_on_loop fault
+        self.on_caller = on_caller
         self.flights: dict[bytes, Flight] = {}      # loop thread only
         self.counters = {"flights": 0, "joins": 0, "failed": 0}
         self._todo: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
@@ -94,7 +98,10 @@ class DiskReads:
         f = Flight(key, tensor.numel(), tensor, [waiter])
         self.flights[key] = f
         self.counters["flights"] += 1
-        self._todo.put(f)
+        if self.on_caller:
+            self._read(f, self._tiers[0])
+        else:
+            self._todo.put(f)
         return f
 
     def join(self, f: Flight, waiter: Any) -> None:
@@ -160,19 +167,25 @@ class DiskReads:
             f = self._todo.get()
             if f is None:
                 return
-            try:
-                if self._held():
-                    raise ReadCancelledError(f"the service stopped before {f.key[:64]!r} was read")
-                t0 = time.perf_counter()
-                tier.read(f.key, out=f.tensor)
-                f.digest = hashlib.sha256(memoryview(f.tensor.numpy()).cast("B")).hexdigest()
-                f.read_s = time.perf_counter() - t0
-            except BaseException as e:  # every failure goes back to the loop, typed: the thread lives on
-                f.error = e
-            self._done.put(f)
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # the pipe is full of wake-ups: the loop is woken already
-                pass
-            except OSError:  # closed at teardown: nobody is waiting any more
+            if not self._read(f, tier):
                 return
+
+    def _read(self, f: Flight, tier: Any) -> bool:
+        """One read into f, its outcome handed to the loop; False once the wake pipe is closed (teardown)."""
+        try:
+            if self._held():
+                raise ReadCancelledError(f"the service stopped before {f.key[:64]!r} was read")
+            t0 = time.perf_counter()
+            tier.read(f.key, out=f.tensor)
+            f.digest = hashlib.sha256(memoryview(f.tensor.numpy()).cast("B")).hexdigest()
+            f.read_s = time.perf_counter() - t0
+        except BaseException as e:  # every failure goes back to the loop, typed: the thread lives on
+            f.error = e
+        self._done.put(f)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups: the loop is woken already
+            pass
+        except OSError:  # closed at teardown: nobody is waiting any more
+            return False
+        return True

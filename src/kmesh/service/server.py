@@ -62,7 +62,8 @@ _READ_ONLY = frozenset({"ping", "heartbeat", "wait", "status", "list"})  # chang
 #   ignore_in_flight  closing counts as drained although copies run (registry)
 #   collect_raises    collecting a finished copy whose key starts with FAULT_KEY_PREFIX raises
 #   tick_raises       the periodic tick raises while a live client named FAULT_TICK_CLIENT exists
-FAULTS = ("ignore_in_flight", "collect_raises", "tick_raises")
+#   read_on_loop      disk read-backs run on the loop thread (the old serialised design: nobody is answered)
+FAULTS = ("ignore_in_flight", "collect_raises", "tick_raises", "read_on_loop")
 FAULT_KEY_PREFIX = b"kmesh-fault:"
 FAULT_TICK_CLIENT = "kmesh-fault:tick"
 MAX_REGS_PER_CLIENT = 512  # a client's record lists its registration ids: this keeps it under protocol.ITEM_MAX
@@ -132,7 +133,8 @@ class Service:
         self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"),
                            max_objects=opts.max_objects, disk_dir=opts.disk_dir, adopt=opts.adopt)
         self.reads = DiskReads(opts.disk_dir, opts.disk_read_threads, opts.max_disk_reads,
-                               opts.disk_read_gate_fd) if opts.disk_dir is not None else None
+                               opts.disk_read_gate_fd, on_caller="read_on_loop" in opts.faults) \
+            if opts.disk_dir is not None else None
         self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
         self.cuda = CudaIpcTable()
         self.conns: dict[int, Conn] = {}
