@@ -4,11 +4,9 @@ answers everyone), simultaneous loads of one object from four client processes s
 fails every joined load alike and loses nothing, and a restart re-adopts what the previous run committed."""
 from __future__ import annotations
 
-import os
 import select
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -71,7 +69,6 @@ def test_a_held_read_back_blocks_nobody_else(tmp_path):
         slow, slow_ref = _loader(h, "cold-loader")
         other, other_ref = _loader(h, "warm-loader")
 
-        t_sent = time.monotonic()
         slow.send("load", reg=slow_ref["reg"], key=COLD, offset=0)   # parked behind a held read
         f = _flight(h, COLD, 1)
         st = h.status()
@@ -93,12 +90,11 @@ def test_a_held_read_back_blocks_nobody_else(tmp_path):
 
         h.allow_disk_reads(1)
         req = slow.result()
-        waited = time.monotonic() - t_sent
         assert _finish_load(h, slow, req) == "done"
         assert slow.call("digest", name="kv") == sha(pattern(SEED_COLD, N))
         o = _obj(h, COLD)
         assert o["in_ram"] and not o["reading"] and o["disk_reads"] == 1 and o["joins"] == 0
-        assert h.status()["disk_reads"]["in_flight"] == 0 and waited > 0
+        assert h.status()["disk_reads"]["in_flight"] == 0
         _close(h, (saver, sref), (saver2, sref2), (slow, slow_ref), (other, other_ref))
         assert h.no_leaks(), h.leaks()
 
@@ -207,7 +203,7 @@ def test_client_lost_or_shutdown_during_a_read_back(tmp_path):
         doomed.send("load", reg=ref["reg"], key=COLD, offset=0)
         _flight(h, COLD, 1)
         doomed.kill()                                  # SIGKILL with its load parked
-        h.wait_until("the killed client lost", lambda s: s["counts"].get("clients_live", 0) <= 2)
+        h.wait_until("the killed client lost", lambda s: s["counts"]["clients_live"] == 2)
         h.allow_disk_reads(1)                          # the read still completes, into the store
         st = h.wait_until("the read settled", lambda s: s["disk_reads"]["in_flight"] == 0)
         assert st["stats"]["parked_loads_dropped"] == 1 and st["stats"]["internal_errors"] == 0
