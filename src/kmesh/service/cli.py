@@ -22,6 +22,10 @@ def add_service_parser(subparsers: Any) -> None:
     s.add_argument("--device", default="cpu", help="cpu, or cuda[:N] to also accept CUDA IPC registrations")
     s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of client silence before closing")
     s.add_argument("--store-bytes", type=int, default=1 << 30, help="host-RAM tier capacity")
+    s.add_argument("--disk-dir", type=Path, default=None,
+                   help="disk tier under the host-RAM tier: commits spill object files here; a restart re-adopts them")
+    s.add_argument("--no-adopt", action="store_true",
+                   help="start with an empty store although --disk-dir holds a previous run's object files")
     s.add_argument("--foreground", action="store_true", help="run in this process (logs to stderr)")
     s.set_defaults(func=_start)
 
@@ -44,10 +48,11 @@ def _start(a: argparse.Namespace) -> int:
     if a.foreground:
         from kmesh.service.server import main
 
+        disk = ["--disk-dir", str(a.disk_dir)] + (["--no-adopt"] if a.no_adopt else []) if a.disk_dir else []
         return main(["--runtime-dir", str(rd), "--device", a.device, "--heartbeat-timeout",
-                     str(a.heartbeat_timeout), "--store-bytes", str(a.store_bytes)])
+                     str(a.heartbeat_timeout), "--store-bytes", str(a.store_bytes), *disk])
     sp = process.start(rd, device=a.device, heartbeat_timeout_s=a.heartbeat_timeout, store_bytes=a.store_bytes,
-                       detach=True)
+                       detach=True, disk_dir=a.disk_dir, adopt=not a.no_adopt)
     print(f"kmesh service pid {sp.pid} listening on {sp.socket_path} (log {sp.log_path})")
     return 0
 
@@ -89,6 +94,13 @@ def _status(a: argparse.Namespace) -> int:
     print(f"  clients live: {live}   registrations: {st['by_state']}   copies running: {st['copies_running']}")
     print(f"  store: {st['store']['nobjects']} / {st['store']['max_objects']} originals, {st['store']['used_bytes']}"
           f" / {st['store']['capacity_bytes']} bytes, {st['store']['pins']} pins")
+    if st["store"].get("disk_dir"):
+        k, dr = st["store"]["counters"], st.get("disk_reads") or {}
+        print(f"  disk tier {st['store']['disk_dir']}: {k['adopted']} adopted at start, {k['disk_rejected']} file(s) "
+              f"rejected; {k['disk_reads']} read-backs ({k['disk_read_failures']} failed), {k['joins']} joined, "
+              f"{dr.get('in_flight', 0)} in flight")
+        for r in st["store"].get("disk_rejected", []):
+            print(f"    rejected {r['file']}: {r['reason']}")
     print(f"  mappings: memfd {st['memfd_mappings']}, cuda ipc {st['cuda_handles_open']}; "
           f"frames {st['stats']['frames']}, errors {sum(st['stats']['errors'].values())}, "
           f"internal errors {st['stats']['internal_errors']}, stale uses {st['stats']['stale_uses']}")

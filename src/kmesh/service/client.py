@@ -223,7 +223,9 @@ class ServiceClient:
                          offset=offset, nbytes=nbytes)["req"]
 
     def load(self, ref: RegRef, key: bytes, offset: int) -> int:
-        """Copy original `key` into our registered memory at offset (a private copy); returns the request id."""
+        """Copy original `key` into our registered memory at offset (a private copy); returns the request id.
+        If the original's RAM copy was evicted, the reply comes once the service has read it back from its disk
+        tier (one read shared by every load of it meanwhile; a failed read raises DiskReadError)."""
         return self.call("load", reg=ref.reg, gen=ref.gen, layout_digest=ref.layout_digest, key=key,
                          offset=offset)["req"]
 

@@ -153,6 +153,13 @@ class ObjectMissingError(ServiceError):
     code = "object_missing"
 
 
+class DiskReadError(ObjectMissingError):
+    """The original's RAM copy was gone and reading it back from its object file failed (missing, corrupt,
+    replaced, I/O error): nothing was installed or copied; every load joined to that read gets this reply."""
+
+    code = "disk_read"
+
+
 class ObjectExistsError(ServiceError):
     """Originals are immutable: a key is stored once (evict it first)."""
 

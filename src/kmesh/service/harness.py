@@ -31,19 +31,26 @@ class Harness:
     def __init__(self, *, device: str = "cpu", heartbeat_timeout_s: float = 0.5, chunk_bytes: int = 16384,
                  log_dir: Path | None = None, store_bytes: int = 1 << 30, socket_mode: int = 0o600,
                  allow_uids: list[int] | None = None, faults: list[str] | None = None,
-                 limits: dict[str, int] | None = None, disk_dir: Path | None = None) -> None:
+                 limits: dict[str, int] | None = None, disk_dir: Path | None = None, adopt: bool = True,
+                 disk_read_gate: bool = False) -> None:
         self.device, self.chunk_bytes, self.heartbeat_timeout_s = device, chunk_bytes, heartbeat_timeout_s
         self.service_disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kmesh-svc-"))  # short: socket paths max 107 bytes
         self.log_dir = log_dir or self.runtime_dir
         self.gate = ChunkGate()
+        # disk_read_gate: every read-back of an evicted original waits for a token (`allow_disk_reads`), so a
+        # test can hold a read open while it checks what else the service answers
+        self.disk_gate = ChunkGate() if disk_read_gate else None
         self.service = process.start(self.runtime_dir / "rt", device=device, heartbeat_timeout_s=heartbeat_timeout_s,
                                      chunk_bytes=chunk_bytes, gate_fd=self.gate.read_fd, store_bytes=store_bytes,
                                      socket_mode=socket_mode, allow_uids=allow_uids,
                                      log_path=self.log_dir / "service.log", faults=faults, disk_dir=disk_dir,
+                                     adopt=adopt, disk_read_gate_fd=self.disk_gate.read_fd if self.disk_gate else None,
                                      **(limits or {}))
-        os.close(self.gate.read_fd)  # the service holds the read end; ours would only keep EOF away
-        self.gate.read_fd = None  # type: ignore[assignment]
+        for g in (self.gate, self.disk_gate):
+            if g is not None:
+                os.close(g.read_fd)  # the service holds the read end; ours would only keep EOF away
+                g.read_fd = None  # type: ignore[assignment]
         if device.startswith("cuda"):
             import torch
 
@@ -109,6 +116,12 @@ class Harness:
         """Let every accepted copy run to its end."""
         self.grant(self.owed - self.granted)
 
+    def allow_disk_reads(self, n: int = 1) -> None:
+        """Let n more disk read-backs run (disk_read_gate=True)."""
+        if self.disk_gate is None:
+            raise HarnessError("this harness has no disk read gate (disk_read_gate=True)")
+        self.disk_gate.allow(n)
+
     # -- observation ------------------------------------------------------------------------------------
     def status(self, verify: bool = False) -> dict[str, Any]:
         return self.admin.status("all", verify=verify)
@@ -155,6 +168,7 @@ class Harness:
                 "cuda_handles_open": st["cuda_handles_open"], "engine_holds": st["engine_holds"],
                 "reservations": st["reservations"], "copies_running": st["copies_running"],
                 "store_pins": st["store"]["pins"], "stale_uses": st["stats"]["stale_uses"],
+                "disk_reads_in_flight": (st.get("disk_reads") or {}).get("in_flight", 0),
                 "extra_fds": st["open_fds"] - st["fd_baseline"] - 2 * st["connections_open"],
                 "violations": st["violations_count"]}
 
@@ -168,6 +182,8 @@ class Harness:
             if w.proc.poll() is None:
                 w.kill()
         self.gate.open()  # EOF: every remaining chunk passes
+        if self.disk_gate is not None:
+            self.disk_gate.open()
         try:
             self.admin.close_connection()
         except OSError:

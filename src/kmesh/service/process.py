@@ -116,20 +116,24 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           detach: bool = False, ready_timeout: float = 60.0, log_level: str = "INFO",
           faults: list[str] | None = None, max_objects: int | None = None, max_jobs: int | None = None,
           max_regs: int | None = None, max_regs_per_client: int | None = None,
-          max_tombstones: int | None = None, disk_dir: Path | None = None) -> ServiceProcess:
+          max_tombstones: int | None = None, disk_dir: Path | None = None, adopt: bool = True,
+          disk_read_gate_fd: int | None = None, max_disk_reads: int | None = None) -> ServiceProcess:
     """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
-    server's defaults) bound the store, the job history and the registry (tests use small ones)."""
+    server's defaults) bound the store, the job history and the registry (tests use small ones). adopt=False:
+    start with an empty store although disk_dir holds a previous run's object files. disk_read_gate_fd: a
+    ChunkGate read end that holds every disk read-back until the controller grants it (tests)."""
     rd = Path(runtime_dir or default_runtime_dir())
     cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
            "--heartbeat-timeout", str(heartbeat_timeout_s), "--chunk-bytes", str(chunk_bytes),
            "--store-bytes", str(store_bytes), "--socket-mode", f"{socket_mode:o}", "--log-level", log_level]
     limits = {"--max-objects": max_objects, "--max-jobs": max_jobs, "--max-regs": max_regs,
-              "--max-regs-per-client": max_regs_per_client, "--max-tombstones": max_tombstones}
+              "--max-regs-per-client": max_regs_per_client, "--max-tombstones": max_tombstones,
+              "--max-disk-reads": max_disk_reads}
     for flag, v in limits.items():
         if v is not None:
             cmd += [flag, str(int(v))]
     if disk_dir is not None:
-        cmd += ["--disk-dir", str(disk_dir)]
+        cmd += ["--disk-dir", str(disk_dir)] + ([] if adopt else ["--no-adopt"])
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
     for f in faults or ():
@@ -138,6 +142,9 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
     if gate_fd is not None:
         cmd += ["--gate-fd", str(gate_fd)]
         pass_fds = (gate_fd,)
+    if disk_read_gate_fd is not None:
+        cmd += ["--disk-read-gate-fd", str(disk_read_gate_fd)]
+        pass_fds += (disk_read_gate_fd,)
     rd.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = log_path or rd / "service.log"
     logf = open(log_path, "ab")

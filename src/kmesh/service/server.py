@@ -12,6 +12,12 @@ Every reply is bounded (status is a summary; lists are paged, protocol.cut_page)
 service keeps has a limit (objects, jobs, registrations, tombstones: ServiceOptions), so no valid request
 can make a reply that does not fit in a frame; one that still would is refused as reply_too_large, non-fatally.
 Copies run on kmesh.transfer engines; their completion comes back through CopyRunner's wake pipe.
+Disk tier (--disk-dir): a load of an original whose RAM copy was evicted never reads the file on this thread.
+It starts one read on a small reader pool (kmesh.service.diskreads) and its reply is parked; loads of the same
+object arriving meanwhile join that read (`joins`); when it ends (the pool's wake pipe) the loop checks the
+digest against the commit, installs the RAM copy and runs each parked load again from the top, now a RAM hit
+(or sends each the same DiskReadError). Meanwhile everyone else is served. On start the store re-adopts the
+object files a previous run left in the disk dir (--no-adopt: start empty; see kmesh.service.store).
 
     python -m kmesh.service.server --runtime-dir DIR [--device cpu|cuda] [--heartbeat-timeout S] ...
 (normally started by `kmesh service start` or kmesh.service.process.start()).
@@ -33,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, FrameTooLargeError, HandleError,
+from kmesh.service.diskreads import DiskReads, Flight, ReadCancelledError
+from kmesh.service.errors import (AuthError, CapacityError, ClientLostError, DiskReadError, FrameTooLargeError,
+                                  HandleError,
                                   InternalError, LayoutMismatchError, NotAuthorizedError, NotOwnerError,
                                   ObjectMissingError, RangeError,
                                   RegistrationStateError, ReplyTooLargeError, SchemaError, SequenceError, ServiceError,
@@ -54,7 +62,8 @@ _READ_ONLY = frozenset({"ping", "heartbeat", "wait", "status", "list"})  # chang
 #   ignore_in_flight  closing counts as drained although copies run (registry)
 #   collect_raises    collecting a finished copy whose key starts with FAULT_KEY_PREFIX raises
 #   tick_raises       the periodic tick raises while a live client named FAULT_TICK_CLIENT exists
-FAULTS = ("ignore_in_flight", "collect_raises", "tick_raises")
+#   read_on_loop      disk read-backs run on the loop thread (the old serialised design: nobody is answered)
+FAULTS = ("ignore_in_flight", "collect_raises", "tick_raises", "read_on_loop")
 FAULT_KEY_PREFIX = b"kmesh-fault:"
 FAULT_TICK_CLIENT = "kmesh-fault:tick"
 MAX_REGS_PER_CLIENT = 512  # a client's record lists its registration ids: this keeps it under protocol.ITEM_MAX
@@ -80,6 +89,10 @@ class ServiceOptions:
     max_out_bytes: int = 4 << 20          # a client that does not read its replies is disconnected
     faults: tuple[str, ...] = ()          # negative controls only (FAULTS)
     disk_dir: Path | None = None          # disk tier under the host-RAM store (kmesh.storage object files)
+    adopt: bool = True                    # re-adopt the object files a previous run left in disk_dir
+    disk_read_threads: int = 2            # reader pool for read-backs of evicted originals
+    max_disk_reads: int = 64              # read-backs in flight (one per object; joined loads not counted)
+    disk_read_gate_fd: int | None = None  # test hook: a ChunkGate pipe, one token per read-back
 
 
 @dataclass(eq=False)
@@ -92,6 +105,17 @@ class Conn:
     client: Client | None = None
     closing: bool = False                 # stop reading; close once `out` is flushed
     parked: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (seq, deadline)
+    parked_loads: int = 0                 # loads waiting for a disk read-back (their replies are owed)
+
+
+@dataclass(eq=False)
+class ParkedLoad:
+    """A load whose reply waits for its object's read-back (a Flight waiter)."""
+
+    cid: int
+    client_id: int
+    req: Request
+    parked_at: float = field(default_factory=time.monotonic)
 
 
 class Service:
@@ -107,7 +131,10 @@ class Service:
                                  max_tombstones=opts.max_tombstones,
                                  ignore_in_flight="ignore_in_flight" in opts.faults)
         self.store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"),
-                           max_objects=opts.max_objects, disk_dir=opts.disk_dir)
+                           max_objects=opts.max_objects, disk_dir=opts.disk_dir, adopt=opts.adopt)
+        self.reads = DiskReads(opts.disk_dir, opts.disk_read_threads, opts.max_disk_reads,
+                               opts.disk_read_gate_fd, on_caller="read_on_loop" in opts.faults) \
+            if opts.disk_dir is not None else None
         self.copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
         self.cuda = CudaIpcTable()
         self.conns: dict[int, Conn] = {}
@@ -115,7 +142,8 @@ class Service:
         self.stopping = False
         self.stats: dict[str, Any] = {"frames": 0, "errors": {}, "internal_errors": 0, "connections": 0,
                                       "refused_connections": 0, "stale_uses": 0, "copies_done": 0,
-                                      "copies_failed": 0, "copies_cancelled": 0}
+                                      "copies_failed": 0, "copies_cancelled": 0, "loads_parked": 0,
+                                      "parked_loads_dropped": 0}
         self.socket_path = opts.runtime_dir / SOCKET_NAME
         self.pid_path = opts.runtime_dir / PID_NAME
         self.admin_path = opts.runtime_dir / ADMIN_TOKEN_NAME
@@ -162,6 +190,8 @@ class Service:
         self.listener = s
         self.sel.register(s, selectors.EVENT_READ, ("listen", None))
         self.sel.register(self.copies.wake_r, selectors.EVENT_READ, ("wake", None))
+        if self.reads is not None:
+            self.sel.register(self.reads.wake_r, selectors.EVENT_READ, ("diskread", None))
         self.pid_path.write_text(f"{os.getpid()}\n")
         self._fd_baseline = len(os.listdir("/proc/self/fd"))
 
@@ -170,8 +200,16 @@ class Service:
         signal.signal(signal.SIGTERM, lambda *_: self._begin_shutdown("SIGTERM"))
         signal.signal(signal.SIGINT, lambda *_: self._begin_shutdown("SIGINT"))
         log.info("kmesh service pid %d on %s (device %s)", os.getpid(), self.socket_path, self.opts.device)
+        if self.store.disk is not None:
+            k = self.store.counters
+            log.info("disk tier %s: %d object(s) adopted, %d file(s) rejected, %d stale temp file(s) removed%s",
+                     self.store.disk.directory, k["adopted"], k["disk_rejected"] - k["disk_temp_removed"],
+                     k["disk_temp_removed"], "" if self.opts.adopt else " (--no-adopt: started empty)")
+            for r in self.store.disk_rejected:
+                log.warning("disk tier: %s: %s", r["file"], r["reason"])
         try:
-            while not (self.stopping and not self.registry.regs and not self.copies.running()):
+            while not (self.stopping and not self.registry.regs and not self.copies.running()
+                       and not (self.reads is not None and self.reads.in_flight())):
                 self._once()
         finally:
             self._teardown()
@@ -190,6 +228,8 @@ class Service:
             except FileNotFoundError:
                 pass
         self.copies.close()
+        if self.reads is not None:
+            self.reads.close()
         log.info("kmesh service stopped")
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -211,6 +251,8 @@ class Service:
                     self._client_died(obj)
                 elif kind == "wake":
                     self._collect_copies()
+                elif kind == "diskread":
+                    self._collect_reads()
             except Exception:  # a bug must cost one connection at most, never the service
                 self._internal(f"handling {kind}")
                 if kind == "conn" and obj.cid in self.conns:
@@ -248,7 +290,7 @@ class Service:
             try:
                 if "tick_raises" in self.opts.faults and c.live and c.name == FAULT_TICK_CLIENT:
                     raise RuntimeError(f"injected fault tick_raises (client {c.client_id})")
-                if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s:
+                if c.live and now - c.last_seen > self.opts.heartbeat_timeout_s and not self._owes_load(c):
                     log.info("client %d: heartbeat lost (%.2f s silent)", c.client_id, now - c.last_seen)
                     self.version += 1
                     self.registry.lose_client(c, "heartbeat lost")
@@ -272,6 +314,11 @@ class Service:
                 self._internal("tick: settle", f"registration {reg.reg_id}")
         if self.registry.counters["released"] != released:
             self.version += 1
+
+    def _owes_load(self, c: Client) -> bool:
+        """A client whose load reply we still owe cannot heartbeat (its one connection waits for us)."""
+        conn = self.conns.get(c.conn_id) if c.conn_id is not None else None
+        return conn is not None and conn.parked_loads > 0
 
     # -- connections --------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -587,16 +634,22 @@ class Service:
         return self._accept_job(job, src=reg.memory.tensor[off:off + n], dst=obj.tensor, writes=False,
                                 undo=lambda: self.store.abort(obj))
 
-    def _op_load(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+    def _op_load(self, conn: Conn, c: Client, req: Request) -> Any:
+        """Every check first (nothing is read for a load that would be refused); then a RAM hit starts its copy,
+        and a load of an evicted original parks behind that object's one read-back (_collect_reads runs it
+        again from here once the read ended)."""
         a = req.args
         reg = self._work_reg(c, req)
+        obj = self.store.lookup(a["key"])
+        if obj.geometry != reg.geometry:
+            raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
+        off, n = a["offset"], obj.nbytes
+        self._range(reg, off, n)
+        self.copies.reservations.check(reg.reg_id, off, off + n, writes=True)
+        if not obj.in_ram:
+            return self._park_load(conn, c, req, obj)
         obj = self.store.acquire(a["key"])
         try:
-            if obj.geometry != reg.geometry:
-                raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
-            off, n = a["offset"], obj.nbytes
-            self._range(reg, off, n)
-            self.copies.reservations.check(reg.reg_id, off, off + n, writes=True)
             req_id = self.copies.new_id()
         except BaseException:
             self.store.release(obj)
@@ -604,6 +657,81 @@ class Service:
         job = CopyJob(req_id, c.client_id, "load", reg, obj, off, n)
         return self._accept_job(job, src=obj.tensor, dst=reg.memory.tensor[off:off + n], writes=True,
                                 undo=lambda: self.store.release(obj))
+
+    def _park_load(self, conn: Conn, c: Client, req: Request, obj: Any) -> Any:
+        if self.reads is None:  # only a disk tier evicts RAM copies: unreachable by construction
+            raise InternalError(f"object {obj.key[:64]!r} has no RAM copy and this service no disk tier")
+        waiter = ParkedLoad(conn.cid, c.client_id, req)
+        flight = self.reads.get(obj.key)
+        if flight is not None:
+            self.reads.join(flight, waiter)
+            self.store.joined(obj)
+        else:
+            self.reads.check_room()
+            t = self.store.begin_read_back(obj)  # CapacityError: refused, nothing reserved
+            try:
+                self.reads.start(obj.key, t, waiter)
+            except BaseException:
+                self.store.cancel_read_back(obj)
+                raise
+        conn.parked_loads += 1
+        self.stats["loads_parked"] += 1
+        return _DEFERRED
+
+    def _collect_reads(self) -> None:
+        """Settle every finished read-back, each in its own try; then run or fail each of its parked loads."""
+        self.version += 1
+        try:
+            flights = self.reads.finished()
+        except Exception:
+            self._internal("collect reads: finished()")
+            return
+        for f in flights:
+            try:
+                self._settle_flight(f)
+            except Exception:
+                self._internal("collect reads", f"object {f.key[:64]!r}")
+
+    def _settle_flight(self, f: Flight) -> None:
+        err: ServiceError | None = None
+        obj = self.store.objects.get(f.key)
+        try:
+            if obj is None or not obj.reading:  # a reading object can be neither dropped nor evicted
+                raise InternalError(f"object {f.key[:64]!r} changed while its read-back was in flight")
+            if isinstance(f.error, ReadCancelledError):  # shutdown came first: nothing was read
+                self.store.cancel_read_back(obj)
+                err = ShuttingDownError(f"service is shutting down (the read of {f.key[:64]!r} was cancelled)")
+            else:
+                self.store.end_read_back(obj, f.tensor, f.digest, f.error)
+        except DiskReadError as e:
+            log.warning("read-back of %r failed (%d load(s) refused): %s", f.key[:64], len(f.waiters), e)
+            err = e
+        except Exception as e:
+            self._internal("collect reads: install", f"object {f.key[:64]!r}")
+            err = InternalError(f"installing the read-back failed: {type(e).__name__}: {e}")
+        finally:
+            f.tensor = None  # type: ignore[assignment]  # installed, or dropped with the failure
+        now = time.monotonic()
+        for w in f.waiters:
+            conn = self.conns.get(w.cid)
+            if conn is None or conn.client is None or conn.client.client_id != w.client_id:
+                self.stats["parked_loads_dropped"] += 1  # the connection went away meanwhile
+                continue
+            conn.parked_loads -= 1
+            seq = w.req.seq
+            try:
+                if err is not None:
+                    raise err
+                conn.client.last_seen = now  # it could not heartbeat while we owed it this reply
+                self.registry.require_live(conn.client)
+                result = self._op_load(conn, conn.client, w.req)
+                if result is not _DEFERRED:
+                    self._send(conn, ok_reply(seq, result))
+            except ServiceError as e:
+                self._fail(conn, seq, e)
+            except Exception as e:
+                self._internal("collect reads: parked load", f"conn {conn.cid}")
+                self._fail(conn, seq, InternalError(f"{type(e).__name__}: {e}"))
 
     def _accept_job(self, job: CopyJob, src: Any, dst: Any, writes: bool, undo: Any) -> dict[str, Any]:
         reg = job.reg
@@ -757,6 +885,7 @@ class Service:
                               objects=len(self.store.objects))
         snap.update(self.health())
         snap["store"] = self.store.summary()
+        snap["disk_reads"] = self.reads.describe() if self.reads is not None else None
         snap["version"] = self.version
         snap["limits"] = {k: getattr(self.opts, k) for k in ("max_regs_per_client", "max_regs", "max_tombstones",
                                                               "max_objects", "max_jobs", "max_connections")}
@@ -834,6 +963,8 @@ class Service:
             log.info("shutting down (%s): closing %d registration(s)", why, len(self.registry.regs))
         self.stopping = True
         self.version += 1
+        if self.reads is not None:
+            self.reads.stop_waiting()  # held reads end now; their parked loads get shutting_down
         for reg in list(self.registry.regs.values()):
             self.registry.close(reg, "service shutdown")
 
@@ -870,6 +1001,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-objects", type=int, default=65536)
     p.add_argument("--max-jobs", type=int, default=4096)
     p.add_argument("--disk-dir", type=Path, default=None)
+    p.add_argument("--no-adopt", action="store_true",
+                   help="start with an empty store although --disk-dir holds a previous run's object files")
+    p.add_argument("--disk-read-threads", type=int, default=2)
+    p.add_argument("--max-disk-reads", type=int, default=64)
+    p.add_argument("--disk-read-gate-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -886,11 +1022,13 @@ def main(argv: list[str] | None = None) -> int:
                                      a.gate_fd, a.socket_mode, uids, max_regs_per_client=a.max_regs_per_client,
                                      max_regs=a.max_regs, max_tombstones=a.max_tombstones,
                                      max_objects=a.max_objects, max_jobs=a.max_jobs, faults=tuple(a.fault),
-                                     disk_dir=a.disk_dir))
+                                     disk_dir=a.disk_dir, adopt=not a.no_adopt,
+                                     disk_read_threads=a.disk_read_threads, max_disk_reads=a.max_disk_reads,
+                                     disk_read_gate_fd=a.disk_read_gate_fd))
         if a.fault:
             log.warning("FAULTS INJECTED (negative control): %s", a.fault)
         svc.bind()
-    except (ServiceError, OSError) as e:
+    except (ServiceError, OSError, ValueError) as e:
         print(f"kmesh service: cannot start: {e}", file=sys.stderr)
         return 2
     svc.serve()

@@ -246,6 +246,7 @@ class Worker:
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
         self.info: dict[str, Any] = {}  # what "connect" answered (client id, pid, token)
+        self._pending = ""              # the command `send` started
 
     @classmethod
     def spawn(cls, socket_path: str | Path, cuda: bool = False, log: Any = None,
@@ -261,12 +262,25 @@ class Worker:
 
     def call(self, cmd: str, **args: Any) -> Any:
         """Run one command in the worker; a service error re-raises as its typed ServiceError."""
+        self.send(cmd, **args)
+        return self.result()
+
+    def send(self, cmd: str, **args: Any) -> None:
+        """Start one command without waiting for it (several workers then act at once); `result()` collects it."""
         if self.proc.poll() is not None:
             raise WorkerError(f"worker {self.pid} has exited ({self.proc.returncode})")
         try:
             _send(self.proc.stdin, {"cmd": cmd, "args": args})
+        except BrokenPipeError:
+            raise WorkerError(f"worker {self.pid} died before {cmd!r}") from None
+        self._pending = cmd
+
+    def result(self) -> Any:
+        """The reply to the command `send` started (typed ServiceError re-raised)."""
+        cmd = self._pending
+        try:
             reply = _recv(self.proc.stdout)
-        except (BrokenPipeError, EOFError):
+        except EOFError:
             raise WorkerError(f"worker {self.pid} died during {cmd!r}") from None
         if reply["ok"]:
             return reply["result"]

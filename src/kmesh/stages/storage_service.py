@@ -1,13 +1,16 @@
-"""Read-once serving through the cache service: its disk tier, group retention and one-thread singleflight.
+"""Read-once serving through the cache service: its disk tier, group retention and singleflight read-backs.
 
 The leader's segments are saved through the service (each commit spills an object file). Four children, each a
 client connection of its own with its own registered staging buffer, load the four objects:
   forced-eviction  one child at a time, `evict tier=ram force` before each: every child's loads read the disk
   read-once        one cold start (`evict tier=ram force`), the keys retained for the group, then the four
                    children load at once (threads released by one barrier); the service reads each object once
-                   and serves the rest from the retained RAM copy (its one request thread joins them)
-`disk_reads` per object comes from the service's own store listing. Each child copies its staging buffer into
-a private buffer (its own repaired state is built from that later). Timed: `load` per child, `group` (serial
+                   on its reader pool, off its loop thread: a load arriving while that read runs joins it (its
+                   reply parked until the read ends), one arriving after finds the retained RAM copy
+`disk_reads` and `joins` per object come from the service's own store listing (per pair and arm: `reads`, and
+`joins` beside them — how many of the read-once loads shared a read in flight depends on how close together
+the children's requests arrived; it is measured, not assumed). Each child copies its staging buffer into a
+private buffer (its own repaired state is built from that later). Timed: `load` per child, `group` (serial
 sum / concurrent wall time), matched pairs, alternating order.
 """
 from __future__ import annotations
@@ -50,6 +53,10 @@ class ServiceChildren:
     def disk_reads(self) -> dict[bytes, int]:
         return {o["key"]: o.get("disk_reads", 0) for o in self.h.status()["store"]["objects"]}
 
+    def counts(self) -> dict[bytes, tuple[int, int]]:
+        """Per object, as the service counts them: (disk reads, loads that joined a read in flight)."""
+        return {o["key"]: (o.get("disk_reads", 0), o.get("joins", 0)) for o in self.h.status()["store"]["objects"]}
+
     def cold(self) -> None:
         self.h.admin.evict(tier="ram", force=True)
         if self.h.service_disk_dir is not None:   # and the OS page cache of the object files: a cold read
@@ -89,17 +96,19 @@ class ServiceChildren:
         for i in range(warmup + pairs):
             order = list(ARMS) if (i - warmup) % 2 == 0 else list(reversed(ARMS))
             rec: dict[str, Any] = {"order": order}
-            counts: dict[str, Any] = {}
+            counts: dict[str, Any] = {"joins": {}}
             for arm in order:
-                before = self.disk_reads()
+                before = self.counts()
                 for p in privates:
                     p.fill_(0xA5)
                 t0 = time.perf_counter()
                 t = self.forced_eviction(privates) if arm == ARMS[0] else self.read_once(privates, f"group-{i}")
                 wall = time.perf_counter() - t0
                 rec[arm] = {"load": t, "group": [sum(t) if arm == ARMS[0] else wall]}
-                after = self.disk_reads()
-                counts[arm] = [after[e.key] - before.get(e.key, 0) for e in self.export.catalog.entries]
+                after = self.counts()
+                keys = [e.key for e in self.export.catalog.entries]
+                counts[arm] = [after[k][0] - before.get(k, (0, 0))[0] for k in keys]
+                counts["joins"][arm] = [after[k][1] - before.get(k, (0, 0))[1] for k in keys]
             if i >= warmup:
                 timing.pairs.append(rec)
                 reads.append(counts)
