@@ -214,6 +214,9 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
         ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),
         ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),
+        ("storage reads per object, read-once through the service", summary.get("reads_per_object_read_once_service")),
+        ("service loads that joined a read in flight, per pair", ", ".join(
+            str(x) for x in summary.get("joins_read_once_service") or [])),
     ]
     return pd.DataFrame([{"quantity": k, "value": v} for k, v in rows])
 

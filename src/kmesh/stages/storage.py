@@ -359,6 +359,9 @@ def _read_once_service_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]
                 c.check("read_once_one_read_per_object", all(x == 1 for r in once for x in r), value=once)
                 c.check("forced_eviction_reads_per_child", all(x == n for r in forced for x in r), value=forced)
                 res.extra["reads_per_object_read_once_service"] = max(x for r in once for x in r)
+                # loads that found their object's read-back in flight in the service and joined it (the rest
+                # found the RAM copy the first read installed): per pair, summed over the objects
+                res.extra["joins_read_once_service"] = [sum(r["joins"]["read-once"]) for r in reads]
                 res.extra["paired_read_once_service"] = _paired_summary(t)
                 sc.read_once(privates, "verify")
                 same = sum(identical(compare_states(refs[ch.name], _repair_from(s, ch, p, "service:read-once")))
