@@ -22,6 +22,10 @@ Binding notes (liburing 2026.3.30), which shape this module:
     itself would make the landing impossible to unmap, so items are ctypes views made from the address, and one
     Iovec per chunk span is kept and reused (bounded by the distinct spans of a landing buffer).
   * `CQE.res` raises OSError for a negative result; it is turned back into -errno here.
+  * The binding holds the GIL inside io_uring_wait_cqe / submit_and_wait: a blocked wait would stall every
+    other thread (the pipelined reader overlaps reads with the stage's copies; the read-once tier and the
+    service read from threads). So the ring posts every completion to an eventfd, the wait is os.eventfd_read
+    (which releases the GIL), and completions are reaped only once io_uring_cq_ready says they are there.
 """
 from __future__ import annotations
 
@@ -90,7 +94,8 @@ def _memlock() -> str:
 def _ring_refusal(e: OSError, disabled: str | None) -> str:
     why = {errno_mod.EPERM: "refused (EPERM: io_uring_disabled, or a seccomp filter of this container)",
            errno_mod.ENOSYS: "no io_uring_setup syscall (ENOSYS: kernel without io_uring, or seccomp)",
-           errno_mod.ENOMEM: "ENOMEM setting up the ring (memory / RLIMIT_MEMLOCK on kernels before 5.12)"}
+           errno_mod.ENOMEM: "ENOMEM setting up the ring (without CAP_IPC_LOCK its pages count against "
+                                             f"RLIMIT_MEMLOCK: {_memlock()})"}
     return (f"io_uring_queue_init failed: {_errno_text(e)} — {why.get(e.errno, 'unexpected error')}; "
             f"kernel.io_uring_disabled={disabled}")
 
@@ -164,6 +169,17 @@ class UringReader:
             self._ring = None
             raise RouteUnavailableError(_ring_refusal(e, _sysctl())) from e
         self._pid = os.getpid()
+        self._efd = -1
+        try:
+            self._efd = os.eventfd(0, os.EFD_CLOEXEC)
+            _L.io_uring_register_eventfd(self._ring, self._efd)
+        except OSError as e:
+            _L.io_uring_queue_exit(self._ring)
+            if self._efd >= 0:
+                os.close(self._efd)
+            self._ring = None
+            raise RouteUnavailableError(f"io_uring_register_eventfd failed: {_errno_text(e)} (without it a wait "
+                                        f"would hold the GIL)") from e
         self._broken: str | None = None
         self._cqe = _L.Cqe()
         self._lock = threading.Lock()
@@ -270,7 +286,9 @@ class UringReader:
                     for t in list(inflight)[-queued:]:
                         del inflight[t]
                     continue
-            _retry(_L.io_uring_wait_cqe, self._ring, self._cqe)
+            while not _L.io_uring_cq_ready(self._ring):
+                _retry(os.eventfd_read, self._efd)            # blocks without the GIL
+            _L.io_uring_wait_cqe(self._ring, self._cqe)      # one is ready: returns at once
             cqe = self._cqe[0]
             t = cqe.user_data
             try:
@@ -322,6 +340,7 @@ class UringReader:
         finally:
             self._ring = None
             self._views.clear()
+            os.close(self._efd)
 
     def __enter__(self) -> "UringReader":
         return self
