@@ -174,6 +174,34 @@ def test_short_completions_continue_with_the_remainder():
 
 
 @needs_uring
+@pytest.mark.timeout(30)
+def test_other_threads_run_while_a_read_is_in_flight():
+    """The read waits on a pipe that only a Python thread of this process fills, after it has counted 200
+    steps: the read completes only if its wait lets that thread run (the binding's own wait would not)."""
+    rfd, wfd = os.pipe()
+    steps = []
+
+    def ticker():
+        for i in range(200):
+            steps.append(i)
+            time.sleep(0.001)
+        os.write(wfd, b"\x11" * ALIGN)
+        os.close(wfd)
+
+    th = threading.Thread(target=ticker)
+    try:
+        with uring.UringReader(queue_depth=1, chunk_bytes=ALIGN) as r, AlignedBuffer(ALIGN) as b:
+            b.tensor.fill_(POISON)
+            th.start()
+            assert r.read(rfd, b.tensor, 0) == ALIGN
+            assert len(steps) == 200 and bytes(b.tensor.numpy()) == b"\x11" * ALIGN
+    finally:
+        th.join()
+        os.close(rfd)
+    assert "GIL released" in routes.build("odirect", io="uring").describe()["io_engine"]["wait"]
+
+
+@needs_uring
 def test_closed_reader_refuses_and_closing_twice_is_safe():
     r = uring.UringReader()
     r.close()

@@ -177,7 +177,8 @@ class Route:
         if self.engine == "io_uring":
             r = self._ring
             ops = dict(r.ops) if r is not None else {"readv_fixed": 0, "readv": 0}
-            d.update(queue_depth=self.io.queue_depth, chunk_bytes=self.io.chunk_bytes,
+            d.update(queue_depth=self.io.queue_depth, chunk_bytes=self.io.chunk_bytes, binding=uring.BINDING,
+                     wait=uring.WAIT,
                      fixed_buffers=r is not None and r.registered, fixed_reason=self.fixed_reason,
                      sqes=ops, resubmits=r.resubmits if r is not None else 0)
         return d

@@ -45,6 +45,8 @@ import torch
 from kmesh.storage.errors import RouteIOError, RouteUnavailableError, ShortFileError
 from kmesh.storage.objfile import ALIGN
 
+BINDING = "liburing (PyPI) iovec ops"
+WAIT = "eventfd registered with the ring, os.eventfd_read (GIL released); reaped via io_uring_cq_ready"
 MAX_FIXED_REGION = 1 << 30          # the kernel refuses a registered buffer over 1 GiB: larger ones are split
 
 try:                                 # the module imports without the package; probe() then says so
