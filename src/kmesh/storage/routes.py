@@ -118,12 +118,18 @@ class Route:
         self.ops = {"preadv": 0}
 
     def _choose_engine(self) -> tuple[str, str | None]:
+        """The engine, decided now; the ring is made now too (a process's open files then include it from the
+        route's construction on, as the service's leak check expects)."""
         if self.io.engine == "preadv":
             return "preadv", None
         p = uring.probe()
-        if p.available:
-            return "io_uring", None
         why = f"io_uring unavailable: {p.reason} (kernel {p.kernel})"
+        if p.available:
+            try:
+                self._reader()
+                return "io_uring", None
+            except RouteUnavailableError as e:
+                why = f"io_uring ring for this route: {e}"
         if self.io.engine == "uring":
             raise RouteUnavailableError(f"route {self.arm!r} with io=uring: {why}")
         return "preadv", why

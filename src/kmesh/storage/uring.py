@@ -24,8 +24,10 @@ Binding notes (liburing 2026.3.30), which shape this module:
   * `CQE.res` raises OSError for a negative result; it is turned back into -errno here.
   * The binding holds the GIL inside io_uring_wait_cqe / submit_and_wait: a blocked wait would stall every
     other thread (the pipelined reader overlaps reads with the stage's copies; the read-once tier and the
-    service read from threads). So the ring posts every completion to an eventfd, the wait is os.eventfd_read
-    (which releases the GIL), and completions are reaped only once io_uring_cq_ready says they are there.
+    service read from threads). So the one blocking call, the wait, is the io_uring_enter syscall itself
+    (GETEVENTS, min_complete = the completions wanted) made through ctypes, which releases the GIL; the binding
+    then reaps what io_uring_cq_ready says is there without blocking. One wait covers a whole batch: the task
+    is woken once, not once per chunk (an eventfd would wake it per completion).
 """
 from __future__ import annotations
 
@@ -46,7 +48,12 @@ from kmesh.storage.errors import RouteIOError, RouteUnavailableError, ShortFileE
 from kmesh.storage.objfile import ALIGN
 
 BINDING = "liburing (PyPI) iovec ops"
-WAIT = "eventfd registered with the ring, os.eventfd_read (GIL released); reaped via io_uring_cq_ready"
+WAIT = "io_uring_enter(GETEVENTS, min_complete) via ctypes (GIL released), then reaped with the binding"
+_SYS_IO_URING_ENTER = 426           # the same number on every architecture of the unified syscall table
+_IORING_ENTER_GETEVENTS = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
 MAX_FIXED_REGION = 1 << 30          # the kernel refuses a registered buffer over 1 GiB: larger ones are split
 
 try:                                 # the module imports without the package; probe() then says so
@@ -171,17 +178,7 @@ class UringReader:
             self._ring = None
             raise RouteUnavailableError(_ring_refusal(e, _sysctl())) from e
         self._pid = os.getpid()
-        self._efd = -1
-        try:
-            self._efd = os.eventfd(0, os.EFD_CLOEXEC)
-            _L.io_uring_register_eventfd(self._ring, self._efd)
-        except OSError as e:
-            _L.io_uring_queue_exit(self._ring)
-            if self._efd >= 0:
-                os.close(self._efd)
-            self._ring = None
-            raise RouteUnavailableError(f"io_uring_register_eventfd failed: {_errno_text(e)} (without it a wait "
-                                        f"would hold the GIL)") from e
+        self._fd = self._ring.ring_fd
         self._broken: str | None = None
         self._cqe = _L.Cqe()
         self._lock = threading.Lock()
@@ -288,8 +285,10 @@ class UringReader:
                     for t in list(inflight)[-queued:]:
                         del inflight[t]
                     continue
-            while not _L.io_uring_cq_ready(self._ring):
-                _retry(os.eventfd_read, self._efd)            # blocks without the GIL
+            if not _L.io_uring_cq_ready(self._ring):
+                # the whole batch when nothing waits to be queued, else half of it (the queue stays fed)
+                self._wait(len(inflight) if not pending or failure or eof_at is not None
+                           else max(1, len(inflight) // 2))
             _L.io_uring_wait_cqe(self._ring, self._cqe)      # one is ready: returns at once
             cqe = self._cqe[0]
             t = cqe.user_data
@@ -313,6 +312,19 @@ class UringReader:
         if eof_at is not None:
             raise ShortFileError(f"end of file at {eof_at} after {done} of {nbytes} bytes")
         return done
+
+    def _wait(self, n: int) -> None:
+        """Block, GIL released, until at least n completions are in the completion queue."""
+        while True:
+            r = _syscall(ctypes.c_long(_SYS_IO_URING_ENTER), ctypes.c_int(self._fd), ctypes.c_uint(0),
+                         ctypes.c_uint(n), ctypes.c_uint(_IORING_ENTER_GETEVENTS), ctypes.c_void_p(None),
+                         ctypes.c_size_t(0))
+            if r >= 0:
+                return
+            err = ctypes.get_errno()
+            if err in (errno_mod.EINTR, errno_mod.EAGAIN, errno_mod.EBUSY):
+                continue
+            raise RouteIOError(f"io_uring_enter wait: {_errno_text(err)}")
 
     # --- lifetime -----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -342,7 +354,6 @@ class UringReader:
         finally:
             self._ring = None
             self._views.clear()
-            os.close(self._efd)
 
     def __enter__(self) -> "UringReader":
         return self
