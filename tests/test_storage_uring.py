@@ -5,6 +5,7 @@ io_uring tests skip (never fail) only where the probe says io_uring is unavailab
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -354,3 +355,41 @@ def test_no_locked_memory_means_no_ring_auto_reads_preadv(tmp_path):
     e = out["io_engine"]
     assert e["engine"] == "preadv" and "io_uring_queue_init failed" in e["fallback_reason"]
     assert e["preadv_calls"] == 1 and bytes.fromhex(out["bytes"])[:5000] == payload
+
+
+@needs_fixed
+@pytest.mark.timeout(60)
+def test_forked_child_makes_its_own_ring_and_leaves_the_parents_alone(tmp_path):
+    """A route used in a forked child reads through a new ring there; the child's close() does not unregister
+    the parent's fixed buffers, which the parent then still reads from."""
+    g = torch.Generator().manual_seed(8)
+    data = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=g)
+    p = tmp_path / "o.kmo"
+    h = write_object(p, data.numpy(), b"k")
+    want = data.numpy().tobytes()
+    r = routes.build("odirect", io="uring")
+    land = r.landing(h.padded_nbytes)
+    parent_ring = r._ring
+    pid = os.fork()
+    if pid == 0:                       # child: no torch ops (its thread pool does not survive fork); exit code
+        code = 1
+        try:
+            r.close()                  # the inherited landing and ring: released in this process only
+            mine = r.landing(h.padded_nbytes)
+            ctypes.memset(mine.data_ptr(), POISON, mine.numel())
+            with r.open(p) as f:
+                r.read(f, mine)
+            ok = bytes(mine.numpy()[:len(want)]) == want and r._ring is not parent_ring
+            r.close()
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert r._ring is parent_ring and parent_ring.registered
+    land.fill_(POISON)
+    with r.open(p) as f:
+        r.read(f, land)
+    assert torch.equal(land[:data.numel()], data)
+    assert r.describe()["io_engine"]["sqes"]["readv_fixed"] >= 1
+    r.close()

@@ -210,7 +210,8 @@ class UringReader:
         """Drop the fixed buffers (before the memory is unpinned or unmapped); safe when none are registered."""
         if self._regions and self._ring is not None:
             self._regions = []
-            _L.io_uring_unregister_buffers(self._ring)
+            if os.getpid() == self._pid:     # a forked child's copy must not unregister its parent's buffers
+                _L.io_uring_unregister_buffers(self._ring)
         self.forget_views()
 
     def forget_views(self) -> None:
