@@ -325,7 +325,9 @@ class UringReader:
             err = ctypes.get_errno()
             if err in (errno_mod.EINTR, errno_mod.EAGAIN, errno_mod.EBUSY):
                 continue
-            raise RouteIOError(f"io_uring_enter wait: {_errno_text(err)}")
+            # reads may still be in flight: this ring is not used again
+            self._broken = f"io_uring_enter wait: {_errno_text(err)}"
+            raise RouteIOError(self._broken)
 
     # --- lifetime -----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
