@@ -105,6 +105,19 @@ def test_odirect_fixed_buffers_many_chunks_beyond_queue_depth(blob):
 
 
 @needs_uring
+def test_whole_read_is_one_sqe(blob):
+    p, data = blob
+    fd = _open(p, False)
+    try:
+        with uring.UringReader(queue_depth=2, chunk_bytes=64 << 10) as r, AlignedBuffer(data.numel()) as b:
+            b.tensor.fill_(POISON)
+            assert r.read(fd, b.tensor[:data.numel()], 0, whole=True) == data.numel()
+            assert torch.equal(b.tensor[:data.numel()], data) and r.ops["readv"] + r.ops["readv_fixed"] == 1
+    finally:
+        os.close(fd)
+
+
+@needs_uring
 def test_short_file_is_short_file_error_and_ring_stays_usable(blob):
     p, data = blob
     fd = _open(p, True)
@@ -234,9 +247,12 @@ def test_routes_auto_use_io_uring_and_close_unregisters(tmp_path, name):
         assert torch.equal(land[:data.numel()], data) and not land[data.numel():].any()
         e = r.describe()["io_engine"]
         assert e["engine"] == "io_uring" and e["requested"] == "auto" and e["fallback_reason"] is None
-        assert (e["queue_depth"], e["chunk_bytes"]) == (4, 128 << 10)
-        assert e["fixed_buffers"] == uring.probe().fixed
-        assert sum(e["sqes"].values()) == -(-h.padded_nbytes // (128 << 10)) and e["preadv_calls"] == 0
+        assert e["fixed_buffers"] == uring.probe().fixed and e["preadv_calls"] == 0
+        if name == "odirect":        # chunks in parallel
+            assert (e["queue_depth"], e["chunk_bytes"]) == (4, 128 << 10)
+            assert sum(e["sqes"].values()) == -(-h.padded_nbytes // (128 << 10))
+        else:                        # buffered: one read, the page cache's readahead sizes the disk I/O
+            assert e["chunk_bytes"] == "whole read (buffered)" and sum(e["sqes"].values()) == 1
         ring = r._ring
         r.close()
         assert ring.closed and not ring.registered and r._buf is None

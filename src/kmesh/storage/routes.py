@@ -164,8 +164,8 @@ class Route:
         if dst.numel() != f.header.padded_nbytes or dst.data_ptr() % ALIGN:
             raise RouteIOError(f"landing slice of {dst.numel()} B at {dst.data_ptr():#x} does not fit "
                                f"{f.header.padded_nbytes} aligned bytes")
-        if self.engine == "io_uring":
-            n = self._reader().read(f.fd, dst, HEADER_BYTES)
+        if self.engine == "io_uring":   # O_DIRECT: chunks in parallel; buffered: one read (readahead)
+            n = self._reader().read(f.fd, dst, HEADER_BYTES, whole=not self.flags & os.O_DIRECT)
         else:
             n = preadv_full(f.fd, dst, HEADER_BYTES)
             self.ops["preadv"] += 1
@@ -183,7 +183,8 @@ class Route:
         if self.engine == "io_uring":
             r = self._ring
             ops = dict(r.ops) if r is not None else {"readv_fixed": 0, "readv": 0}
-            d.update(queue_depth=self.io.queue_depth, chunk_bytes=self.io.chunk_bytes, binding=uring.BINDING,
+            d.update(queue_depth=self.io.queue_depth, binding=uring.BINDING,
+                     chunk_bytes=self.io.chunk_bytes if self.flags & os.O_DIRECT else "whole read (buffered)",
                      wait=uring.WAIT,
                      fixed_buffers=r is not None and r.registered, fixed_reason=self.fixed_reason,
                      sqes=ops, resubmits=r.resubmits if r is not None else 0)
@@ -193,7 +194,7 @@ class Route:
         e = self.io_engine()
         if e["engine"] == "io_uring":
             io = (f"io_uring READV{'_FIXED (registered landing)' if e['fixed_buffers'] else ''}, "
-                  f"qd {e['queue_depth']}, chunk {e['chunk_bytes']} B")
+                  f"qd {e['queue_depth']}, chunk {e['chunk_bytes']}")
         else:
             io = "os.preadv" + (f" ({e['fallback_reason']})" if e["fallback_reason"] else "")
         return {"arm": self.arm, "route": self.route, "io": io, "io_engine": e,
