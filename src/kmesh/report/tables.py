@@ -198,7 +198,9 @@ def _io_engines(engines: dict[str, Any]) -> str:
     for arm, e in engines.items():
         if e.get("engine") == "io_uring":
             fixed = "fixed buffers" if e.get("fixed_buffers") else f"no fixed buffers ({e.get('fixed_reason')})"
-            out.append(f"{arm}: io_uring qd {e.get('queue_depth')} chunk {e.get('chunk_bytes')} B, {fixed}")
+            chunk = e.get("chunk_bytes")
+            chunk = f"{chunk} B" if isinstance(chunk, int) else chunk
+            out.append(f"{arm}: io_uring qd {e.get('queue_depth')}, chunk {chunk}, {fixed}")
         else:
             why = e.get("fallback_reason")
             out.append(f"{arm}: {e.get('engine')}" + (f" ({why})" if why else ""))
