@@ -11,7 +11,8 @@ up to `queue_depth` of them in flight, and waits for every completion before it 
 explicit I/O-completion point a device copy of the landing relies on. A negative completion is a RouteIOError
 (errno text); a short completion continues with the remainder (resubmitted); a completion of 0 bytes is the
 end of the file, a ShortFileError: the contract of routes.preadv_full. On an error the reads still in flight
-are reaped first, so the kernel writes nothing into the buffer after read() returns.
+are reaped first, so the kernel writes nothing into the buffer after read() returns. `read(..., whole=True)`
+submits it as one read (buffered files: parallel chunks defeat the page cache's readahead).
 
 Binding notes (liburing 2026.3.30), which shape this module:
   * io_uring_prep_read / prep_read_fixed accept only a Python `bytearray`, never foreign memory such as an
