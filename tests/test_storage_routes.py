@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from kmesh.storage import cufile, routes
+from kmesh.storage import cufile, routes, uring
 from kmesh.storage.errors import ObjectCorruptError, RouteUnavailableError
 from kmesh.storage.objfile import write_object
 
@@ -23,9 +23,12 @@ def objects(tmp_path):
     return out
 
 
+@pytest.mark.parametrize("io", ["preadv", "uring"])
 @pytest.mark.parametrize("name", ["buffered", "odirect"])
-def test_cpu_routes_deliver_verified_bytes_into_poisoned_landing(objects, name):
-    r = routes.build(name)
+def test_cpu_routes_deliver_verified_bytes_into_poisoned_landing(objects, name, io):
+    if io == "uring" and not uring.probe().available:
+        pytest.skip(uring.probe_reason())
+    r = routes.build(name, io=io)
     total = sum(h.padded_nbytes for _, h, _ in objects)
     land = r.landing(total)
     land.fill_(0xA5)
@@ -45,7 +48,13 @@ def test_cpu_routes_deliver_verified_bytes_into_poisoned_landing(objects, name):
         off += h.padded_nbytes
     d = r.describe()
     assert d["arm"] == name and d["reads"] == 3 and d["bytes_read"] == total
-    assert d["o_direct"] == (name == "odirect") and "preadv" in d["io"]
+    assert d["o_direct"] == (name == "odirect")
+    e = d["io_engine"]
+    if io == "preadv":
+        assert "preadv" in d["io"] and e["engine"] == "preadv" and e["preadv_calls"] == 3
+    else:   # the landing was registered: every chunk was a READV_FIXED (where the kernel has it)
+        assert e["engine"] == "io_uring" and e["fixed_buffers"] == uring.probe().fixed
+        assert e["sqes"]["readv_fixed" if e["fixed_buffers"] else "readv"] == 3 and e["preadv_calls"] == 0
     r.close()
 
 
@@ -235,6 +244,32 @@ def test_staging_route_on_cuda(objects):
     torch.cuda.synchronize()
     assert torch.equal(dev[:data.numel()].cpu(), data) and r.describe()["landing"] == "pinned host"
     r.close()
+
+
+@pytest.mark.gpu
+def test_staging_route_io_uring_into_pinned_registered_landing(objects):
+    """io_uring (fixed buffers where allowed) into the cudaHostRegister'ed landing, then the device copy; close
+    unregisters from the ring before unpinning; a second route works after it."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    if not uring.probe().available:
+        pytest.skip(uring.probe_reason())
+    for _ in range(2):
+        r = routes.build("staging", "cuda", io="uring")
+        p, h, data = objects[2]
+        land = r.landing(h.padded_nbytes)
+        land.fill_(0xA5)
+        with r.open(p) as f:
+            r.read(f, land)
+            f.header.verify(r.host_bytes(land))
+        dev = land.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev[:data.numel()].cpu(), data)
+        e = r.describe()["io_engine"]
+        assert e["engine"] == "io_uring" and r.describe()["landing"] == "pinned host"
+        assert e["fixed_buffers"] == (e["fixed_reason"] is None), e
+        r.close()
+        r.close()
 
 
 @pytest.mark.gpu

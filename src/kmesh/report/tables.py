@@ -192,6 +192,30 @@ def bytes_held_frame(held: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _io_engines(engines: dict[str, Any]) -> str:
+    """`arm: engine` per arm; io_uring with its queue depth, chunk and whether fixed buffers ran (else why)."""
+    out = []
+    for arm, e in engines.items():
+        if e.get("engine") == "io_uring":
+            fixed = "fixed buffers" if e.get("fixed_buffers") else f"no fixed buffers ({e.get('fixed_reason')})"
+            chunk = e.get("chunk_bytes")
+            chunk = f"{chunk} B" if isinstance(chunk, int) else chunk
+            out.append(f"{arm}: io_uring qd {e.get('queue_depth')}, chunk {chunk}, {fixed}")
+        else:
+            why = e.get("fallback_reason")
+            out.append(f"{arm}: {e.get('engine')}" + (f" ({why})" if why else ""))
+    return "; ".join(out)
+
+
+def _io_pair(pair: dict[str, Any] | None) -> str | None:
+    if not pair:
+        return None
+    if "unavailable" in pair:
+        return f"not run: {pair['unavailable']}"
+    return (f"{pair['median_ratio_uring_over_preadv']:.3g} ({pair['pairs']} pairs; median {pair['median_uring_s']:.4g} s "
+            f"vs {pair['median_preadv_s']:.4g} s)")
+
+
 def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The storage stage's headline values (result keys of issue §24 storage routes), one row each."""
     dm = summary.get("direct_mode") or {}
@@ -212,6 +236,8 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("floor ratio (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
         ("floor ratio's variant", summary.get("floor_ratio_variant")),
         ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
+        ("I/O engine per arm (as run)", _io_engines(summary.get("io_engine") or {})),
+        ("floor read, io_uring / preadv (median paired ratio)", _io_pair(summary.get("io_pair"))),
         ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),
         ("storage reads per object, forced eviction", summary.get("reads_per_object_forced")),
         ("storage reads per object, read-once through the service", summary.get("reads_per_object_read_once_service")),

@@ -14,6 +14,8 @@ Cases:
   pairs                 7 matched pairs alternating order, 4 children per arm, page cache dropped before every
                         child; parts read ⊂ check ⊂ restore ⊂ outer; every run compared bit for bit
   floor                 the staging arm's restore vs the same bytes read with O_DIRECT alone (matched pairs)
+  floor-io              that O_DIRECT floor read through io_uring vs os.preadv (same bytes, matched pairs); a
+                        skip with the probe's reason where io_uring cannot run
   checksum-*            checksum arms (CPU SHA-256 vs GPU SHA-256 / sha256-tree / BLAKE3) and the hash
                         overlapped with the reads, matched pairs (kmesh.stages.storage_checksum_cases)
   read-once             four concurrent children, singleflight + retention vs forced eviction; reads counted;
@@ -48,8 +50,8 @@ from kmesh.stages import storage_checksum_cases, storage_floor, storage_readonce
 from kmesh.stages.equivalence import begin_with_setup, leader_prefill, load_model
 from kmesh.stages.storage_child import release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
-from kmesh.storage import cufile, objfile, routes
-from kmesh.storage.errors import RouteUnavailableError
+from kmesh.storage import cufile, objfile, routes, uring
+from kmesh.storage.errors import RouteUnavailableError, StorageError
 from kmesh.storage.tier import TieredObjects
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import WorkloadSpec, build
@@ -65,6 +67,7 @@ class Setup:
     export: Any
     what: str
     root: Path
+    io: routes.IOSettings = routes.IOSettings()
 
 
 def _setup(cfg: Config) -> Setup:
@@ -77,7 +80,7 @@ def _setup(cfg: Config) -> Setup:
     ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(eq["repair"]),
                        int(sec["max_new_tokens"]), eq.get("restore_backend", "torch"))
     root = Path(sec["objects_dir"]) if sec.get("objects_dir") else cfg.results_dir / cfg.profile / "storage" / "objects"
-    return Setup(cfg, sec, device, ctx, workload, export, what, root)
+    return Setup(cfg, sec, device, ctx, workload, export, what, root, routes.IOSettings.of(sec.get("io")))
 
 
 def _objects_case(res: Result, s: Setup) -> ObjectSet:
@@ -108,7 +111,7 @@ def _build_arms(names: list[str], s: Setup, probe_dir: Path) -> tuple[dict[str, 
     missing: dict[str, str] = {}
     for name in names:
         try:
-            r = routes.build(name, s.device, probe_dir=probe_dir)
+            r = routes.build(name, s.device, probe_dir=probe_dir, io=s.io)
         except RouteUnavailableError as e:
             missing[name] = str(e)
             continue
@@ -125,7 +128,8 @@ def _routes_case(res: Result, s: Setup, objs: ObjectSet) -> tuple[dict[str, rout
     info: dict[str, Any] = {"direct_mode": {"mode": mode.mode, "arm": mode.arm, "reason": mode.reason,
                                             "props": mode.props}}
     with res.case("routes", {"requested": s.sec["arms"], "device": str(s.device),
-                             "fallback_arms": s.sec.get("fallback_arms")}) as c:
+                             "fallback_arms": s.sec.get("fallback_arms"), "io": dataclasses.asdict(s.io)}) as c:
+        c.record("io_uring_probe", uring.probe().as_dict())
         built, missing = _build_arms(list(s.sec["arms"]), s, probe_dir)
         for name, why in missing.items():
             c.record(f"unavailable:{name}", why)
@@ -139,6 +143,8 @@ def _routes_case(res: Result, s: Setup, objs: ObjectSet) -> tuple[dict[str, rout
                                 "comparison": s.sec.get("fallback_note", "the profile's fallback arms")}
             c.record("fallback", info["fallback"])
         c.record("arms", {a: r.describe() for a, r in built.items()})
+        info["io_engine"] = {a: r.describe()["io_engine"]["engine"] for a, r in built.items()}
+        c.record("io_engine", info["io_engine"])
         c.check("two_arms_built", len(built) == 2, value=list(built))
         if s.device.type == "cuda":
             c.check("direct_arm_named_by_mode", all(a != "direct" for a in built), value=list(built))
@@ -271,7 +277,8 @@ def run(cfg: Config) -> Result:
         "max_new_tokens": s.ctx.max_new_tokens,
     }
     built, info = _routes_case(res, s, objs)
-    res.extra.update(arms=list(built), direct_mode=info["direct_mode"], unavailable=info.get("unavailable", {}))
+    res.extra.update(arms=list(built), direct_mode=info["direct_mode"], unavailable=info.get("unavailable", {}),
+                     io_settings=dataclasses.asdict(s.io), io_uring_probe=uring.probe().as_dict())
     if "fallback" in info:
         res.extra["arms_fallback"] = info["fallback"]
 
@@ -316,6 +323,9 @@ def run(cfg: Config) -> Result:
         res.extra["runs_compared"] = compared[0]
     if s.sec["floor_arm"] in built:   # also when the other arm could not be built here: the floor still says much
         storage_floor.floor_case(res, s, objs, built, pairs, warmup, dev, refs)
+    _floor_io_case(res, s, objs, pairs, warmup, dev)
+    # per arm, the engine that actually ran its reads (after every timed case)
+    res.extra["io_engine"] = {a: r.describe()["io_engine"] for a, r in built.items()}
     res.extra["outputs_identical"] = compared[0] > 0 and identical_runs[0] == compared[0]
     storage_checksum_cases.run_cases(res, s, refs, pairs, warmup)
     _read_once_case(res, s, refs, pairs, warmup)
@@ -325,6 +335,83 @@ def run(cfg: Config) -> Result:
         r.close()
     gc.collect()
     return res
+
+
+def _floor_io_case(res: Result, s: Setup, objs: ObjectSet, pairs: int, warmup: int, dev: str) -> None:
+    """The floor's O_DIRECT read of every object through io_uring (the profile's queue depth and chunk) vs
+    os.preadv: the same padded bytes into two aligned landings, matched pairs alternating order."""
+    arms = ("preadv", "io_uring")
+    with res.case("floor-io", {"arms": list(arms), "queue_depth": s.io.queue_depth,
+                               "chunk_bytes": s.io.chunk_bytes, "o_direct": True,
+                               "padded_bytes_per_read": objs.total_padded}) as c:
+        try:
+            rs = {"preadv": routes.DirectIORoute(io=dataclasses.replace(s.io, engine="preadv")),
+                  "io_uring": routes.DirectIORoute(io=dataclasses.replace(s.io, engine="uring"))}
+        except RouteUnavailableError as e:
+            res.extra["io_pair"] = {"unavailable": str(e)}
+            c.record("io_uring_unavailable", str(e))
+            _io_fallback_checks(c, s, objs)
+            return
+        lands = {a: r.landing(objs.total_padded) for a, r in rs.items()}
+
+        def read_all(arm: str) -> None:
+            for i, p in enumerate(objs.paths):
+                with rs[arm].open(p) as f:
+                    rs[arm].read(f, lands[arm][objs.slots[i]:objs.slots[i] + f.header.padded_nbytes])
+
+        def fn(arm: str, child: Any, iv: Intervals) -> None:
+            with iv.part("load"):
+                read_all(arm)
+
+        try:
+            for a, poison in zip(arms, (0xA5, 0x5A)):   # untimed: both deliver the same, verified bytes
+                lands[a].fill_(poison)
+                read_all(a)
+            c.check("same_bytes_both_engines", bool(torch.equal(lands["preadv"], lands["io_uring"])))
+            bad = []
+            for i, h in enumerate(objs.headers):
+                try:
+                    h.verify(rs["io_uring"].host_bytes(lands["io_uring"][objs.slots[i]:objs.slots[i] + h.padded_nbytes]))
+                except StorageError as e:
+                    bad.append(f"{i}: {e}")
+            c.check("io_uring_bytes_verified", not bad, value=bad)
+            t = run_pairs(fn, arms, s.workload.children, pairs=pairs, warmup=warmup, device=dev,
+                          between=lambda: routes.drop_page_cache(objs.paths), progress=False)
+            res.timings["floor_io"] = t.to_dict()
+            sm = t.summary()["load"]
+            c.check("timed_every_pair", sm["pairs"] == pairs)
+            engines = {a: r.describe()["io_engine"] for a, r in rs.items()}
+            c.record("io_engine", engines)
+            c.check("engines_as_named", engines["preadv"]["engine"] == "preadv" and engines["preadv"]["preadv_calls"] > 0
+                    and engines["io_uring"]["engine"] == "io_uring" and engines["io_uring"]["preadv_calls"] == 0
+                    and sum(engines["io_uring"]["sqes"].values()) > 0, value=engines)
+            res.extra["io_pair"] = {"median_ratio_uring_over_preadv": sm["median_ratio"],
+                                    "median_diff_s": sm["median_diff"], "pairs": sm["pairs"],
+                                    "median_preadv_s": sm["median_a"], "median_uring_s": sm["median_b"],
+                                    "fixed_buffers": engines["io_uring"]["fixed_buffers"],
+                                    "fixed_reason": engines["io_uring"]["fixed_reason"],
+                                    "queue_depth": s.io.queue_depth, "chunk_bytes": s.io.chunk_bytes}
+        finally:
+            for r in rs.values():
+                r.close()
+
+
+def _io_fallback_checks(c: Any, s: Setup, objs: ObjectSet) -> None:
+    """No io_uring here: what `auto` does instead is checked — preadv, the probe's reason, the same bytes."""
+    r = routes.DirectIORoute(io=dataclasses.replace(s.io, engine="auto"))
+    try:
+        land = r.landing(objs.total_padded)
+        land.fill_(0xA5)
+        for i, p in enumerate(objs.paths):
+            with r.open(p) as f:
+                dst = land[objs.slots[i]:objs.slots[i] + f.header.padded_nbytes]
+                r.read(f, dst)
+                f.header.verify(r.host_bytes(dst))
+        e = r.describe()["io_engine"]
+        c.check("auto_reads_preadv_with_reason", e["engine"] == "preadv" and bool(e["fallback_reason"])
+                and e["preadv_calls"] == len(objs.paths), value=e)
+    finally:
+        r.close()
 
 
 def _repair_from(s: Setup, child: Any, private: torch.Tensor, source: str) -> ChildOutcome:
@@ -375,7 +462,7 @@ def _read_once_service_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]
 def _read_once_case(res: Result, s: Setup, refs: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
     with res.case("read-once", {"children": len(s.workload.children), "concurrent": True,
                                 "arms": list(storage_readonce.ARMS)}) as c:
-        tier = TieredObjects(s.root / "tier", route=routes.DirectIORoute())
+        tier = TieredObjects(s.root / "tier", route=routes.DirectIORoute(io=s.io))
         raw = s.export.raw.cpu()
         for e in s.export.catalog.entries:
             tier.put(e.key, raw[e.offset:e.offset + e.nbytes].contiguous().numpy(), keep=False,

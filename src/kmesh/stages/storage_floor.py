@@ -70,7 +70,7 @@ def floor_case(res: Result, s: Any, objs: ObjectSet, built: dict[str, routes.Rou
     arm = s.sec["floor_arm"]
     hashers = int(s.sec.get("floor_hashers", 1))
     variants = {v: parse_variant(v, hashers) for v in s.sec.get("floor_variants", ["sequential", "pipelined"])}
-    floor = routes.DirectIORoute()
+    floor = routes.DirectIORoute(io=s.io)     # the arm's I/O engine settings: the floor is the best raw read
     with res.case("floor", {"arm": arm, "floor": "O_DIRECT reads of the same padded bytes, nothing else",
                             "variants": {v: (c.describe() if c else "sequential") for v, c in variants.items()},
                             "floor_route": floor.describe()}) as c:

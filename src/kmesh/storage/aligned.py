@@ -1,7 +1,14 @@
 """Page-aligned host buffers for O_DIRECT reads: an anonymous mmap (page aligned by construction), viewed as a
-uint8 tensor, optionally page-locked with cudaHostRegister so a device copy from it is a true async DMA."""
+uint8 tensor, optionally page-locked with cudaHostRegister so a device copy from it is a true async DMA.
+
+The mapping asks for transparent huge pages (MADV_HUGEPAGE; THP is `madvise` on these machines) and is touched
+once when made, so its pages exist before anything pins them. Measured on the 2-core machine (virtio disk,
+254 segments per request): O_DIRECT reads into 4 KiB pages that an io_uring buffer registration had faulted
+in ran 1.8x slower than into pages the reads faulted in themselves, and 2.4x slower than into touched huge
+pages — the same for preadv and io_uring, so without this the engine comparison would compare memory."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 from typing import Any
 
@@ -9,6 +16,18 @@ import torch
 
 from kmesh.storage.errors import RouteUnavailableError
 from kmesh.storage.objfile import ALIGN, round_up
+
+
+def _advise_huge(mm: mmap.mmap) -> bool:
+    """Ask for transparent huge pages; False where the kernel has none (THP `never`, or no MADV_HUGEPAGE)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        mm.madvise(advice)
+    except OSError:
+        return False
+    return True
 
 
 def _cudart() -> Any:
@@ -37,10 +56,12 @@ class AlignedBuffer:
     def __init__(self, nbytes: int, pin: bool = False) -> None:
         self.nbytes = round_up(max(nbytes, 1))
         self._mm: Any = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.hugepages = _advise_huge(self._mm)
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         if self.address % ALIGN:
             raise RouteUnavailableError(f"mmap returned an address not {ALIGN}-aligned: {self.address:#x}")
+        ctypes.memset(self.address, 0, self.nbytes)   # fault every page in now (huge where granted)
         self.pinned = False
         if pin:
             _cuda_host_register(self.address, self.nbytes)

@@ -1,16 +1,21 @@
 """Storage routes: bring an object file's padded payload into a landing buffer, and say what actually ran.
 
-    route = build("odirect", device)       # buffered | odirect (CPU arms) | staging | staging-buffered | direct
+    route = build("odirect", device, io=IOSettings("auto", 8, 512 << 10))
+                                           # buffered | odirect (CPU arms) | staging | staging-buffered | direct
     land = route.landing(total_bytes)      # aligned host (pinned on CUDA) or device memory, allocated once
     f = route.open(path)                   # header checked
     route.read(f, land[off:off + f.header.padded_nbytes])
     f.header.verify(route.host_bytes(dst)) # the integrity check reads host bytes (device routes copy back first)
-    route.describe()                       # arm as run, I/O call, O_DIRECT, mode, reads and bytes
+    route.describe()                       # arm as run, I/O engine as run, O_DIRECT, mode, reads and bytes
 
-Reads are os.preadv (no io_uring: no maintained Python binding is installed here; `describe()` says so). preadv
-returns only once the I/O completed, which is the explicit I/O-completion wait the device copy that follows
-must have: an I/O is never a CUDA stream event. The device copy itself is the caller's (kmesh.transfer: a ticket,
-holds on both buffers until drained). The `direct` route is cuFile: its arm name comes from the detected mode
+Host routes read through an I/O engine chosen per route (`io`): "uring" = io_uring (kmesh.storage.uring:
+chunks of `chunk_bytes` with up to `queue_depth` in flight; READV_FIXED from the landing buffer, registered
+once when it is allocated, where the kernel and RLIMIT_MEMLOCK allow), refused with RouteUnavailableError
+where io_uring cannot run; "preadv" = os.preadv; "auto" = io_uring where the probe says it works, else
+preadv with the probe's reason. `describe()["io_engine"]` says which ran and why. Either engine returns only
+once the I/O completed: the explicit I/O-completion wait the device copy that follows must have (an I/O is
+never a CUDA stream event). The device copy itself is the caller's (kmesh.transfer: a ticket, holds on both
+buffers until drained). The `direct` route is cuFile: its arm name comes from the detected mode
 (`cufile-compat` when cuFile stages through host memory); with no cuFile, or a cuFile that cannot register a
 file handle in the objects' directory (the probe in kmesh.storage.cufile), it raises RouteUnavailableError:
 the direct route never falls back to another route under its name. `staging-buffered` is the staging route
@@ -19,19 +24,50 @@ usable cuFile can still run.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kmesh.storage import cufile
+from kmesh.storage import cufile, uring
 from kmesh.storage.aligned import AlignedBuffer
 from kmesh.storage.errors import RouteIOError, RouteUnavailableError, ShortFileError
 from kmesh.storage.objfile import ALIGN, HEADER_BYTES, ObjectFile
 
-IO_NOTE = "os.preadv (io_uring not used: no maintained Python io_uring binding is installed)"
+IO_NOTE = ("host routes read through io_uring (liburing binding; READV_FIXED from the registered landing where "
+           "the kernel allows) or os.preadv, per route: describe()['io_engine'] says which ran and why")
+ENGINES = ("auto", "uring", "preadv")
+
+
+@dataclasses.dataclass(frozen=True)
+class IOSettings:
+    """How a host route reads: engine auto | uring | preadv; io_uring queue depth and chunk size."""
+
+    engine: str = "auto"
+    queue_depth: int = 8
+    chunk_bytes: int = 512 << 10
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise RouteUnavailableError(f"unknown I/O engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if self.queue_depth < 1 or self.chunk_bytes < ALIGN or self.chunk_bytes % ALIGN:
+            raise RouteUnavailableError(f"io: queue_depth {self.queue_depth} must be >= 1 and chunk_bytes "
+                                        f"{self.chunk_bytes} a positive multiple of {ALIGN}")
+
+    @classmethod
+    def of(cls, io: "IOSettings | dict[str, Any] | str | None") -> "IOSettings":
+        """From a config mapping (storage.io), an engine name, or None (the defaults)."""
+        if io is None:
+            return cls()
+        if isinstance(io, IOSettings):
+            return io
+        if isinstance(io, str):
+            return cls(engine=io)
+        return cls(**{k: io[k] for k in ("engine", "queue_depth", "chunk_bytes") if k in io})
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -61,23 +97,64 @@ def preadv_full(fd: int, dst: torch.Tensor, offset: int) -> int:
 
 
 class Route:
-    """A host-landing route: open with `flags`, read with preadv into an aligned host buffer."""
+    """A host-landing route: open with `flags`, read with the route's I/O engine into an aligned host buffer."""
 
     arm = "route"
     route = "host"
     flags = 0
     pin = False
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu",
+                 io: IOSettings | dict[str, Any] | str | None = None) -> None:
         self.device = torch.device(device)
         self.reads = 0
         self.bytes_read = 0
         self._buf: AlignedBuffer | None = None
+        self.io = IOSettings.of(io)
+        self._ring: uring.UringReader | None = None
+        self._ring_lock = threading.Lock()
+        self.engine, self.fallback_reason = self._choose_engine()
+        self.fixed_reason: str | None = None if self.engine != "io_uring" else "no landing buffer registered yet"
+        self.ops = {"preadv": 0}
+
+    def _choose_engine(self) -> tuple[str, str | None]:
+        """The engine, decided now; the ring is made now too (a process's open files then include it from the
+        route's construction on, as the service's leak check expects)."""
+        if self.io.engine == "preadv":
+            return "preadv", None
+        p = uring.probe()
+        why = f"io_uring unavailable: {p.reason} (kernel {p.kernel})"
+        if p.available:
+            try:
+                self._reader()
+                return "io_uring", None
+            except RouteUnavailableError as e:
+                why = f"io_uring ring for this route: {e}"
+        if self.io.engine == "uring":
+            raise RouteUnavailableError(f"route {self.arm!r} with io=uring: {why}")
+        return "preadv", why
+
+    def _reader(self) -> uring.UringReader:
+        """The route's ring, made on first use (and again in a forked child, which must not share it)."""
+        with self._ring_lock:
+            if self._ring is None or self._ring.closed or self._ring._pid != os.getpid():
+                self._ring = uring.UringReader(self.io.queue_depth, self.io.chunk_bytes)
+            return self._ring
+
+    def _register_landing(self) -> None:
+        if self.engine != "io_uring" or self._buf is None:
+            return
+        p = uring.probe()
+        if not p.fixed:
+            self.fixed_reason = p.fixed_reason
+            return
+        self.fixed_reason = self._reader().register(self._buf.address, self._buf.nbytes)
 
     def landing(self, nbytes: int) -> torch.Tensor:
         if self._buf is None or self._buf.nbytes < nbytes:
-            self.close()
+            self._drop_landing()
             self._buf = AlignedBuffer(nbytes, pin=self.pin)
+            self._register_landing()
         return self._buf.tensor[:nbytes]
 
     def open(self, path: Path) -> ObjectFile:
@@ -87,7 +164,11 @@ class Route:
         if dst.numel() != f.header.padded_nbytes or dst.data_ptr() % ALIGN:
             raise RouteIOError(f"landing slice of {dst.numel()} B at {dst.data_ptr():#x} does not fit "
                                f"{f.header.padded_nbytes} aligned bytes")
-        n = preadv_full(f.fd, dst, HEADER_BYTES)
+        if self.engine == "io_uring":   # O_DIRECT: chunks in parallel; buffered: one read (readahead)
+            n = self._reader().read(f.fd, dst, HEADER_BYTES, whole=not self.flags & os.O_DIRECT)
+        else:
+            n = preadv_full(f.fd, dst, HEADER_BYTES)
+            self.ops["preadv"] += 1
         self.reads += 1
         self.bytes_read += n
         return n
@@ -95,15 +176,46 @@ class Route:
     def host_bytes(self, dst: torch.Tensor) -> memoryview:
         return memoryview(dst.numpy()).cast("B")
 
+    def io_engine(self) -> dict[str, Any]:
+        """The I/O engine as it ran: engine, fixed buffers, queue depth, chunk, op counts, reasons."""
+        d: dict[str, Any] = {"requested": self.io.engine, "engine": self.engine,
+                             "fallback_reason": self.fallback_reason, "preadv_calls": self.ops["preadv"]}
+        if self.engine == "io_uring":
+            r = self._ring
+            ops = dict(r.ops) if r is not None else {"readv_fixed": 0, "readv": 0}
+            d.update(queue_depth=self.io.queue_depth, binding=uring.BINDING,
+                     chunk_bytes=self.io.chunk_bytes if self.flags & os.O_DIRECT else "whole read (buffered)",
+                     wait=uring.WAIT,
+                     fixed_buffers=r is not None and r.registered, fixed_reason=self.fixed_reason,
+                     sqes=ops, resubmits=r.resubmits if r is not None else 0)
+        return d
+
     def describe(self) -> dict[str, Any]:
-        return {"arm": self.arm, "route": self.route, "io": IO_NOTE, "o_direct": bool(self.flags & os.O_DIRECT),
+        e = self.io_engine()
+        if e["engine"] == "io_uring":
+            io = (f"io_uring READV{'_FIXED (registered landing)' if e['fixed_buffers'] else ''}, "
+                  f"qd {e['queue_depth']}, chunk {e['chunk_bytes']}")
+        else:
+            io = "os.preadv" + (f" ({e['fallback_reason']})" if e["fallback_reason"] else "")
+        return {"arm": self.arm, "route": self.route, "io": io, "io_engine": e,
+                "o_direct": bool(self.flags & os.O_DIRECT),
                 "landing": "pinned host" if self.pin else "aligned host", "device": str(self.device),
                 "reads": self.reads, "bytes_read": self.bytes_read}
 
-    def close(self) -> None:
+    def _drop_landing(self) -> None:
+        """Unregister the landing from the ring first, then unpin and unmap it."""
+        if self._ring is not None and not self._ring.closed:
+            self._ring.unregister()
         if self._buf is not None:
             self._buf.close()
             self._buf = None
+
+    def close(self) -> None:
+        """Landing (unregistered, unpinned, unmapped) and ring released; closing twice is safe."""
+        self._drop_landing()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
 
 class BufferedRoute(Route):
@@ -142,7 +254,7 @@ class CuFileRoute(Route):
     flags = os.O_DIRECT
 
     def __init__(self, device: torch.device | str, mode: cufile.Mode, lib: Any) -> None:
-        super().__init__(device)
+        super().__init__(device, io="preadv")    # cuFileRead does the I/O: no ring for this route
         if mode.mode is None:
             raise RouteUnavailableError(f"direct route unavailable: {mode.reason}")
         self.mode, self.lib, self.arm = mode, lib, mode.arm
@@ -181,7 +293,8 @@ class CuFileRoute(Route):
         return memoryview(dst.cpu().numpy()).cast("B")
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "io": "cuFileRead", "landing": "device (cuFile-registered)",
+        return {**super().describe(), "io": "cuFileRead", "io_engine": {"engine": "cuFileRead"},
+                "landing": "device (cuFile-registered)",
                 "mode": self.mode.mode, "direct": self.mode.direct, "mode_reason": self.mode.reason,
                 "mode_props": self.mode.props}
 
@@ -196,9 +309,11 @@ ROUTES = {"buffered": BufferedRoute, "odirect": DirectIORoute, "staging": Stagin
 CUDA_ROUTES = ("staging", "staging-buffered", "direct")
 
 
-def build(name: str, device: torch.device | str = "cpu", probe_dir: Path | str | None = None) -> Route:
+def build(name: str, device: torch.device | str = "cpu", probe_dir: Path | str | None = None,
+          io: IOSettings | dict[str, Any] | str | None = None) -> Route:
     """A route by name; `direct` detects the cuFile mode and registers a probe file in `probe_dir` (default: the
-    temp directory; give the objects' directory). Raises RouteUnavailableError with what was found."""
+    temp directory; give the objects' directory). `io` picks the host routes' I/O engine (IOSettings.of).
+    Raises RouteUnavailableError with what was found (also for io="uring" where io_uring cannot run)."""
     device = torch.device(device)
     if name in CUDA_ROUTES and device.type != "cuda":
         raise RouteUnavailableError(f"route {name!r} needs a CUDA device, not {device}")
@@ -208,6 +323,7 @@ def build(name: str, device: torch.device | str = "cpu", probe_dir: Path | str |
             raise RouteUnavailableError(f"direct route unavailable: {mode.reason}")
         return CuFileRoute(device, mode, cufile.load_lib())
     try:
-        return ROUTES[name](device)
+        cls = ROUTES[name]
     except KeyError:
         raise RouteUnavailableError(f"unknown route {name!r} (known: {', '.join([*ROUTES, 'direct'])})") from None
+    return cls(device, io=io)
