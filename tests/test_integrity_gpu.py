@@ -119,3 +119,40 @@ def test_stage_cuda_profile_small(tmp_path, torch):
         assert s["arms"][arm]["set"]["gbps"] > 0
     assert "big" in s["arms"]["gpu-blake3"] and "big" in s["arms"]["gpu-sha256-concurrent"]
     assert set(s["goals"]) >= {"blake3_12MiB_le_30us", "blake3_1GiB_ge_1TBps", "sha256_tree_12MiB_le_80us"}
+
+
+@pytest.mark.parametrize("algorithm,kw", [("blake3", {}), ("sha256-tree", {"chunk_bytes": 512}),
+                                          ("sha256", {}), ("sha256", {"mode": "serial"})])
+def test_graph_replay_hashes_the_bytes_there_now(torch, algorithm, kw):
+    """A repeated request (same buffers) replays its plan's captured graph: every replay hashes the bytes the
+    buffers hold at that moment (rewritten between requests), equal to the CPU reference and to the allocating
+    path; a request made while the previous one's digests are unread does not share its buffers."""
+    from kmesh.integrity import get, gpu
+
+    sizes = [3 << 20, (1 << 20) + 5, 4096, 1]
+    base = torch.empty(sum(sizes) + 64, dtype=torch.uint8, device="cuda")
+    offs = np.cumsum([0] + sizes[:-1]).tolist()
+    objs = [base[o:o + n] for o, n in zip(offs, sizes)]
+    ref = get(algorithm)
+    params = {k: v for k, v in kw.items() if k == "chunk_bytes"}
+
+    def want() -> list[bytes]:
+        return [ref.digest(o.cpu().numpy(), **params) for o in objs]
+
+    gpu.clear_plans()
+    before = dict(gpu.stats)
+    for seed in range(4):
+        base.copy_(torch.randint(0, 256, base.shape, dtype=torch.uint8, device="cuda"))
+        assert gpu.hash_buffers(algorithm, objs, **kw) == want(), seed
+    assert gpu.stats["captures"] - before["captures"] == 1 and not gpu.capture_errors
+    assert gpu.stats["graph_launches"] - before["graph_launches"] == 3
+    p1 = gpu.hash_async(algorithm, objs, **kw)             # replay, digests left unread ...
+    p2 = gpu.hash_async(algorithm, objs, **kw)             # ... so this one allocates
+    assert gpu.stats["allocating"] - before["allocating"] == 2
+    assert p2.result() == p1.result() == want()
+    prev = gpu.set_replay(False)
+    try:
+        assert gpu.hash_buffers(algorithm, objs, **kw) == want()
+    finally:
+        gpu.set_replay(prev)
+    gpu.clear_plans()

@@ -223,5 +223,10 @@ def run(cfg: Config) -> Result:
         res.extra["goals"] = _goals(arms)
         res.extra["writeup_ms"] = WRITEUP_MS
         res.extra["kernels"] = {k: kernel_info(k) for k in ("sha256", "sha256_tree", "blake3")}
+        from kmesh.integrity import gpu
+
+        # how the timed GPU requests ran: the warm-up trial builds each plan, the next request captures its
+        # graph, the rest replay it (kmesh.integrity.gpu.Replay); a capture refused here is listed
+        res.extra["gpu_request_path"] = {"stats": dict(gpu.stats), "capture_errors": list(gpu.capture_errors)}
     return res
 
