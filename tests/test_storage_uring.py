@@ -337,7 +337,9 @@ def _child(limit: int, obj: Path) -> dict:
         pytest.skip("needs root and setpriv to drop CAP_IPC_LOCK in a child process")
     cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", sys.executable, "-c", _CHILD,
            str(limit), str(obj)]
-    env = {**os.environ, "PYTHONPATH": SRC}
+    # keep the parent's path after ours: where packages are installed by PYTHONPATH (the GPU host's --target
+    # dir), liburing is found there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     if p.returncode != 0 and "setpriv" in p.stderr:
         pytest.skip(f"setpriv refused here: {p.stderr.strip()}")

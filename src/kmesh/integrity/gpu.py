@@ -59,11 +59,12 @@ def device_buffer(obj: Any) -> DeviceBuffer:
     except ImportError:  # pragma: no cover - torch is a dependency
         torch = None
     if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.device.type != "cuda":
+        # is_cuda / get_device(): no torch.device object per call (this runs per buffer per request)
+        if not obj.is_cuda:
             raise GpuHashError(f"GPU hashing needs a CUDA tensor, got one on {obj.device}")
         if not obj.is_contiguous():
             raise GpuHashError("GPU hashing needs a contiguous tensor")
-        return DeviceBuffer(obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index or 0)
+        return DeviceBuffer(obj.data_ptr(), obj.nbytes, obj.get_device())
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         raise GpuHashError(f"not a device buffer: {type(obj).__name__} (give a CUDA tensor or a cupy array)")
