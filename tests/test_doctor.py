@@ -149,3 +149,5 @@ def test_o_direct_probe_reads_back_what_it_wrote(tmp_path):
 def test_io_uring_probe_answers():
     p = probe_io_uring()
     assert p["ok"] is _io_uring_setup_works() and "io_uring" in p["detail"], p
+    if p["ok"]:   # and what the storage routes will read with, from kmesh.storage.uring's own probe
+        assert "storage reads use " in p["detail"], p

@@ -56,7 +56,18 @@ def probe_io_uring() -> Probe:
         err = ctypes.get_errno()
         return {"ok": False, "detail": f"io_uring_setup failed: {os.strerror(err)} (kernel.io_uring_disabled={sysctl})"}
     os.close(fd)
-    return {"ok": True, "detail": f"io_uring_setup works (kernel.io_uring_disabled={sysctl})"}
+    return {"ok": True, "detail": f"io_uring_setup works (kernel.io_uring_disabled={sysctl}); "
+                                  f"storage reads use {_storage_engine()}"}
+
+
+def _storage_engine() -> str:
+    """What kmesh.storage's routes will read with here (its own probe: the binding, ring setup, fixed buffers)."""
+    from kmesh.storage import uring
+
+    p = uring.probe()
+    if not p.available:
+        return f"preadv ({p.reason})"
+    return "io_uring with fixed buffers" if p.fixed else f"io_uring without fixed buffers ({p.fixed_reason})"
 
 
 def probe_o_direct(directory: Path) -> Probe:
