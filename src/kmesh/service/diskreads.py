@@ -17,7 +17,6 @@ lets tests hold a read open, the way the copy gate holds copies.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from kmesh.service.errors import CapacityError
+from kmesh.service.wake import DoneQueue
 from kmesh.storage.errors import StorageError
 from kmesh.transfer import ChunkGate
 
@@ -71,8 +71,8 @@ class DiskReads:
         self.flights: dict[bytes, Flight] = {}      # loop thread only
         self.counters = {"flights": 0, "joins": 0, "failed": 0}
         self._todo: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[Flight] = queue.SimpleQueue()
-        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._done: DoneQueue[Flight] = DoneQueue()
+        self.wake_r = self._done.wake_r
         self._gate = ChunkGate.from_read_fd(gate_fd) if gate_fd is not None else None
         self._gate_lock = threading.Lock()          # one reader at a time waits on the gate pipe
         self._stop = threading.Event()
@@ -111,21 +111,12 @@ class DiskReads:
 
     def finished(self) -> list[Flight]:
         """Flights whose read ended since the last call (removed from `flights`: the caller settles them)."""
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        out = []
-        while True:
-            try:
-                f = self._done.get_nowait()
-            except queue.Empty:
-                return out
+        out = self._done.take_all()
+        for f in out:
             self.flights.pop(f.key, None)
             if f.error is not None:
                 self.counters["failed"] += 1
-            out.append(f)
+        return out
 
     def in_flight(self) -> int:
         return len(self.flights)
@@ -148,8 +139,7 @@ class DiskReads:
             t.join(timeout=timeout)
         for tier in self._tiers:
             tier.close()
-        os.close(self.wake_r)
-        os.close(self._wake_w)
+        self._done.close()
 
     # -- reader threads ---------------------------------------------------------------------------------
     def _held(self) -> bool:
@@ -181,11 +171,4 @@ class DiskReads:
             f.read_s = time.perf_counter() - t0
         except BaseException as e:  # every failure goes back to the loop, typed: the thread lives on
             f.error = e
-        self._done.put(f)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups: the loop is woken already
-            pass
-        except OSError:  # closed at teardown: nobody is waiting any more
-            return False
-        return True
+        return self._done.put(f)   # False once closed at teardown: nobody is waiting any more

@@ -13,7 +13,6 @@ only from its own thread, when it collects finished jobs.
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 import time
@@ -25,6 +24,7 @@ import torch
 
 from kmesh.service.errors import CapacityError, DestinationBusyError, UnknownRequestError
 from kmesh.service.protocol import clip
+from kmesh.service.wake import DoneQueue
 from kmesh.transfer import ChunkGate, FaultPlan, SubmitError, TransferEngine, TransferError
 
 
@@ -89,11 +89,11 @@ class Reservations:
 class _Lane:
     """One engine and the thread that waits for its tickets in submission order."""
 
-    def __init__(self, engine: TransferEngine, done: "queue.SimpleQueue[CopyJob]", wake_w: int) -> None:
+    def __init__(self, engine: TransferEngine, done: "DoneQueue[CopyJob]") -> None:
         self.engine = engine
         self.outstanding = 0  # jobs handed to this lane and not yet collected (server thread only)
         self.q: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self._done, self._wake_w = done, wake_w
+        self._done = done
         self.thread = threading.Thread(target=self._watch, name=f"kmesh-watch-{engine.device}", daemon=True)
         self.thread.start()
 
@@ -110,7 +110,6 @@ class _Lane:
                     job.drain_errors += 1
                     time.sleep(0.05)
             self._done.put(job)
-            os.write(self._wake_w, b"\0")
 
 
 class CopyRunner:
@@ -118,8 +117,8 @@ class CopyRunner:
         self._gate = ChunkGate.from_read_fd(gate_fd) if gate_fd is not None else None
         self._chunk_bytes = chunk_bytes
         self._lanes: dict[str, _Lane] = {}
-        self._done: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
-        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._done: DoneQueue[CopyJob] = DoneQueue()
+        self.wake_r = self._done.wake_r
         self.jobs: OrderedDict[int, CopyJob] = OrderedDict()
         self._ids = itertools.count(1)
         self.max_jobs = max_jobs
@@ -133,7 +132,7 @@ class CopyRunner:
         name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
         lane = self._lanes.get(name)
         if lane is None:
-            lane = self._lanes[name] = _Lane(self._engine(name), self._done, self._wake_w)
+            lane = self._lanes[name] = _Lane(self._engine(name), self._done)
         return lane
 
     def recycle_idle(self) -> int:
@@ -175,20 +174,11 @@ class CopyRunner:
 
     def finished(self) -> list[CopyJob]:
         """Jobs whose tickets drained since the last call (ticket state done/failed is final)."""
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        out = []
-        while True:
-            try:
-                job = self._done.get_nowait()
-            except queue.Empty:
-                return out
+        out = self._done.take_all()
+        for job in out:
             job.lane.outstanding -= 1
             job.lane = None
-            out.append(job)
+        return out
 
     def get(self, req_id: int) -> CopyJob:
         job = self.jobs.get(req_id)
@@ -222,5 +212,4 @@ class CopyRunner:
         self._lanes.clear()
         if self._gate is not None:
             self._gate.close()
-        os.close(self.wake_r)
-        os.close(self._wake_w)
+        self._done.close()
