@@ -18,7 +18,8 @@ sha256 `mode`: "concurrent" = one launch, one thread per object; "serial" = one 
 write-up's two GPU arms). A plan (per-pass block tables, uploaded once) is cached per (algorithm, buffer addresses,
 lengths, chunk size). The second request with a plan captures the whole request — every pass and the digest copy —
 as a CUDA graph with its own scratch and pinned digest buffer (`Replay`); later ones are one graph launch, which is
-what makes a small set cheap: issuing the passes from Python cost ~110 µs on the H200, their GPU time ~40 µs.
+what makes a small set cheaper: on the H200, issuing a 4 × 3 MiB BLAKE3 request pass by pass put ~250 µs between
+the CUDA events around it, its GPU work ~43 µs (docs/measurements/integrity-h200, scripts/gpu_hash_overhead.py).
 Requests whose previous digests are still unread, poisoned ones, and `set_replay(False)` take the allocating path.
 """
 from __future__ import annotations
