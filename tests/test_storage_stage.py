@@ -183,7 +183,8 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
 
 
 @pytest.mark.parametrize("variant", ["pipelined", "pipelined-host-blake3", "pipelined-device-blake3",
-                                     "pipelined-device-sha256"])
+                                     "pipelined-device-sha256", "pipelined-restore-once",
+                                     "pipelined-device-sha256-tree-restore-once"])
 def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant):
     """Every check placement writes exactly what restore_child writes from the export; a flipped payload byte is
     refused before use (ObjectCorruptError), with nothing pending and no hold left, however many hashers run."""
@@ -195,7 +196,8 @@ def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant
     s, objs, _, tmp = setup
     chk = parse_variant(variant, hashers=3)
     algo = chk.algorithm or "sha256"
-    vobjs = objs if algo == "sha256" else save_objects(s.export, tmp / f"var-{variant}", algo)
+    params = {"chunk_bytes": 4096} if algo == "sha256-tree" else None
+    vobjs = objs if algo == "sha256" else save_objects(s.export, tmp / f"var-{variant}", algo, params=params)
     r = routes.build("odirect")
     land = r.landing(vobjs.total_padded)
     dev = torch.empty(vobjs.total_padded, dtype=torch.uint8) if chk.where == "device" else None
@@ -208,7 +210,7 @@ def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant
         mb = restore_child(b, s.ctx.catalog, s.export.raw, child, s.ctx.runner)
         assert torch.equal(ma, mb) and bool(ma.any())
         assert torch.equal(a.raw.view(torch.uint8), b.raw.view(torch.uint8))
-    bad = save_objects(s.export, tmp / f"var-bad-{variant}", algo)
+    bad = save_objects(s.export, tmp / f"var-bad-{variant}", algo, params=params)
     raw = bytearray(bad.paths[1].read_bytes()); raw[-1] ^= 1; bad.paths[1].write_bytes(raw)
     child = s.workload.children[0]
     private.fill_(0x5A)
@@ -224,9 +226,14 @@ def test_pipeline_variant_names_and_misuse():
     from kmesh.stages.storage_pipeline import PipelineVariantError, parse_variant
 
     assert parse_variant("sequential") is None
-    assert parse_variant("pipelined", hashers=4).describe() == {"where": "host", "algorithm": None, "hashers": 4}
+    assert parse_variant("pipelined", hashers=4).describe() == {"where": "host", "algorithm": None, "hashers": 4,
+                                                                "restore": "per object"}
     assert parse_variant("pipelined-device-blake3", hashers=4).hashers == 1
-    for bad in ("pipelined-gpu-blake3", "pipelined-device-md5", "parallel", "pipelined-host-"):
+    once = parse_variant("pipelined-device-sha256-tree-restore-once")
+    assert (once.where, once.algorithm, once.restore_once) == ("device", "sha256-tree", True)
+    assert parse_variant("pipelined-restore-once").restore_once and not parse_variant("pipelined").restore_once
+    for bad in ("pipelined-gpu-blake3", "pipelined-device-md5", "parallel", "pipelined-host-",
+                "pipelined-restore-twice", "pipelined-device-blake3-restore-once-restore-once"):
         with pytest.raises(PipelineVariantError):
             parse_variant(bad)
 

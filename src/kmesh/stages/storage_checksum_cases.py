@@ -37,6 +37,12 @@ def _paired(t: Any) -> dict[str, Any]:
 NESTING = {"outer": None, "restore": "outer", "read": "restore", "verify": "restore"}
 
 
+def tree_chunk_bytes(s: Any) -> int:
+    """The sha256-tree chunk size of the stage's object sets: storage.checksums, else the integrity section's."""
+    conf = dict(s.sec.get("checksums") or {})
+    return int(conf.get("tree_chunk_bytes", s.cfg.section("integrity").get("tree_chunk_bytes", 65536)))
+
+
 def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
     conf = dict(s.sec.get("checksums") or {})
     if not conf:
@@ -46,7 +52,7 @@ def run_cases(res: Result, s: Any, refs: dict[str, ChildOutcome], pairs: int, wa
     pairs, warmup = int(conf.get("pairs", pairs)), int(conf.get("warmup", warmup))
     children = s.workload.children[:int(conf.get("children", len(s.workload.children)))]
     names = list(dict.fromkeys([baseline, *compare, *overlap]))
-    chunk = int(conf.get("tree_chunk_bytes", s.cfg.section("integrity").get("tree_chunk_bytes", 65536)))
+    chunk = tree_chunk_bytes(s)
     info: dict[str, Any] = {"baseline": baseline, "compare": compare, "overlap": overlap, "pairs": pairs,
                             "warmup": warmup, "children": [c.name for c in children],
                             "children_of_workload": len(s.workload.children)}

@@ -40,9 +40,12 @@ def _variant_objects(s: Any, objs: ObjectSet, check: PipelineCheck | None) -> Ob
     """The object set a variant reads: the stage's own, or one written in the variant's algorithm."""
     if check is None or check.algorithm in (None, s.sec["algorithm"]):
         return objs
+    from kmesh.stages.storage_checksum_cases import tree_chunk_bytes
+
     d = s.root / f"floor-{check.algorithm}"
     shutil.rmtree(d, ignore_errors=True)
-    return save_objects(s.export, d, check.algorithm, s.sec.get("pad_to"))
+    params = {"chunk_bytes": tree_chunk_bytes(s)} if check.algorithm == "sha256-tree" else None
+    return save_objects(s.export, d, check.algorithm, s.sec.get("pad_to"), params=params)
 
 
 def _same_as_reference(s: Any, child: Any, objs: ObjectSet, route: routes.Route, landing: torch.Tensor,

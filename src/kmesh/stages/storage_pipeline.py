@@ -14,7 +14,9 @@ happens to a read object depends on where it is checked (`PipelineCheck`):
             private buffer (T2, ordered after the hash) and restores it: what is checked is what is used
 
 Restore is kmesh.restore, one capture + one restore per segment: the bytes restore_child writes, because each
-token's slot and rotation depend only on its own old and new position. A failed read or check stops the reader;
+token's slot and rotation depend only on its own old and new position. `-restore-once` variants instead restore
+the whole child with restore_child after the last copy: one validation and one launch (a restore is mostly
+fixed cost), and no restore competes with the reads for the GIL. A failed read or check stops the reader;
 copies already submitted are drained before the error reaches the caller, so nothing is pending on the child's
 memory, and every hasher thread has finished with the landing before it is returned.
 """
@@ -34,6 +36,7 @@ from kmesh import integrity
 from kmesh.child import ChildContext
 from kmesh.model.runner import KVCache
 from kmesh.restore import capture, restore
+from kmesh.segments import restore_child
 from kmesh.stages.storage_objects import ObjectSet
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header
@@ -50,28 +53,31 @@ class PipelineCheck:
     where: str = "host"          # "host": the landing slot, on hasher threads | "device": the device slot
     algorithm: str | None = None  # the object set's algorithm; None: whatever the set was written with
     hashers: int = 1             # host: hasher threads (objects checked at once)
+    restore_once: bool = False   # restore every segment in one call after the last copy, not one per object
 
     def describe(self) -> dict[str, Any]:
-        return {"where": self.where, "algorithm": self.algorithm, "hashers": self.hashers}
+        return {"where": self.where, "algorithm": self.algorithm, "hashers": self.hashers,
+                "restore": "once, after the last copy" if self.restore_once else "per object"}
 
 
-_VARIANT = re.compile(r"pipelined(?:-(host|device)-([a-z0-9-]+))?")
+_VARIANT = re.compile(r"pipelined(?:-(host|device)-([a-z0-9-]+?))?(-restore-once)?")
 
 
 def parse_variant(name: str, hashers: int = 1) -> PipelineCheck | None:
     """`sequential` -> None; `pipelined` (host check, the objects' own algorithm); `pipelined-host-<algorithm>`;
-    `pipelined-device-<algorithm>`."""
+    `pipelined-device-<algorithm>`; each of them with `-restore-once` (one restore after the last copy)."""
     if name == "sequential":
         return None
     m = _VARIANT.fullmatch(name)
     if m is None:
         raise PipelineVariantError(f"floor variant {name!r}: expected sequential, pipelined, "
-                                   f"pipelined-host-<algorithm> or pipelined-device-<algorithm>")
+                                   f"pipelined-host-<algorithm> or pipelined-device-<algorithm>, "
+                                   f"optionally ending in -restore-once")
     where, algo = m.group(1) or "host", m.group(2)
     if algo is not None and algo not in integrity.names():
         raise PipelineVariantError(f"floor variant {name!r}: unknown integrity algorithm {algo!r} "
                                    f"(known: {', '.join(integrity.names())})")
-    return PipelineCheck(where, algo, max(1, int(hashers)) if where == "host" else 1)
+    return PipelineCheck(where, algo, max(1, int(hashers)) if where == "host" else 1, m.group(3) is not None)
 
 
 def _restore_segment(ctx: ChildContext, cache: KVCache, private: torch.Tensor, child: Child, seg: int,
@@ -141,7 +147,8 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
     """Read on a reader thread, check + copy + restore per object; returns the bool [T] restored mask.
     check.where == "device" needs `device_landing` (objs.total_padded bytes on the child's device).
     `trace` (untimed runs): (event, object, perf_counter seconds) for read-start/read-end/checked/restored
-    (restored: after a device synchronize, so the time is when the restore really finished)."""
+    (restored: after a device synchronize, so the time is when the restore really finished; object -1: the
+    one restore of a -restore-once variant)."""
     check = check or PipelineCheck()
     if check.algorithm is not None and any(h.algorithm != check.algorithm for h in objs.headers):
         raise se.ObjectAlgorithmError(f"objects are checked with {sorted({h.algorithm for h in objs.headers})}, "
@@ -196,8 +203,12 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
                     raise _mismatch(objs, e.index, h, d)
                 mark("checked", e.index)
                 ctx.engine.drain([t1, ctx.engine.submit(dslot[:e.nbytes], dst, owner=owner, after=hashed)])
-            _restore_segment(ctx, cache, private, child, e.index, restored)
-            mark("restored", e.index)
+            if not check.restore_once:
+                _restore_segment(ctx, cache, private, child, e.index, restored)
+                mark("restored", e.index)
+        if check.restore_once:    # every copy drained above: one validation, one launch for the whole child
+            restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
+            mark("restored", -1)
     finally:
         stop.set()
         th.join()
