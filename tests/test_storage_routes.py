@@ -230,16 +230,23 @@ def test_drvprops_layout_matches_cufile_h():
     assert ctypes.sizeof(cufile._Nvfs) == 32 and ctypes.sizeof(cufile.DrvProps) == 56
 
 
+def _poisoned_verified_read(r: routes.Route, obj: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The object through the route into a poisoned landing, digest-checked; (landing, expected payload)."""
+    p, h, data = obj
+    land = r.landing(h.padded_nbytes)
+    land.fill_(0xA5)
+    with r.open(p) as f:
+        r.read(f, land)
+        f.header.verify(r.host_bytes(land))
+    return land, data
+
+
 @pytest.mark.gpu
 def test_staging_route_on_cuda(objects):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     r = routes.build("staging", "cuda")
-    p, h, data = objects[2]
-    land = r.landing(h.padded_nbytes)
-    with r.open(p) as f:
-        r.read(f, land)
-        f.header.verify(r.host_bytes(land))
+    land, data = _poisoned_verified_read(r, objects[2])
     dev = land.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(dev[:data.numel()].cpu(), data) and r.describe()["landing"] == "pinned host"
@@ -256,12 +263,7 @@ def test_staging_route_io_uring_into_pinned_registered_landing(objects):
         pytest.skip(uring.probe_reason())
     for _ in range(2):
         r = routes.build("staging", "cuda", io="uring")
-        p, h, data = objects[2]
-        land = r.landing(h.padded_nbytes)
-        land.fill_(0xA5)
-        with r.open(p) as f:
-            r.read(f, land)
-            f.header.verify(r.host_bytes(land))
+        land, data = _poisoned_verified_read(r, objects[2])
         dev = land.to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(dev[:data.numel()].cpu(), data)
@@ -283,12 +285,7 @@ def test_direct_route_on_cuda_reports_mode(objects):
         # then runs its fallback arms. Anything else (no cuFile at all) is also a reason, never a silent pass.
         assert "direct route unavailable" in str(e)
         pytest.skip(str(e))
-    p, h, data = objects[2]
-    land = r.landing(h.padded_nbytes)
-    land.fill_(0xA5)
-    with r.open(p) as f:
-        r.read(f, land)
-        f.header.verify(r.host_bytes(land))
+    land, data = _poisoned_verified_read(r, objects[2])
     assert torch.equal(land[:data.numel()].cpu(), data)
     d = r.describe()
     assert d["arm"] in cufile.ARMS.values() and d["mode"] in cufile.ARMS
