@@ -36,7 +36,7 @@ from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError
                             SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
                             export_segments, stage_segments)
 from kmesh.stages import equivalence_controls as controls
-from kmesh.stages.equivalence import leader_prefill
+from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import ChunkGate, FaultPlan
@@ -344,7 +344,7 @@ def _service(chunk_bytes: int = CHUNK):
 
 
 def test_service_children_bit_identical_to_in_process(env):
-    from kmesh.stages.equivalence_service import ServiceSide
+    from kmesh.service_side import ServiceSide
 
     ex, cat = env.export, env.export.catalog
     private = torch.empty(cat.nbytes, dtype=torch.uint8)
@@ -469,7 +469,7 @@ def test_negative_controls_case_passes(env):
 # --- 7. the seven failure controls against a real service --------------------------------------------------------
 
 def test_failure_controls_all_seven_pass(env):
-    from kmesh.stages.equivalence_service import ServiceSide
+    from kmesh.service_side import ServiceSide
 
     res = Result("equivalence", "test", provenance={})
     with _service(CONTROL_CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
@@ -493,7 +493,7 @@ def test_failure_controls_all_seven_pass(env):
 
 
 def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
-    from kmesh.stages.equivalence_service import ServiceSide
+    from kmesh.service_side import ServiceSide
 
     cat = env.export.catalog
     e0, e1 = cat.entries[0], cat.entries[1]

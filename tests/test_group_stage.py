@@ -20,7 +20,7 @@ from kmesh.model.runner import LayerRunner
 from kmesh.segments import InProcessSegments, SegmentCorruptError, export_segments
 from kmesh.service.harness import Harness
 from kmesh.stages import group_bench
-from kmesh.stages.equivalence_service import ServiceSide
+from kmesh.service_side import ServiceSide
 from kmesh.stages.group import run_group
 from kmesh.stages.group_load import GroupAdmissionError, GroupLoad
 from kmesh.transfer.engine import TransferEngine

@@ -74,7 +74,7 @@ def test_unknown_arrangements_refused_at_registration():
 def model_dir() -> Path:
     from kmesh.config import load_config
     from kmesh.model import smollm2
-    from kmesh.stages.model import converted_dir
+    from kmesh.model.smollm2 import converted_dir
 
     folder = converted_dir(load_config(profile="cpu"))
     smollm2.ensure_converted(folder)             # reused when its manifest matches (the model stage made it)

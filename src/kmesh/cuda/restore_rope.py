@@ -133,7 +133,7 @@ def _stream(device: torch.device) -> Any:
 def token_ranges(plan: "RestorePlan", fast: bool) -> list[tuple[int, int, tuple[int, int, int]]]:
     """(first token, tokens, grid) of each launch. The vector path numbers its units with 32-bit ints, so a
     restore of >= 2^31 units runs as several launches over token ranges; the element path is one launch."""
-    from kmesh.restore import RestoreError
+    from kmesh.restore_errors import RestoreError
 
     grid, _, items = launch_shape(plan, fast)
     T, L, H, _ = plan.segment.k.shape
@@ -183,7 +183,7 @@ def kernel_args(plan: "RestorePlan", k: torch.Tensor, v: torch.Tensor | None, sl
 
 def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, Any]:
     """Run the kernel for `plan`; returns the launch it made (entry point, path, grid, block)."""
-    from kmesh.restore import DeviceMismatchError, RestoreError
+    from kmesh.restore_errors import DeviceMismatchError, RestoreError
 
     lay, seg = plan.layout, plan.segment
     dev = plan.flat.device

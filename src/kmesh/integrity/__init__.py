@@ -20,24 +20,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kmesh.errors import KMeshError
-
-
-class IntegrityError(KMeshError):
-    """Root of integrity failures."""
-
-
-class UnknownAlgorithmError(IntegrityError):
-    """An object names an integrity algorithm this build does not know."""
-
-
-class DigestMismatchError(IntegrityError):
-    """The bytes do not hash to the recorded digest."""
-
-    def __init__(self, algorithm: str, expected: bytes, actual: bytes, what: str = "object") -> None:
-        super().__init__(f"{what}: {algorithm} digest mismatch (recorded {expected.hex()[:16]}…, "
-                         f"computed {actual.hex()[:16]}…)")
-        self.algorithm, self.expected, self.actual = algorithm, expected, actual
+from kmesh.integrity.errors import DigestMismatchError, IntegrityError, UnknownAlgorithmError  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -90,7 +73,7 @@ def verify(name: str, data: Any, expected: bytes, what: str = "object", **params
 
 register(Algorithm("sha256", 32, _sha256))
 
-# After the classes above exist: the submodules import them from here.
+# Late: the registry above must exist before the CPU implementations register into it.
 from kmesh.integrity import cpu as _cpu  # noqa: E402
 
 

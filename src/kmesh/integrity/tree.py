@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kmesh.integrity.errors import IntegrityError
+
 LEAF_PREFIX = b"\x00"
 NODE_PREFIX = b"\x01"
 MIN_CHUNK_BYTES = 64
@@ -31,8 +33,6 @@ MAX_CHUNK_BYTES = 1 << 24
 
 def check_chunk_bytes(chunk_bytes: Any) -> int:
     """The header's chunk size as an int, or IntegrityError: a power of two in [64 B, 16 MiB]."""
-    from kmesh.integrity import IntegrityError
-
     if chunk_bytes is None:
         raise IntegrityError("sha256-tree needs chunk_bytes (the object header carries it)")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):

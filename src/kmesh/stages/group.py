@@ -42,11 +42,11 @@ from kmesh.model.group import InjectedMemberFault, Member, blend_group
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Case, Result
+from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.segments import Export, InProcessSegments, ServiceSegments, restore_child
 from kmesh.service.harness import Harness
 from kmesh.stages import group_bench
-from kmesh.stages.equivalence import deterministic_kernels, leader_prefill, load_model
-from kmesh.stages.equivalence_service import ServiceSide
+from kmesh.service_side import ServiceSide
 from kmesh.stages.group_load import GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.faults import ChunkGate, FaultPlan
@@ -58,16 +58,8 @@ class GroupConfigError(KMeshError):
 
 
 @dataclass
-class GroupSetup:
-    cfg: Config
-    sec: dict[str, Any]
-    device: torch.device
-    what: str
-    tok: Any
-    runner: LayerRunner
-    workload: Workload          # children[:group_children] are the group; the rest only widen the scaling runs
-    export: Export
-    ctx: ChildContext
+class GroupSetup(ModelSetup):
+    """workload.children[:group.children] are the group; the rest only widen the scaling runs."""
 
     @property
     def group(self) -> tuple[Child, ...]:
@@ -76,22 +68,20 @@ class GroupSetup:
 
 def _setup(cfg: Config) -> GroupSetup:
     sec = cfg.section("group")
-    device = torch.device(sec["device"])
     eq = {**cfg.section("equivalence"), "model": sec["model"]}
-    model, tok, what = load_model(cfg, eq, device)
-    runner = LayerRunner(model)
-    wmax = max([int(sec["children"]), *[int(n) for n in sec["scaling"]["sizes"]]])
-    spec = WorkloadSpec(**{**sec["workload"], "children": wmax})
-    workload = build(tok, cfg.seed, spec)
-    export = leader_prefill(runner, workload, b"kmesh-group/leader")
-    ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(sec["repair"]),
-                       int(sec["max_new_tokens"]), sec.get("restore_backend", "torch"))
-    names = [c.name for c in workload.children[: int(sec["children"])]]
+    widest = max([int(sec["children"]), *[int(n) for n in sec["scaling"]["sizes"]]])
+    base = build_setup(cfg, SetupSpec(
+        section="group", key_prefix=b"kmesh-group/leader", model_sec=eq,
+        workload={**sec["workload"], "children": widest}, repair=sec["repair"],
+        max_new_tokens=int(sec["max_new_tokens"]), restore_backend=sec.get("restore_backend", "torch"),
+        device=sec["device"]))
+    setup = GroupSetup(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSetup)})
+    names = [c.name for c in setup.group]
     fail = sec["failure"]
-    if fail["child"] not in names or not 0 <= int(fail["after_layer"]) < runner.num_layers - 1:
+    if fail["child"] not in names or not 0 <= int(fail["after_layer"]) < setup.runner.num_layers - 1:
         raise GroupConfigError(f"group.failure: child {fail['child']!r} must be one of {names} and after_layer "
-                               f"{fail['after_layer']} a layer before the model's last ({runner.num_layers - 1})")
-    return GroupSetup(cfg, sec, device, what, tok, runner, workload, export, ctx)
+                               f"{fail['after_layer']} a layer before the model's last ({setup.runner.num_layers - 1})")
+    return setup
 
 
 # -- the group path ---------------------------------------------------------------------------------------
@@ -311,15 +301,9 @@ def _originals_case(res: Result, s: GroupSetup, svc: ServiceSide) -> bool:
 
 
 def run(cfg: Config) -> Result:
-    res = Result.begin("group", cfg)
-    res.extra["determinism"] = deterministic_kernels()
-    holder: list[GroupSetup] = []
-    with res.case("setup", {"model": cfg.section("group")["model"]}) as c:
-        holder.append(_setup(cfg))
-        c.check("leader_exported", len(holder[0].export.catalog.entries) == len(holder[0].workload.segments))
-    if not holder:
+    res, s = begin_with_setup("group", cfg, _setup, model=cfg.section("group")["model"])
+    if s is None:
         return res
-    s = holder[0]
     res.extra.update(model=s.what, device=str(s.device), children=len(s.group), layers=s.runner.num_layers)
     fulls = {ch.name: full_reference(s.ctx, ch) for ch in s.group}
     with ExitStack() as stack:

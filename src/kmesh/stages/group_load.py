@@ -27,7 +27,7 @@ from kmesh.errors import KMeshError
 from kmesh.segments import Catalog, ServiceSegments, copy_private, stage_segments
 from kmesh.service import descriptor
 from kmesh.service.errors import RegistrationClosedError
-from kmesh.stages.equivalence_service import ServiceSide, Staging
+from kmesh.service_side import ServiceSide, Staging
 from kmesh.transfer.engine import TransferEngine
 
 

@@ -26,20 +26,12 @@ import numpy as np
 from kmesh.config import Config
 from kmesh.integrity import (DigestMismatchError, IntegrityError, UnknownAlgorithmError, cpu, get, names, tree,
                              verify)
+from kmesh.integrity.boundaries import boundary_lengths
 from kmesh.result import Result
 from kmesh.stages import integrity_arms as ia
 
 # The write-up's measurements on 4 × 3 MiB (§24 follow-up), for the ratios the issue's goals are stated in.
 WRITEUP_MS = {"cpu-sha256": 5.512, "gpu-sha256-serial": 249.010, "gpu-sha256-concurrent": 62.252}
-
-
-def boundary_lengths(chunk: int) -> list[int]:
-    """Lengths around every boundary the implementations branch on: SHA-256 blocks and padding (55/56/64), BLAKE3
-    blocks and chunks (64, 1024), tree chunks, one block of 256 leaves/chunks, a second pass (256² leaves)."""
-    edges = {0, 1, 55, 56, 63, 64, 65, 119, 120, 1023, 1024, 1025, 2047, 2048, 2049, 3072, 3 * 1024 * 1024,
-             chunk - 1, chunk, chunk + 1, 256 * chunk - 1, 256 * chunk, 256 * chunk + 1, 256 * 1024 + 1,
-             257 * 1024, 256 * 256 * chunk + 1}
-    return sorted(n for n in edges if n >= 0)
 
 
 def _refuse_case(res: Result) -> None:

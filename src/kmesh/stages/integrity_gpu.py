@@ -32,7 +32,7 @@ def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
     import torch
 
     from kmesh.integrity import gpu
-    from kmesh.stages.integrity import boundary_lengths
+    from kmesh.integrity.boundaries import boundary_lengths
 
     lengths = sorted({n for ch in chunks for n in boundary_lengths(ch) if n <= MAX_CHECK_BYTES})
     host = np.random.default_rng(seed + 3).integers(0, 256, max(lengths), dtype=np.uint8)

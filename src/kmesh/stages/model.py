@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +30,6 @@ from kmesh.result import Result
 from kmesh.sources.digest import sha256_file, sha256_tensor
 
 
-def converted_dir(cfg: Config) -> Path:
-    """model.dir/<smollm2.name>/: where the converted SmolLM2 lives (shared by both profiles)."""
-    sec = cfg.section("model")
-    return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
-
-
 def _peak_rss_mib() -> float:
     """The process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
     import resource
@@ -46,7 +39,7 @@ def _peak_rss_mib() -> float:
 
 def _smollm2_cases(res: Result, cfg: Config) -> None:
     sec = cfg.section("model")["smollm2"]
-    folder = converted_dir(cfg)
+    folder = smollm2.converted_dir(cfg)
     ref: dict[str, Any] = {}
 
     with res.case("smollm2-gguf", {"package": smollm2.DISTRIBUTION}) as c:

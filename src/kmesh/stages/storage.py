@@ -44,10 +44,10 @@ from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
+from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.service.harness import Harness
 from kmesh.stages import storage_checksum_cases, storage_floor, storage_readonce, storage_service
-from kmesh.stages.equivalence import begin_with_setup, leader_prefill, load_model
 from kmesh.stages.storage_child import release_checked, route_restore, timed_child
 from kmesh.stages.storage_objects import ObjectSet, StorageSegments, save_objects
 from kmesh.storage import cufile, objfile, routes, uring
@@ -58,29 +58,20 @@ from kmesh.workload import WorkloadSpec, build
 
 
 @dataclasses.dataclass
-class Setup:
-    cfg: Config
-    sec: dict[str, Any]
-    device: torch.device
-    ctx: ChildContext
-    workload: Any
-    export: Any
-    what: str
-    root: Path
+class Setup(ModelSetup):
+    root: Path = Path()                            # where the stage's object files live
     io: routes.IOSettings = routes.IOSettings()
 
 
 def _setup(cfg: Config) -> Setup:
     eq, sec = cfg.section("equivalence"), cfg.section("storage")
-    device = torch.device(sec["device"])
-    model, tok, what = load_model(cfg, {**eq, "device": str(device)}, device)
-    runner = LayerRunner(model)
-    workload = build(tok, cfg.seed, WorkloadSpec(**eq.get("workload", {})))
-    export = leader_prefill(runner, workload, b"kmesh-storage/leader")
-    ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(eq["repair"]),
-                       int(sec["max_new_tokens"]), eq.get("restore_backend", "torch"))
+    base = build_setup(cfg, SetupSpec(
+        section="storage", key_prefix=b"kmesh-storage/leader", model_sec=eq, workload=eq.get("workload", {}),
+        repair=eq["repair"], max_new_tokens=int(sec["max_new_tokens"]),
+        restore_backend=eq.get("restore_backend", "torch"), device=sec["device"]))
     root = Path(sec["objects_dir"]) if sec.get("objects_dir") else cfg.results_dir / cfg.profile / "storage" / "objects"
-    return Setup(cfg, sec, device, ctx, workload, export, what, root, routes.IOSettings.of(sec.get("io")))
+    return Setup(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSetup)}, root=root,
+                 io=routes.IOSettings.of(sec.get("io")))
 
 
 def _objects_case(res: Result, s: Setup) -> ObjectSet:

@@ -25,7 +25,7 @@ import torch
 from kmesh.bench import PairedTiming
 from kmesh.segments import Export, ServiceSegments
 from kmesh.service.harness import Harness
-from kmesh.stages.equivalence_service import ServiceSide
+from kmesh.service_side import ServiceSide
 from kmesh.stages.storage_readonce import concurrent_children
 from kmesh.storage.routes import drop_page_cache
 

@@ -62,7 +62,7 @@ def _regs_of(st: dict[str, Any], ids: set[int]) -> dict[str, list[dict[str, Any]
 
 
 def run(cfg: Config) -> Result:
-    from kmesh.stages.model import converted_dir
+    from kmesh.model.smollm2 import converted_dir
 
     res = Result.begin("vllm", cfg)
     sec = cfg.section("vllm")

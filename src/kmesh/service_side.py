@@ -1,4 +1,4 @@
-"""The equivalence stage's side of the cache service: the model process as one client of a real service.
+"""A model process as one client of a real cache service (the equivalence, storage and group stages share it).
 
 The leader's export buffer is registered (memfd on CPU, CUDA IPC on GPU), each segment saved as one
 immutable original, and the registration closed: the originals live on in the service's store, owned by
