@@ -135,7 +135,8 @@ def test_flake_lock_pins_nixpkgs_to_one_revision():
 
 def test_flake_input_matches_the_lock():
     original = _lock()["nodes"]["nixpkgs"]["original"]
-    match = re.search(r'inputs\.nixpkgs\.url\s*=\s*"github:([^/"]+)/([^/"]+)/([^/"]+)"', (ROOT / "flake.nix").read_text())
+    flake = (ROOT / "flake.nix").read_text()
+    match = re.search(r'inputs\.nixpkgs\.url\s*=\s*"github:([^/"]+)/([^/"]+)/([^/"]+)"', flake)
     assert match, "flake.nix names no github nixpkgs input"
     assert original["type"] == "github"
     assert match.groups() == (original["owner"], original["repo"], original["ref"])
