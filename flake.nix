@@ -1,8 +1,10 @@
 {
   description = "KMesh: safe, fast reuse of shared KV-cache state (dev shell)";
 
-  # Pinned nixpkgs release branch; `nix flake lock` (online) fixes the exact revision in flake.lock.
-  # Not exercised offline on the project's build machines (nix cannot fetch nixpkgs there): see README.
+  # The branch is what `nix flake update` follows; flake.lock pins it to one revision (rev + narHash +
+  # lastModified). That triple was not computed here (no network for nix on the build machines): it is the one
+  # NixOS/nixos-channel-scripts committed in flake.lock at 050d46f79ccd (renovate "Lock file maintenance",
+  # 2026-01-12; there `original.ref` is nixos-25.05-small, the same release). Not exercised offline: see README.
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-25.05";
 
   outputs = { self, nixpkgs }:

@@ -1,0 +1,142 @@
+"""The documentation stays true to the repository: a page per stage, a README that reads in five minutes, links
+that resolve, a DAG drawing that matches the rule files, and a flake.lock that really pins nixpkgs."""
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kmesh.report import diagrams
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "workflow" / "rules"
+STAGE_DOCS = ROOT / "docs" / "stages"
+README = ROOT / "README.md"
+LINKED_DOCS = [README, *sorted(STAGE_DOCS.glob("*.md")), ROOT / "docs" / "service.md", ROOT / "docs" / "testing.md"]
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def rule_file_stages() -> set[str]:
+    """Stages as the rule files name them (read here, not through kmesh.report.diagrams)."""
+    return {p.stem for p in RULES.glob("*.smk") if p.stem != "common"}
+
+
+def broken_links(md: Path) -> list[str]:
+    """Relative link targets in a Markdown file that name no existing file or folder (anchors ignored)."""
+    bad = []
+    for target in _LINK.findall(md.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue   # a URL (https:, mailto:) or an anchor in the same page
+        path = target.split("#", 1)[0]
+        if not (md.parent / path).exists():
+            bad.append(target)
+    return bad
+
+
+def test_rule_stages_are_the_pipeline():
+    assert len(rule_file_stages()) >= 13
+    assert {"sources", "storage", "report"} <= rule_file_stages()
+
+
+@pytest.mark.parametrize("stage", sorted(rule_file_stages()))
+def test_every_rule_stage_has_a_page_in_the_index(stage):
+    page = STAGE_DOCS / f"{stage}.md"
+    assert page.is_file(), f"{page} is missing"
+    assert page.read_text().startswith(f"# Stage `{stage}`")
+    assert f"]({stage}.md)" in (STAGE_DOCS / "README.md").read_text(), f"docs/stages/README.md does not link {stage}"
+
+
+def test_readme_reads_in_five_minutes():
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 250, f"README has {len(lines)} lines"
+    assert len(text) <= 15_000, f"README has {len(text)} characters"
+    longest = max(lines, key=len)
+    assert len(longest) <= 400, f"a README line has {len(longest)} characters: {longest[:80]}..."
+
+
+@pytest.mark.parametrize("md", LINKED_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(md):
+    assert md.is_file()
+    assert broken_links(md) == []
+
+
+def test_broken_link_is_reported(tmp_path):
+    (tmp_path / "there.md").write_text("x")
+    md = tmp_path / "page.md"
+    md.write_text("[ok](there.md#part) [web](https://example.org/x) [anchor](#top) [gone](missing/file.md)")
+    assert broken_links(md) == ["missing/file.md"]
+
+
+def _svg_ids(path: Path) -> dict[str, ET.Element]:
+    return {el.get("id"): el for el in ET.parse(path).getroot().iter() if el.get("id")}
+
+
+def test_committed_dag_names_the_rule_files_stages():
+    ids = _svg_ids(ROOT / "docs" / "dag.svg")
+    drawn = {i.removeprefix("stage__"): el for i, el in ids.items() if i.startswith("stage__")}
+    assert set(drawn) == rule_file_stages()
+    for stage, el in drawn.items():
+        texts = ["".join(t.itertext()).strip() for t in el.iter(f"{_SVG_NS}text")]
+        assert texts == [stage], f"box of {stage} reads {texts}"
+
+
+def test_committed_dag_draws_the_rule_files_edges():
+    ids = _svg_ids(ROOT / "docs" / "dag.svg")
+    drawn = {tuple(i.split("__")[1:]) for i in ids if i.startswith("edge__")}
+    declared = {(e.source, e.target) for e in diagrams.rule_edges(RULES)}
+    assert drawn == declared, "docs/dag.svg is stale: run `python -m kmesh.report.diagrams`"
+
+
+def test_rule_edges_are_read_from_the_inputs():
+    edges = {(e.source, e.target): e for e in diagrams.rule_edges(RULES)}
+    assert ("sources", "kernels") in edges and not edges["sources", "kernels"].order_only
+    assert edges["storage", "integrity"].order_only          # listed "# pipeline order" in integrity.smk
+    assert {s for s, t in edges if t == "report"} == rule_file_stages() - {"report"}
+    inputs = {t for _, t in edges}
+    assert inputs == rule_file_stages() - {"sources"}       # every stage but the root reads a result
+
+
+def test_rule_stages_refuse_a_rule_file_with_another_rule(tmp_path):
+    (tmp_path / "common.smk").write_text('STAGES = ["a"]\n')
+    (tmp_path / "a.smk").write_text("rule b:\n    input:\n        x=1,\n")
+    with pytest.raises(ValueError, match="expected exactly one rule named 'a'"):
+        diagrams.rule_stages(tmp_path)
+
+
+def test_committed_data_path_shows_the_chain():
+    ids = _svg_ids(ROOT / "docs" / "data-path.svg")
+    for node in ("leader", "service", "child", "engine", "disk"):
+        assert f"node__{node}" in ids
+    for a, b in (("leader", "service"), ("service", "child"), ("child", "engine")):
+        assert f"flow__{a}__{b}" in ids
+
+
+# -- flake.lock -------------------------------------------------------------------------------------------------
+
+def _lock() -> dict:
+    return json.loads((ROOT / "flake.lock").read_text())
+
+
+def test_flake_lock_pins_nixpkgs_to_one_revision():
+    lock = _lock()
+    assert lock["version"] == 7 and lock["root"] == "root"
+    name = lock["nodes"]["root"]["inputs"]["nixpkgs"]
+    locked = lock["nodes"][name]["locked"]
+    assert (locked["type"], locked["owner"], locked["repo"]) == ("github", "NixOS", "nixpkgs")
+    assert re.fullmatch(r"[0-9a-f]{40}", locked["rev"]), locked["rev"]
+    assert re.fullmatch(r"sha256-[A-Za-z0-9+/]{43}=", locked["narHash"]), locked["narHash"]
+    assert type(locked["lastModified"]) is int and locked["lastModified"] > 1_600_000_000
+
+
+def test_flake_input_matches_the_lock():
+    original = _lock()["nodes"]["nixpkgs"]["original"]
+    flake = (ROOT / "flake.nix").read_text()
+    match = re.search(r'inputs\.nixpkgs\.url\s*=\s*"github:([^/"]+)/([^/"]+)/([^/"]+)"', flake)
+    assert match, "flake.nix names no github nixpkgs input"
+    assert original["type"] == "github"
+    assert match.groups() == (original["owner"], original["repo"], original["ref"])
