@@ -128,7 +128,7 @@ class Replies:
     costs the connection only when the error is fatal), and watch a client's process for its exit."""
 
     send: Callable[[Conn, dict[str, Any]], None]
-    fail: Callable[[Conn, "int | None", ServiceError], None]
+    fail: Callable[[Conn, int | None, ServiceError], None]
     watch_exit: Callable[[Conn], None]
 
 
@@ -152,12 +152,13 @@ class ServiceState:
     admin_token: bytes | None = None  # set by the loop's bind(); None refuses every admin op
     admin_path: Path | None = None
     fd_baseline: int = 0
-    _logged_at: dict[str, float] = field(default_factory=dict)  # internal-error site -> last logged in full
+    _logged_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # site -> last full log
 
     @classmethod
     def open(cls, opts: ServiceOptions, unmap: Callable[[CopyRunner, Registration], None]) -> ServiceState:
         """Everything the options ask for: the registry (whose unmap callback gets the copy runner, so it can
         refuse while the engine holds a byte), the store, the disk reader pool, the copy runner."""
+
         def release(reg: Registration) -> None:  # `copies` is bound below, long before anything is released
             unmap(copies, reg)
 
