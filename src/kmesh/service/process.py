@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,28 @@ def default_runtime_dir() -> Path:
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "kmesh"
     return Path(f"/tmp/kmesh-{os.getuid()}")
+
+
+def claim_runtime_dir(runtime_dir: Path, socket_mode: int) -> None:
+    """The service's side at start (ServiceError otherwise): the runtime dir exists, belongs to us, is no
+    wider than the socket mode needs (0711 only for a socket opened to others), and no live service answers
+    on its socket (the stale socket of a dead service is removed)."""
+    dir_mode = 0o700 if socket_mode & 0o077 == 0 else 0o711
+    runtime_dir.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+    st = runtime_dir.stat()
+    if st.st_uid != os.getuid():
+        raise ServiceError(f"runtime dir {runtime_dir} belongs to uid {st.st_uid}, not us ({os.getuid()})")
+    os.chmod(runtime_dir, dir_mode)
+    socket_path = runtime_dir / SOCKET_NAME
+    if socket_path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(socket_path))
+            raise ServiceError(f"a service already listens on {socket_path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            socket_path.unlink()  # stale socket of a dead service
+        finally:
+            probe.close()
 
 
 class ServiceStartError(ServiceError):

@@ -1,0 +1,149 @@
+"""Copy jobs: accept one (a save or load that passed every check), collect the drained ones, and the client's
+wait / cancel on its own requests.
+
+Copies run on kmesh.transfer engines (kmesh.service.jobs.CopyRunner); their completion comes back through the
+runner's wake pipe, and the loop then calls collect(). A job's bookkeeping has steps that must all happen
+whatever fails among them (settle), so one job's failure can skip neither its own cleanup nor another job's.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from kmesh.service.errors import InternalError, NotOwnerError, SequenceError
+from kmesh.service.jobs import CopyJob
+from kmesh.service.protocol import Request, ok_reply
+from kmesh.service.registry import Client, State
+from kmesh.service.state import DEFERRED, FAULT_KEY_PREFIX, Conn, Replies, ServiceState
+
+
+class CopyOps:
+    def __init__(self, state: ServiceState, replies: Replies) -> None:
+        self.state = state
+        self.replies = replies
+
+    def accept(self, job: CopyJob, src: Any, dst: Any, writes: bool, undo: Callable[[], None]) -> dict[str, Any]:
+        st = self.state
+        reg = job.reg
+        if reg.state is not State.ACTIVE or reg.memory is None:
+            st.stats["stale_uses"] += 1  # unreachable by construction; counted, never silently used
+            undo()
+            raise InternalError(f"registration {reg.reg_id} not mapped at accept")
+        try:
+            st.copies.start(job, src, dst)
+        except Exception:
+            undo()
+            raise
+        st.copies.reservations.add(reg.reg_id, job.offset, job.offset + job.nbytes, writes, job.req_id)
+        st.registry.begin_work(reg, job.req_id)
+        return {"req": job.req_id, "state": job.state}
+
+    def collect(self) -> None:
+        """Finish the bookkeeping of every drained copy. Each job in its own try, and what must happen
+        regardless (a terminal state, the store settled, the reservation removed, the registration's in-flight
+        entry ended, parked waits answered) runs step by step in _settle, so one job's failure can skip
+        neither its own cleanup nor any other job's."""
+        st = self.state
+        st.version += 1
+        try:
+            jobs = st.copies.finished()
+        except Exception:
+            st.internal("collect: finished()")
+            return
+        for job in jobs:
+            try:
+                self._complete(job)
+            except Exception as e:
+                st.internal("collect", f"request {job.req_id}")
+                job.error = f"internal error collecting this copy: {type(e).__name__}: {e}"
+                if job.state == "running" or not job.store_settled:
+                    job.state = "failed"  # its result is not trusted (a save is aborted below)
+            finally:
+                self._settle(job)
+
+    def _complete(self, job: CopyJob) -> None:
+        st = self.state
+        if "collect_raises" in st.opts.faults and job.obj.key.startswith(FAULT_KEY_PREFIX):
+            raise RuntimeError(f"injected fault collect_raises (request {job.req_id})")
+        if job.reg.memory is None:  # the mapping went away under a running copy: must never happen
+            st.stats["stale_uses"] += 1
+        failed = job.ticket.state == "failed" or job.error is not None
+        job.error = job.error or job.ticket.error
+        state = "cancelled" if job.cancel_requested else ("failed" if failed else "done")
+        job.tensors = ()  # drop our views before the registry may unmap
+        if job.kind == "save":
+            (st.store.commit if state == "done" else st.store.abort)(job.obj)
+        else:
+            st.store.release(job.obj)
+        job.store_settled = True
+        job.state = state
+
+    def _settle(self, job: CopyJob) -> None:
+        st = self.state
+
+        def terminal() -> None:
+            if job.state == "running":
+                job.state, job.error = "failed", job.error or "internal error"
+            job.finished_at = job.finished_at or time.monotonic()
+            job.tensors = ()
+            st.stats[f"copies_{job.state}"] += 1
+
+        def store() -> None:
+            if job.store_settled:
+                return
+            job.store_settled = True
+            if job.kind == "load":
+                st.store.release(job.obj)
+            elif st.store.objects.get(job.obj.key) is job.obj:  # pending, or a commit cut short: not trusted
+                st.store.abort(job.obj)
+
+        steps = [("terminal state", terminal), ("store", store),
+                 ("reservation", lambda: st.copies.reservations.remove(job.reg.reg_id, job.req_id)),
+                 ("end of work", lambda: st.registry.end_work(job.reg, job.req_id))]
+        for name, step in steps:
+            try:
+                step()
+            except Exception:
+                st.internal(f"collect: {name}", f"request {job.req_id}")
+        for conn in list(st.conns.values()):
+            try:
+                parked = conn.parked.pop(job.req_id, None)
+                if parked is not None:
+                    self.replies.send(conn, ok_reply(parked[0], job.describe()))
+            except Exception:
+                st.internal("collect: answer wait", f"request {job.req_id}")
+
+    def expire_waits(self, now: float) -> None:
+        """The tick's parked-wait deadlines: a wait past its timeout is answered with the job as it stands."""
+        st = self.state
+        for conn in list(st.conns.values()):
+            for req, (seq, deadline) in list(conn.parked.items()):
+                if now < deadline:
+                    continue
+                del conn.parked[req]
+                try:
+                    self.replies.send(conn, ok_reply(seq, st.copies.get(req).describe()))
+                except Exception as e:  # the waiter still gets an answer
+                    st.internal("tick: parked wait", f"request {req}")
+                    self.replies.fail(conn, seq, InternalError(f"answering the wait failed: {type(e).__name__}: {e}"))
+
+    def _own_job(self, c: Client, req_id: int) -> CopyJob:
+        job = self.state.copies.get(req_id)
+        if job.client_id != c.client_id:
+            raise NotOwnerError(f"request {req_id} belongs to another client")
+        return job
+
+    def wait(self, conn: Conn, c: Client, req: Request) -> Any:
+        job = self._own_job(c, req.args["req"])
+        if job.terminal or req.args["timeout_s"] == 0:
+            return job.describe()
+        if job.req_id in conn.parked:
+            raise SequenceError(f"a wait for request {job.req_id} is already pending")
+        conn.parked[job.req_id] = (req.seq, time.monotonic() + req.args["timeout_s"])
+        return DEFERRED
+
+    def cancel(self, conn: Conn, c: Client, req: Request) -> dict[str, Any]:
+        job = self._own_job(c, req.args["req"])
+        if not job.terminal:
+            job.cancel_requested = True  # the copy runs on; its range stays reserved until it drained
+        return job.describe()
