@@ -11,8 +11,9 @@ export TRANSFORMERS_OFFLINE := 1
 env:
 	scripts/setup-env.sh
 
+# One console line per stage as it starts and ends; Snakemake's full output: results/<profile>/logs/snakemake.log.
 pipeline: env  ## run every stage on the CPU profile, then tables + plots
-	snakemake --cores all $(SNAKEMAKE_ARGS)
+	python -m kmesh pipeline --cores all $(SNAKEMAKE_ARGS)
 
 test: env  ## the test suite (CI runs exactly this)
 	KMESH_REQUIRE_VLLM=1 python -m pytest -q $(PYTEST_ARGS)

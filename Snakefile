@@ -1,6 +1,7 @@
 # KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage ->
 #   integrity -> group -> vllm -> restore_bench -> report.
-# Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all`).
+# Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all` through
+#   `python -m kmesh pipeline`: one console line per stage, the full log in results/<profile>/logs/snakemake.log).
 # On a cluster: `snakemake --profile workflow/profiles/slurm` (or .../kubernetes); see README.
 # Profile: `snakemake --config profile=cuda` (default cpu). Every stage also runs alone:
 #   python -m kmesh run STAGE --profile PROFILE

@@ -1,4 +1,4 @@
-"""`kmesh run STAGE | doctor | render | service ...` (also `python -m kmesh ...`)."""
+"""`kmesh run STAGE | pipeline [SNAKEMAKE ARGS] | doctor | render | service ...` (also `python -m kmesh ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     r.set_defaults(func=cmd_run)
 
+    # Listed for --help only: main() hands everything after `pipeline` to kmesh.console before argparse sees it.
+    pl = sub.add_parser("pipeline", help="run Snakemake with every argument that follows (`kmesh pipeline -h`: "
+                                         "Snakemake's), printing one line per stage as it starts and ends; "
+                                         "the full log goes to <results_dir>/<profile>/logs/snakemake.log")
+    pl.add_argument("snakemake_args", nargs=argparse.REMAINDER, metavar="SNAKEMAKE_ARGS")
+
     d = sub.add_parser("doctor", help="print what this machine supports")
     d.add_argument("--results-dir", default="results", help="where O_DIRECT is probed")
     d.add_argument("--json", action="store_true")
@@ -109,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["pipeline"]:
+            # Every argument after `pipeline` is Snakemake's; argparse would read -n, --config ... as kmesh's.
+            from kmesh.console import run_pipeline
+
+            return run_pipeline(argv[1:])
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except KMeshError as e:
         print(f"kmesh: error: {e}", file=sys.stderr)
