@@ -8,7 +8,7 @@ Export geometry (BLNHC): a block of all 4 layers = 4·16·2·(16+16)·4 B = 16 K
 
 Before the fix: the 20-token segment's object held only its first block, the 12-token one's held 0 bytes, and
 the restore read the staging buffer's poison bytes (0xA5A5A5A5 = -2.9e-16 as float32, no NaN) for 16 tokens.
-Whole file ~5 s on CPU (each real service ~1-2 s).
+Whole file ~12 s on CPU (each real service ~1-2 s).
 """
 from __future__ import annotations
 
