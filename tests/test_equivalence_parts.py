@@ -33,8 +33,8 @@ from kmesh.restore import capture
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_tensor
 from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
-                            SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
-                            export_segments, stage_segments)
+                            SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
+                            copy_private, export_segments, stage_segments)
 from kmesh.stages import equivalence_controls as controls
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
@@ -188,8 +188,8 @@ def test_stage_segments_missing_corrupt_truncated(env):
         stage_segments(InProcessSegments(ex, objs), staging, cat)
 
     objs = _objects(ex)
-    objs[k2] = torch.cat([objs[k2], torch.zeros(1, dtype=torch.uint8)])   # longer: overruns the buffer
-    with pytest.raises(SegmentTruncatedError, match="overruns"):
+    objs[k2] = torch.cat([objs[k2], torch.zeros(1, dtype=torch.uint8)])   # longer (would overrun the buffer)
+    with pytest.raises(SegmentOversizeError, match=f"has {SEG_BYTES + 1} bytes"):
         stage_segments(InProcessSegments(ex, objs), staging, cat)
 
 
@@ -508,7 +508,10 @@ def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
             svc.after_accept(req, nbytes)
 
         with svc.staging("short") as st:
-            n = ServiceSegments(svc.client, st.reg, after).load(dataclasses.replace(e0, key=key), st.tensor)
+            src = ServiceSegments(svc.client, st.reg, after)
+            with pytest.raises(SegmentTruncatedError, match=f"has {SEG_BYTES - BLOCK_BYTES} bytes"):
+                src.load(dataclasses.replace(e0, key=key), st.tensor)   # refused, its copy let run and drained
+            n = svc.client.poll(src.requests[0])["nbytes"]
             # a 2-chunk copy granted one chunk must stop after it
             req = svc.client.load(st.reg, e1.key, e1.offset)
             h.accepted(e1.nbytes)

@@ -58,6 +58,120 @@ def test_parse_spans():
         assert parse_spans(bad, 10) is None, bad
 
 
+def test_recent_keys_lru():
+    from kmesh.vllm.recent import RecentKeys
+
+    keys = RecentKeys(3)
+    keys.add([b"a", b"b", b"c"])
+    assert keys.touch(b"a") and not keys.touch(b"z")       # a is now the most recent
+    keys.add([b"d"])                                        # evicts b, the least recently used
+    assert [k in keys for k in (b"a", b"b", b"c", b"d")] == [True, False, True, True] and len(keys) == 3
+    keys.discard(b"c")
+    keys.discard(b"c")
+    assert len(keys) == 2
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError):
+            RecentKeys(bad)
+
+
+BS_SCHED = 4
+
+
+def _scheduler(extra: dict):
+    """The connector's scheduler side over an in-memory record store (no service, no engine): the link is up,
+    lookups read `store`, and what a step's metadata saves is filed there as the worker would."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kmesh.vllm.connector import KMeshConnector
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                          model_config=SimpleNamespace(model="m", dtype="float32"),
+                          cache_config=SimpleNamespace(block_size=BS_SCHED, cache_dtype="auto"))
+    conn = KMeshConnector(cfg, KVConnectorRole.SCHEDULER)
+    conn.link = SimpleNamespace(up=True, connect=lambda: True)
+    store: dict[bytes, Record] = {}
+    conn._read_record = store.get
+    return conn, store
+
+
+def _step(conn, store, prompts: dict[str, list[int]]) -> tuple[dict[str, int], list[bytes]]:
+    """One scheduler step over new requests: (tokens supplied per request, keys the step saves)."""
+    from types import SimpleNamespace
+
+    supplied, reqs, news = {}, {}, []
+    for rid, prompt in prompts.items():
+        reqs[rid] = SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=None)
+        supplied[rid], _ = conn.get_num_new_matched_tokens(reqs[rid], 0)
+        conn.update_state_after_alloc(reqs[rid], None, supplied[rid])
+        news.append(SimpleNamespace(req_id=rid, prompt_token_ids=prompt, num_computed_tokens=supplied[rid],
+                                    sampling_params=None, block_ids=(list(range(len(prompt) // BS_SCHED + 1)),)))
+    meta = conn.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=news, num_scheduled_tokens={n.req_id: len(n.prompt_token_ids) - supplied[n.req_id]
+                                                       for n in news}))
+    saved = []
+    for plan in meta.saves:
+        for it in plan.items:
+            store[it.key] = Record(KIND_PREFIX, len(it.tokens), it.start, 4096, bytes(32), token_digest(it.tokens))
+            saved.append(it.key)
+    for r in reqs.values():
+        conn.request_finished(r, [])
+    return supplied, saved
+
+
+def test_scheduler_saved_keys_bounded_and_no_resave_of_a_recent_prefix():
+    """_saved_keys once grew by every prefix block ever saved; now an LRU of `saved_keys` entries."""
+    conn, store = _scheduler({"saved_keys": 8})
+    prompts = [[1000 * n + i for i in range(2 * BS_SCHED + 1)] for n in range(50)]   # 2 full blocks each
+    for n, p in enumerate(prompts):
+        supplied, saved = _step(conn, store, {f"r{n}": p})
+        assert supplied == {f"r{n}": 0} and len(saved) == 2
+        assert len(conn._saved_keys) <= 8
+    assert len(store) == 100 and len(conn._saved_keys) == 8
+    # a recent prefix again: both blocks supplied, nothing saved again
+    assert _step(conn, store, {"again": prompts[-1]}) == ({"again": 8}, [])
+    # a long-forgotten one whose records are still stored: found by lookup, not saved again either
+    assert _step(conn, store, {"old": prompts[0]}) == ({"old": 8}, [])
+    # a prompt of whole blocks: its last block is saved but never looked up (the engine computes the last
+    # token); only the memory of recent saves keeps a repeat from saving it again
+    whole = [7, 7, 7, 7, 8, 8, 8, 8]
+    assert len(_step(conn, store, {"w1": whole})[1]) == 2
+    assert _step(conn, store, {"w2": whole}) == ({"w2": 4}, [])
+    # the same new prompt twice in one step: saved once
+    twin = [5] * (2 * BS_SCHED)
+    supplied, saved = _step(conn, store, {"t1": twin, "t2": twin})
+    assert supplied == {"t1": 0, "t2": 0} and len(saved) == 2 == len(set(saved))
+    # the service evicted block 1 of a recently saved prefix: the lookup misses it, so it is saved again
+    from kmesh.vllm.objects import prefix_keys
+
+    k0, k1 = prefix_keys(conn.ns, prompts[-1], BS_SCHED, 2)
+    assert k1 in conn._saved_keys
+    del store[k1]
+    assert _step(conn, store, {"evicted": prompts[-1]}) == ({"evicted": 4}, [k1])
+    assert k1 in store and len(conn._saved_keys) <= 8
+
+
+def test_scheduler_saved_keys_a_repeated_prefix_stays_recent():
+    """Being asked to save a remembered key again makes it recent: a prompt repeated between others keeps its
+    never-looked-up last block remembered, where a first-in-first-out memory would drop it and save it again."""
+    conn, store = _scheduler({"saved_keys": 8})
+    whole = [7, 7, 7, 7, 8, 8, 8, 8]
+    others = [[100 * n + i for i in range(2 * BS_SCHED)] for n in range(4)]
+    assert len(_step(conn, store, {"w": whole})[1]) == 2
+    for n in range(3):
+        assert len(_step(conn, store, {f"o{n}": others[n]})[1]) == 2        # 8 keys remembered now
+    assert _step(conn, store, {"w": whole}) == ({"w": 4}, [])
+    assert len(_step(conn, store, {"o3": others[3]})[1]) == 2               # drops the 2 least recent
+    assert _step(conn, store, {"w": whole}) == ({"w": 4}, [])
+
+
+def test_scheduler_saved_keys_default_capacity():
+    conn, _ = _scheduler({})
+    assert conn._saved_keys.capacity == 16384
+
+
 def test_unknown_arrangements_refused_at_registration():
     from kmesh.stages.vllm_refusals import CASES, accepted, refusals
 

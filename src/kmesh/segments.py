@@ -1,16 +1,20 @@
 """Shared segments: what a leader saves, how a child gets a private copy back, and the checks in between.
 
-    export = export_segments(runner, leader_cache, workload)     # BLNHC buffer: each segment whole blocks
+    export = export_segments(runner, leader_cache, workload)     # BLNHC buffer: each segment from a block start
     src = InProcessSegments(export)                              # or ServiceSegments(svc, staging, ...)
     staged = stage_segments(src, staging, export.catalog)        # loads + size/digest checks, per segment
     private = copy_private(engine, staging, owner)               # TransferEngine copy, drained before use
     restore_child(child_cache, export.catalog, private, child, rope)   # kmesh.restore with the RoPE shift
 
 The export buffer uses a cross-layer order (BLNHC: all layers of a block together), so one segment is one
-contiguous byte range: one saved object per segment, whatever the layer count. The leader records each
-object's size and sha256 in a Catalog; a child trusts staged bytes only after both match, before a
-single byte reaches its model state. Every failure is a SegmentLoadError subclass the caller turns into a
-full recompute — never a partial restore.
+contiguous byte range: one saved object per segment, whatever the layer count. A segment of any length
+starts on a block boundary and its object is the whole blocks it spans (`segment_nbytes`): the slots past
+its last token in a partial last block are zero padding, covered by the digest and never restored (a
+restore reads exactly the segment's slots). The leader records each object's size and sha256 in a
+Catalog; a child checks every entry against the layout (`check_catalog`: the size its tokens need, from
+a block start) and every object's size before its bytes are copied, and trusts staged bytes only after
+size and digest match, before a single byte reaches its model state. Every failure is a SegmentLoadError
+subclass the caller turns into a full recompute — never a partial restore.
 """
 from __future__ import annotations
 
@@ -42,8 +46,24 @@ class SegmentCorruptError(SegmentLoadError):
     """The loaded bytes do not have the digest the leader recorded."""
 
 
-class SegmentTruncatedError(SegmentLoadError):
-    """The object is not as large as the leader's segment."""
+class SegmentExportError(KMeshError):
+    """A workload's segments cannot be exported (a segment of no tokens)."""
+
+
+class SegmentCatalogError(SegmentLoadError):
+    """A catalog entry disagrees with its layout: not the whole blocks its tokens span, from a block start."""
+
+
+class SegmentSizeError(SegmentLoadError):
+    """The object's size is not the catalog entry's (what its tokens need under the layout)."""
+
+
+class SegmentTruncatedError(SegmentSizeError):
+    """The object holds fewer bytes than the catalog entry says it must."""
+
+
+class SegmentOversizeError(SegmentSizeError):
+    """The object holds more bytes than the catalog entry says it must."""
 
 
 class SegmentLayoutError(SegmentLoadError):
@@ -91,6 +111,42 @@ class Catalog:
              "leader_start": e.leader_start, "tokens": e.tokens} for e in self.entries]}
 
 
+def size_error(entry: CatalogEntry, nbytes: int, where: str = "") -> SegmentSizeError:
+    """The typed refusal of an object of nbytes for `entry` (truncated or oversize)."""
+    cls = SegmentTruncatedError if nbytes < entry.nbytes else SegmentOversizeError
+    return cls(f"object {entry.key!r} has {nbytes} bytes{where}; its catalog entry ({entry.tokens} tokens) "
+               f"says {entry.nbytes}")
+
+
+def segment_nbytes(layout: KVLayout, tokens: int) -> int:
+    """Bytes of the object of a `tokens`-token segment under an export layout: the whole blocks it spans."""
+    return -(-tokens // layout.block_size) * layout.byte_strides["B"]
+
+
+def check_catalog(catalog: Catalog) -> None:
+    """Every entry is what its tokens need under the catalog's layout, else SegmentCatalogError: it starts
+    on a block boundary (offset = its first block's bytes), holds the whole blocks its tokens span, lies
+    inside the layout and overlaps no other entry. A block-outermost order makes a segment contiguous."""
+    layout = catalog.layout
+    if layout.order[0] != "B":
+        raise SegmentCatalogError(f"catalog layout order {layout.order} does not keep a block's layers together")
+    bs, block_bytes = layout.block_size, layout.byte_strides["B"]
+    end = 0
+    for e in sorted(catalog.entries, key=lambda e: e.offset):
+        what = f"catalog entry {e.key!r} ({e.tokens} tokens from slot {e.first_slot}, block size {bs})"
+        if e.tokens < 1:
+            raise SegmentCatalogError(f"{what} holds no tokens")
+        if e.first_slot % bs or e.offset != layout.offset + e.first_slot // bs * block_bytes:
+            raise SegmentCatalogError(f"{what} does not start on a block boundary at offset {e.offset}")
+        if e.nbytes != segment_nbytes(layout, e.tokens):
+            raise SegmentCatalogError(f"{what} says {e.nbytes} bytes; its blocks hold "
+                                      f"{segment_nbytes(layout, e.tokens)}")
+        if e.offset < end or e.offset + e.nbytes > layout.nbytes:
+            raise SegmentCatalogError(f"{what} overlaps another entry or lies past the layout's "
+                                      f"{layout.nbytes} bytes")
+        end = e.offset + e.nbytes
+
+
 @dataclass
 class Export:
     raw: torch.Tensor      # uint8, catalog.layout
@@ -99,27 +155,34 @@ class Export:
 
 def export_layout(runner: LayerRunner, workload: Workload) -> KVLayout:
     bs = workload.spec.block_size
-    blocks = sum(s.tokens for s in workload.segments) // bs
+    blocks = sum(-(-s.tokens // bs) for s in workload.segments)     # each segment from a block start
     return KVLayout.paged(EXPORT_ORDER, runner.num_layers, blocks, bs, runner.num_kv_heads, runner.head_dim,
                           runner.dtype_name)
 
 
 def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Workload, key_prefix: bytes) -> Export:
-    """Copy each segment's K/V (all layers) out of the leader's cache into whole blocks of an export buffer."""
+    """Copy each segment's K/V (all layers) out of the leader's cache into an export buffer, each segment from
+    a block start over the whole blocks it spans (a partial last block's other slots stay zero)."""
+    empty = [i for i, seg in enumerate(workload.segments) if seg.tokens < 1]
+    if empty:
+        raise SegmentExportError(f"segments {empty} hold no tokens; a segment needs at least one")
     layout = export_layout(runner, workload)
     raw = torch.zeros(layout.nbytes, dtype=torch.uint8, device=runner.device)
-    block_bytes = layout.byte_strides["B"]
-    entries, slot = [], 0
+    block_bytes, bs = layout.byte_strides["B"], layout.block_size
+    entries, block = [], 0
     for i, seg in enumerate(workload.segments):
+        slot = block * bs
         pos = torch.arange(seg.leader_start, seg.leader_start + seg.tokens, device=runner.device)
         saved = capture(leader_cache.raw, leader_cache.layout, pos, pos)    # leader slot = position
         dst = torch.arange(slot, slot + seg.tokens, device=runner.device)
         restore(raw, layout, saved, dst, pos, runner.rope)                  # same positions: a byte copy
-        offset, nbytes = (slot // layout.block_size) * block_bytes, (seg.tokens // layout.block_size) * block_bytes
+        offset, nbytes = block * block_bytes, segment_nbytes(layout, seg.tokens)
         entries.append(CatalogEntry(i, key_prefix + f"/segment-{i}".encode(), offset, nbytes,
                                     sha256_tensor(raw[offset:offset + nbytes]), seg.leader_start, seg.tokens, slot))
-        slot += seg.tokens
-    return Export(raw, Catalog(layout, tuple(entries)))
+        block += nbytes // block_bytes
+    catalog = Catalog(layout, tuple(entries))
+    check_catalog(catalog)
+    return Export(raw, catalog)
 
 
 class SegmentSource(Protocol):
@@ -128,7 +191,8 @@ class SegmentSource(Protocol):
     name: str
 
     def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
-        """Copy the entry's object into staging at entry.offset; returns the bytes copied."""
+        """Copy the entry's object into staging at entry.offset; returns the bytes copied. An object whose
+        size is not entry.nbytes raises SegmentSizeError, copied nowhere if the source can know its size first."""
 
 
 class InProcessSegments:
@@ -145,8 +209,11 @@ class InProcessSegments:
         if obj is None:
             raise SegmentMissingError(f"no saved object {entry.key!r}")
         n = obj.numel()
+        if n != entry.nbytes:                       # before the copy: not a byte of a wrong-size object lands
+            raise size_error(entry, n)
         if entry.offset + n > staging.numel():
-            raise SegmentTruncatedError(f"object {entry.key!r} of {n} bytes overruns the staging buffer")
+            raise SegmentLayoutError(f"object {entry.key!r} of {n} bytes at {entry.offset} overruns the "
+                                     f"{staging.numel()}-byte staging buffer")
         staging[entry.offset:entry.offset + n].copy_(obj)
         return n
 
@@ -155,6 +222,12 @@ class ServiceSegments:
     """Objects loaded through the cache service into a registered staging buffer (memfd or CUDA IPC).
 
     `after_accept(req, nbytes)` runs once the service accepted a copy (a paced service needs its tokens then).
+    The size check comes first: the service reports the object's size when it accepts the load, before a paced
+    copy moves a byte, and one that is not entry.nbytes raises SegmentSizeError. The service cannot stop a
+    copy part-way (kmesh.service.jobs), so the refused copy is cancelled and still let run out and drained into
+    staging, whose bytes the caller then never uses (it recomputes); a client cannot ask the service for an
+    object's size before it loads it. An object too large for the registration is refused by the service
+    (RangeError) before any copy: SegmentOversizeError.
     """
 
     name = "service"
@@ -173,17 +246,25 @@ class ServiceSegments:
             raise SegmentMissingError(str(e)) from e
         except se.LayoutMismatchError as e:
             raise SegmentLayoutError(str(e)) from e
+        except se.RangeError as e:   # the staging region is the catalog's: the object is larger than its entry
+            raise SegmentOversizeError(f"object {entry.key!r} does not fit at {entry.offset} of the staging "
+                                       f"buffer (its catalog entry says {entry.nbytes} bytes): {e}") from e
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost: {e}") from e
         self.requests.append(req)
         try:
+            accepted = int(self.svc.poll(req)["nbytes"])
+            if accepted != entry.nbytes:
+                self.svc.cancel(req)        # nobody wants it; it runs on (see the class doc) and is drained below
             if self.after_accept is not None:
                 # the size the service accepted (the object's), not the catalog's: a paced service needs its
                 # exact chunk count, or a short object would leave spare tokens in the gate
-                self.after_accept(req, int(self.svc.poll(req)["nbytes"]))
+                self.after_accept(req, accepted)
             r = self.svc.wait(req, timeout=self.timeout_s)
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost during load of {entry.key!r}: {e}") from e
+        if accepted != entry.nbytes:
+            raise size_error(entry, accepted, f" (copy {r['state']}, not used)")
         if r["state"] == "cancelled":
             raise SegmentCancelledError(f"load of {entry.key!r} was cancelled")
         if r["state"] != "done":
@@ -193,13 +274,17 @@ class ServiceSegments:
 
 def stage_segments(source: SegmentSource, staging: torch.Tensor, catalog: Catalog,
                    on_staged: Callable[[CatalogEntry], None] | None = None) -> None:
-    """Load every catalog entry into staging and check its size and digest (poisoned first, so a copy that
-    silently wrote nothing cannot pass)."""
+    """Check the catalog against its layout (check_catalog), then load every entry into staging and check its
+    size and digest (poisoned first, so a copy that silently wrote nothing cannot pass)."""
+    check_catalog(catalog)
+    if staging.dtype != torch.uint8 or staging.numel() < catalog.nbytes:
+        raise SegmentLayoutError(f"staging buffer of {staging.numel()} {staging.dtype} elements cannot hold the "
+                                 f"catalog's {catalog.nbytes} bytes")
     staging.fill_(0xA5)
     for e in catalog.entries:
         n = source.load(e, staging)
-        if n != e.nbytes:
-            raise SegmentTruncatedError(f"object {e.key!r} has {n} bytes, the leader saved {e.nbytes}")
+        if n != e.nbytes:          # a source that does not check sizes itself
+            raise size_error(e, n)
         got = sha256_tensor(staging[e.offset:e.offset + e.nbytes])
         if got != e.sha256:
             raise SegmentCorruptError(f"object {e.key!r}: sha256 {got[:16]}… differs from the leader's "

@@ -10,7 +10,9 @@ Scheduler side (engine-core process): for each new request, how many leading pro
   interior  the request names shared segments (kv_transfer_params {"kmesh_segments": [[a, b], ...]}); the span
             up to the end of the last one found is claimed and repaired (kmesh.vllm.repair).
   Lookups read only the 256-byte records. The count and what was loaded come back to the caller in the
-  request output's kv_transfer_params["kmesh"].
+  request output's kv_transfer_params["kmesh"]. Prefix blocks already stored or planned are not saved again
+  (kmesh.vllm.recent: an LRU of `saved_keys` keys, default 16384; a key whose record a lookup misses is
+  forgotten, so an evicted block is saved again).
 Worker side: detects the engine's arrangement from the caches vLLM registers (kmesh.vllm.arrangement; a clear
   ArrangementError for one it does not understand), registers windows in that geometry with the service,
   loads payloads, checks size and sha256 against the record, and writes them into the request's blocks with
@@ -44,6 +46,7 @@ from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceL
 from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record, RecordError, namespace,
                                 prefix_keys, record_key, segment_key)
 from kmesh.vllm.plans import Item, KMeshMetadata, LoadPlan, SavePlan, parse_spans, slots_of
+from kmesh.vllm.recent import RecentKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +85,8 @@ class KMeshConnector(KVConnectorBase_V1):
         # scheduler state
         self._plans: dict[str, LoadPlan] = {}
         self._reports: dict[str, dict[str, Any]] = {}
-        self._saved_keys: set[bytes] = set()
+        # prefix keys stored or planned: spares a save, bounded (a forgotten key costs one refused save)
+        self._saved_keys = RecentKeys(int(extra.get("saved_keys", 16384)))
         # worker state
         self._load_errors: set[int] = set()
         self._save_slots: list[tuple[Item, torch.Tensor, int, torch.Tensor]] = []
@@ -169,10 +173,13 @@ class KMeshConnector(KVConnectorBase_V1):
         for i, key in enumerate(prefix_keys(self.ns, prompt, bs, blocks)):
             toks = tuple(prompt[i * bs:(i + 1) * bs])
             rec = self._read_record(key)
-            if rec is None or not rec.matches(KIND_PREFIX, toks, i * bs):
+            if rec is None:
+                self._saved_keys.discard(key)     # not stored (evicted, or its save never happened): save again
+                break
+            if not rec.matches(KIND_PREFIX, toks, i * bs):
                 break
             items.append(Item(key, rec, i * bs, toks))
-        self._saved_keys.update(it.key for it in items)
+        self._saved_keys.add(it.key for it in items)
         if not items:
             return None
         first = computed // bs
@@ -242,9 +249,9 @@ class KMeshConnector(KVConnectorBase_V1):
         elif self.save_prefix:
             bs = self.block_size
             for i, key in enumerate(prefix_keys(self.ns, prompt, bs, len(prompt) // bs)):
-                if key not in self._saved_keys:
+                if not self._saved_keys.touch(key):
                     items.append(Item(key, None, i * bs, tuple(prompt[i * bs:(i + 1) * bs])))
-            self._saved_keys.update(it.key for it in items)
+            self._saved_keys.add(it.key for it in items)
         return SavePlan(new.req_id, items) if items else None
 
     def update_connector_output(self, connector_output: Any) -> None:
