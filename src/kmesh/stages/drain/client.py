@@ -1,4 +1,4 @@
-"""The copying process of the `drain` stage: `python -m kmesh.stages.drain_client --ctl FD --device D`.
+"""The copying process of the `drain` stage: `python -m kmesh.stages.drain.client --ctl FD --device D`.
 
 It owns the "device" buffers (CPU profile: a shared memory segment the stage created; cuda profile: GPU
 memory of this process) and, per case, a TransferEngine whose copies are gated chunk by chunk by the stage
@@ -21,10 +21,8 @@ from typing import Any
 import torch
 
 from kmesh import shm
+from kmesh.stages.drain.protocol import CANARY, POISON
 from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, Ticket, TransferEngine, TransferError
-
-CANARY = 4096  # bytes of canary on each side of every payload in a segment
-POISON = 0xA5  # destination bytes before a copy
 
 
 def pattern(n_words: int, seed: int, device: str = "cpu") -> torch.Tensor:
