@@ -62,16 +62,16 @@ def save_objects(export: Export, directory: Path, algorithm: str = "sha256", pad
     return ObjectSet(export.catalog, paths, headers, slots, offset)
 
 
-def to_segment_error(e: se.StorageError) -> SegmentLoadError:
+def to_segment_error(error: se.StorageError) -> SegmentLoadError:
     """The SegmentLoadError a child falls back on; the message starts with the storage error's class name."""
-    msg = f"{type(e).__name__}: {e}"
-    if isinstance(e, se.ObjectNotFoundError):
+    msg = f"{type(error).__name__}: {error}"
+    if isinstance(error, se.ObjectNotFoundError):
         return SegmentMissingError(msg)
-    if isinstance(e, se.ShortFileError):
+    if isinstance(error, se.ShortFileError):
         return SegmentTruncatedError(msg)
-    if isinstance(e, se.ObjectMismatchError):
+    if isinstance(error, se.ObjectMismatchError):
         return SegmentLayoutError(msg)
-    if isinstance(e, (se.ObjectCorruptError, se.HeaderCorruptError, se.HeaderLieError, se.BadMagicError,
+    if isinstance(error, (se.ObjectCorruptError, se.HeaderCorruptError, se.HeaderLieError, se.BadMagicError,
                       se.BadVersionError, se.ObjectAlgorithmError, se.ObjectReplacedError)):
         return SegmentCorruptError(msg)
     return SegmentLoadError(msg)

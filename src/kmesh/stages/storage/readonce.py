@@ -71,11 +71,11 @@ def forced_eviction(tier: TieredObjects, catalog: Catalog, privates: list[torch.
     return out
 
 
-def concurrent_children(n: int, load: Callable[[int], float], name: str) -> list[float]:
-    """Run load(0..n-1) in n threads released together by a barrier (simultaneous loads, so singleflight has
-    something to join); the per-child seconds, or the first child's exception re-raised in this thread."""
-    barrier = threading.Barrier(n)
-    times: list[float | None] = [None] * n
+def concurrent_children(count: int, load: Callable[[int], float], name: str) -> list[float]:
+    """Run load(0..count-1) in `count` threads released together by a barrier (simultaneous loads, so singleflight
+    has something to join); the per-child seconds, or the first child's exception re-raised in this thread."""
+    barrier = threading.Barrier(count)
+    times: list[float | None] = [None] * count
     errors: list[BaseException] = []
 
     def child(index: int) -> None:
@@ -85,7 +85,7 @@ def concurrent_children(n: int, load: Callable[[int], float], name: str) -> list
         except BaseException as e:  # re-raised below, in the stage's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=child, args=(i,), name=f"{name}-{i}") for i in range(n)]
+    threads = [threading.Thread(target=child, args=(i,), name=f"{name}-{i}") for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:

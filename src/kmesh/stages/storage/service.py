@@ -40,12 +40,12 @@ from kmesh.workload import Child
 class ServiceChildren:
     """The service, the leader's saved originals, and one connection + staging registration per child."""
 
-    def __init__(self, harness: Harness, export: Export, device: torch.device, n: int) -> None:
-        self.harness, self.export, self.n = harness, export, n
+    def __init__(self, harness: Harness, export: Export, device: torch.device, children: int) -> None:
+        self.harness, self.export, self.children = harness, export, children
         self.stack = contextlib.ExitStack()
         self.leader = self.stack.enter_context(ServiceSide(harness, export, device))
         self.leader.save_leader()
-        self.sides = [self.stack.enter_context(ServiceSide(harness, export, device)) for _ in range(n)]
+        self.sides = [self.stack.enter_context(ServiceSide(harness, export, device)) for _ in range(children)]
         self.staging = [self.stack.enter_context(side.staging(f"read-once-{i}")) for i, side in enumerate(self.sides)]
         self._gate = threading.Lock()   # the harness gate's counters are not thread-safe
 
