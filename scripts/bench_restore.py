@@ -1,4 +1,4 @@
-"""Thin wrapper over the pipeline stage `restore_bench` (src/kmesh/stages/restore_bench.py: design, arms, checks).
+"""Thin wrapper over the pipeline stage `restore_bench` (src/kmesh/stages/restore_bench/: design, arms, checks).
 
     python scripts/bench_restore.py --out results/cuda/bench_restore [--pairs 7] [--shapes qwen05b,mha-large]
         [--variants ",-DRESTORE_ROT_CHUNK=16"]   # nvcc flag sets of kernels/restore_rope.cu; "" = default build

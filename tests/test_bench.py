@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from kmesh.bench import Intervals, TimingError, paired_stats, run_pairs
+from kmesh.bench import Intervals, TimingError, alternate, paired_stats, run_pairs
 
 
 def test_paired_stats_known_values():
@@ -53,6 +53,41 @@ def test_run_pairs_alternates_order_and_drops_warmup():
     assert t.parents == {"inner": "outer", "outer": None}
     s = t.summary()
     assert set(s) == {"outer", "inner"} and s["outer"]["pairs"] == 4
+
+
+def test_alternate_orders_discards_warmup_and_runs_both_arms_every_round():
+    """The lower-level loop (whole-group arms, e.g. the storage stage's read-once pairs): each round runs both arms
+    on the same round, the first arm alternates with A first in the first kept pair, warm-up rounds are dropped."""
+    calls = []
+
+    def run_arm(arm, round_index):
+        calls.append((arm, round_index))
+        return {"group": [float(round_index)], "load": [1.0, 2.0, 9.0] if arm == "A" else [3.0, 4.0, 0.0]}
+
+    t = alternate(("A", "B"), pairs=3, warmup=2, run_arm=run_arm)
+    assert calls == [("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2), ("B", 3), ("A", 3),
+                     ("A", 4), ("B", 4)]
+    assert [p["order"] for p in t.pairs] == [["A", "B"], ["B", "A"], ["A", "B"]]
+    assert [p["A"]["group"] for p in t.pairs] == [[2.0], [3.0], [4.0]]      # rounds 0 and 1 discarded
+    assert all(p["A"]["group"] == p["B"]["group"] for p in t.pairs)        # both arms ran the same round
+    s = t.summary()
+    assert s["load"]["median_a"] == 2.0 and s["load"]["median_b"] == 3.0 and s["load"]["pairs"] == 3
+    d = t.to_dict()
+    assert d["design"]["pairs"] == 3 and d["design"]["warmup"] == 2 and d["arms"] == {"A": "A", "B": "B"}
+    with pytest.raises(TimingError):
+        alternate(("A", "B"), pairs=0, warmup=0, run_arm=run_arm)
+
+
+def test_run_pairs_is_alternate_over_children():
+    """run_pairs gives alternate one arm run per child and the intervals' nesting, nothing else."""
+    def fn(arm, child, iv):
+        with iv.part("outer"):
+            with iv.part("inner"):
+                pass
+
+    t = run_pairs(fn, ("A", "B"), children=["c1", "c2", "c3"], pairs=2, warmup=1, progress=False)
+    assert all(len(p[arm][part]) == 3 for p in t.pairs for arm in ("A", "B") for part in ("outer", "inner"))
+    assert t.to_dict()["design"]["nesting"] == {"outer": None, "inner": "outer"}
 
 
 def test_run_pairs_per_pair_value_is_median_over_children():

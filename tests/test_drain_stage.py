@@ -8,6 +8,9 @@ from kmesh.config import load_config
 from kmesh.errors import StageError
 from kmesh.result import Result
 from kmesh.stages import drain
+from kmesh.stages.drain import stage as drain_stage
+from kmesh.stages.drain.cases import run_transfer_case
+from kmesh.stages.drain.copier import CopierProcess
 
 
 @pytest.fixture
@@ -18,7 +21,7 @@ def cfg(tmp_path):
 def test_drain_stage_all_cases_pass_across_processes(cfg):
     res = drain.run(cfg)
     by_id = {c.id: c for c in res.cases}
-    assert sorted(by_id) == sorted([f"{d}-{m}" for d in drain.DIRECTIONS for m in drain.MODES] + ["client-sigkill"])
+    assert sorted(by_id) == sorted([f"{d}-{m}" for d in drain_stage.DIRECTIONS for m in drain_stage.MODES] + ["client-sigkill"])
     failed = {c.id: (c.error, [k for k, v in c.checks.items() if v["ok"] is False]) for c in res.cases
               if c.passed is not True}
     assert not failed, failed
@@ -48,15 +51,15 @@ def test_drain_stage_all_cases_pass_across_processes(cfg):
 ])
 def test_reuser_ignoring_holds_is_caught(cfg, ignored, caught_by):
     """Negative control: a reuser that takes memory while a copy is pending must fail the stage's checks."""
-    s = drain.setting(cfg)
+    settings = drain_stage.setting(cfg)
     res = Result("drain", "cpu", {})
-    cp = drain.CopierProcess("cpu", s.log_dir / "copier-control.log")
+    copier = CopierProcess("cpu", settings.log_dir / "copier-control.log")
     try:
-        with res.case("control") as c:
-            drain.run_transfer_case(c, s, cp, "d2h", "refused_then_ok", 11, f"kmesh-drain-{os.getpid()}-ctl",
-                                    ignore_holds=frozenset({ignored}))
+        with res.case("control") as case:
+            run_transfer_case(case, settings, copier, "d2h", "refused_then_ok", 11, f"kmesh-drain-{os.getpid()}-ctl",
+                              ignore_holds=frozenset({ignored}))
     finally:
-        assert cp.finish(s.wait_s) == 0
+        assert copier.finish(settings.wait_s) == 0
     (c,) = res.cases
     bad = {k for k, v in c.checks.items() if v["ok"] is False}
     assert c.passed is False and c.error is None
@@ -68,4 +71,4 @@ def test_bad_drain_sizes_are_rejected(tmp_path):
     cfg = load_config(profile="cpu", overrides={"results_dir": str(tmp_path),
                                                 "drain": {"nbytes": 1000, "chunk_bytes": 512}})
     with pytest.raises(StageError, match="multiple of drain.chunk_bytes"):
-        drain.setting(cfg)
+        drain_stage.setting(cfg)

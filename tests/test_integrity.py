@@ -191,7 +191,8 @@ def test_stage_runs_and_renders(tmp_path):
 
 def test_stage_catches_a_wrong_digest(tmp_path, monkeypatch):
     """An arm that returns a wrong digest fails its bench case and digests_match."""
-    from kmesh.stages import integrity, integrity_arms
+    from kmesh.stages import integrity
+    from kmesh.stages.integrity import arms as integrity_arms
 
     real = integrity_arms.cpu.blake3
     monkeypatch.setattr(integrity_arms.cpu, "blake3", lambda d, threads=None: real(d)[:-1] + b"\x00")

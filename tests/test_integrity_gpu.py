@@ -29,7 +29,7 @@ def _dev(torch, n, seed):
 def test_boundary_lengths_poisoned_misaligned(torch):
     """The stage's own GPU case: all lengths, misalignments 0/1/3, two tail poisons, poisoned outputs."""
     from kmesh.result import Case
-    from kmesh.stages.integrity_gpu import check_gpu_digests
+    from kmesh.stages.integrity.gpu import check_gpu_digests
 
     c = Case("gpu-digests")
     check_gpu_digests(c, 20261130, [256, 1024])

@@ -7,7 +7,7 @@ from kmesh.config import load_config
 from kmesh.errors import StageError
 from kmesh.report import plots, tables
 from kmesh.stages import restore_bench
-from kmesh.stages.restore_bench_cases import SHAPES, build, check_restored, shape
+from kmesh.stages.restore_bench.cases import SHAPES, build, check_restored, shape
 
 SMALL = {"restore_bench": {"shapes": ["qwen05b-512-fp8"], "pairs": 2, "reps": 1}}
 

@@ -1,4 +1,4 @@
-"""Checksum arms of the storage stage (kmesh.stages.storage_checksums) on the tiny seeded Qwen2: every arm
+"""Checksum arms of the storage stage (kmesh.stages.storage.checksums) on the tiny seeded Qwen2: every arm
 delivers exactly the leader's bytes and the reference outputs; a corrupted object, or one checked with another
 algorithm, is refused with nothing pending; with overlap the device slot stays held until the hash and the
 payload copy are both done, and the payload copy waits for the hash. GPU arms: the same on CUDA (marked gpu).
@@ -13,8 +13,8 @@ import torch
 
 from kmesh.bench import Intervals
 from kmesh.model.quality import compare_states, identical
-from kmesh.stages import storage
-from kmesh.stages import storage_checksums as sc
+from kmesh.stages.storage import checksums as sc
+from kmesh.stages.storage.setup import storage_setup
 from kmesh.storage import routes
 from kmesh.storage.errors import ObjectAlgorithmError, ObjectCorruptError
 
@@ -38,12 +38,12 @@ def _bufs(s, sets):
 def test_arm_table_and_errors():
     assert {a.algorithm for a in sc.ARMS.values()} == {"sha256", "sha256-tree", "blake3"}
     with pytest.raises(sc.ChecksumArmError, match="hashes on the GPU"):
-        sc.arm("gpu-blake3", torch.device("cpu"))
+        sc.arm_named("gpu-blake3", torch.device("cpu"))
     if torch.cuda.is_available():
         with pytest.raises(sc.ChecksumArmError, match="cpu profile's overlap arm"):
-            sc.arm("cpu-blake3-overlap", torch.device("cuda"))
+            sc.arm_named("cpu-blake3-overlap", torch.device("cuda"))
     with pytest.raises(sc.ChecksumArmError, match="unknown checksum arm"):
-        sc.arm("md5", torch.device("cpu"))
+        sc.arm_named("md5", torch.device("cpu"))
 
 
 def test_sets_record_their_algorithm(sets):
@@ -55,7 +55,7 @@ def test_sets_record_their_algorithm(sets):
 @pytest.mark.parametrize("name", CPU_ARMS)
 def test_cpu_arm_exact_bytes_and_reference_outputs(setup, sets, name):  # noqa: F811
     s, _, refs, _ = setup
-    a = sc.arm(name, s.device)
+    a = sc.arm_named(name, s.device)
     b = _bufs(s, sets)
     try:
         for child in s.workload.children:
@@ -74,7 +74,7 @@ def test_cpu_arm_exact_bytes_and_reference_outputs(setup, sets, name):  # noqa: 
 @pytest.mark.parametrize("name", CPU_ARMS)
 def test_cpu_arm_refuses_corrupt_and_wrong_algorithm(setup, sets, name, tmp_path):  # noqa: F811
     s = setup[0]
-    a = sc.arm(name, s.device)
+    a = sc.arm_named(name, s.device)
     b = _bufs(s, sets)
     try:
         bad = sc.corrupt_copy(sets[a.algorithm], s.export, tmp_path / "bad", None)
@@ -93,7 +93,7 @@ def test_overlap_holds_device_slot_until_hash_and_copy_done(setup, sets, monkeyp
     """The hash of object 0 is held back: its device slot stays held, its payload copy does not run, and the
     next objects are still read meanwhile (the overlap); releasing the hash lets everything finish."""
     s = setup[0]
-    a = sc.arm("cpu-blake3-overlap", s.device)
+    a = sc.arm_named("cpu-blake3-overlap", s.device)
     objs = sets["blake3"]
     b = _bufs(s, sets)
     gate, started = threading.Event(), threading.Event()
@@ -142,7 +142,7 @@ def test_overlap_holds_device_slot_until_hash_and_copy_done(setup, sets, monkeyp
 
 def _cuda_setup(tmp_path):
     cfg = _cfg(tmp_path, profile="cuda", device="cuda", pad_to=1 << 20)
-    return storage._setup(cfg)
+    return storage_setup(cfg)
 
 
 @pytest.mark.gpu
@@ -162,7 +162,7 @@ def test_gpu_arms_exact_bytes_and_refuse_corrupt(tmp_path):
     raw = s.export.raw.to(s.device)
     for name in ["cpu-sha256", "gpu-sha256", "gpu-sha256-tree", "gpu-blake3", "gpu-blake3-overlap",
                  "gpu-sha256-tree-overlap"]:
-        a = sc.arm(name, s.device)
+        a = sc.arm_named(name, s.device)
         out = sc.timed_checksum_child(s.ctx, child, sets[a.algorithm], b, a, Intervals("cuda"))
         assert torch.equal(b.private, raw), name
         assert identical(compare_states(ref, out)), name

@@ -16,9 +16,11 @@ from kmesh.child import full_reference, run_child
 from kmesh.config import load_config
 from kmesh.model.quality import compare_states, identical
 from kmesh.segments import InProcessSegments
-from kmesh.stages import storage, storage_readonce
-from kmesh.stages.storage_child import route_restore, timed_child
-from kmesh.stages.storage_objects import StorageSegments, save_objects
+from kmesh.stages import storage
+from kmesh.stages.storage import controls, readonce, stage
+from kmesh.stages.storage.child import route_restore, timed_child
+from kmesh.stages.storage.objects import StorageSegments, save_objects
+from kmesh.stages.storage.setup import storage_setup
 from kmesh.storage import objfile, routes
 from kmesh.storage.tier import TieredObjects
 
@@ -41,7 +43,7 @@ def _cfg(tmp_path, profile="cpu", **storage_over):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("storage")
-    s = storage._setup(_cfg(tmp))
+    s = storage_setup(_cfg(tmp))
     objs = save_objects(s.export, tmp / "objs", pad_to=None)
     refs = {}
     staging = torch.empty(s.export.catalog.nbytes, dtype=torch.uint8)
@@ -111,7 +113,7 @@ def test_read_once_counts(setup):
     for e in s.export.catalog.entries:
         tier.put(e.key, s.export.raw[e.offset:e.offset + e.nbytes].contiguous().numpy(), keep=False)
     privates = [torch.empty(s.export.catalog.nbytes, dtype=torch.uint8) for _ in range(4)]
-    t, reads = storage_readonce.run_pairs(tier, s.export.catalog, privates, pairs=2, warmup=0)
+    t, reads = readonce.run_pairs(tier, s.export.catalog, privates, pairs=2, warmup=0)
     assert [r["read-once"]["reads_per_object"] for r in reads] == [[1, 1, 1]] * 2
     assert [r["forced-eviction"]["reads_per_object"] for r in reads] == [[4, 4, 4]] * 2
     assert all(torch.equal(p, s.export.raw) for p in privates)
@@ -160,7 +162,7 @@ def test_whole_stage_tiny(tmp_path):
 def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
     from kmesh.child import new_cache
     from kmesh.segments import restore_child
-    from kmesh.stages.storage_pipeline import pipelined_restore
+    from kmesh.stages.storage.pipeline import pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 
     s, objs, _, tmp = setup
@@ -190,7 +192,7 @@ def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant
     refused before use (ObjectCorruptError), with nothing pending and no hold left, however many hashers run."""
     from kmesh.child import new_cache
     from kmesh.segments import restore_child
-    from kmesh.stages.storage_pipeline import parse_variant, pipelined_restore
+    from kmesh.stages.storage.pipeline import parse_variant, pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 
     s, objs, _, tmp = setup
@@ -223,7 +225,7 @@ def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant
 
 
 def test_pipeline_variant_names_and_misuse():
-    from kmesh.stages.storage_pipeline import PipelineVariantError, parse_variant
+    from kmesh.stages.storage.pipeline import PipelineVariantError, parse_variant
 
     assert parse_variant("sequential") is None
     assert parse_variant("pipelined", hashers=4).describe() == {"where": "host", "algorithm": None, "hashers": 4,
@@ -240,7 +242,7 @@ def test_pipeline_variant_names_and_misuse():
 
 def test_pipeline_refuses_objects_of_another_algorithm_and_a_missing_device_landing(setup):
     from kmesh.child import new_cache
-    from kmesh.stages.storage_pipeline import PipelineVariantError, parse_variant, pipelined_restore
+    from kmesh.stages.storage.pipeline import PipelineVariantError, parse_variant, pipelined_restore
     from kmesh.storage.errors import ObjectAlgorithmError
 
     s, objs, _, _ = setup
@@ -280,23 +282,23 @@ def test_unavailable_arm_runs_fallback_arms_and_skips_its_arrival(setup):
     s2 = dataclasses.replace(s, sec={**s.sec, "arms": ["buffered", "direct"], "fallback_arms": ["buffered", "odirect"],
                                      "fallback_note": "buffered vs O_DIRECT"})
     res = Result("storage", "cpu", {}, (SkipAllowance("arrival-direct", "direct cannot run on a CPU device"),))
-    built, info = storage._routes_case(res, s2, objs)
+    built, info = stage._routes_case(res, s2, objs)
     assert list(built) == ["buffered", "odirect"] and res.cases[0].passed is True
     why = info["unavailable"]["direct"]
     assert "needs a CUDA device" in why and info["fallback"]["ran"] == ["buffered", "odirect"]
     assert info["fallback"]["why"] == {"direct": why} and info["fallback"]["comparison"] == "buffered vs O_DIRECT"
-    storage._unavailable_arrival_cases(res, info["unavailable"])
+    controls.unavailable_arrival_cases(res, info["unavailable"])
     assert res.cases[-1].id == "arrival-direct" and res.cases[-1].skipped == why
     sm = res.summary()
     assert sm["ok"] and sm["skips_allowed"][0]["case"] == "arrival-direct" and not sm["skips_unallowed"]
     bare = Result("storage", "cpu", {})      # a profile that does not allow it: the stage is not ok
-    storage._unavailable_arrival_cases(bare, info["unavailable"])
+    controls.unavailable_arrival_cases(bare, info["unavailable"])
     assert bare.skip_verdicts()[1] and not bare.summary()["ok"]
     for r in built.values():
         r.close()
     # without fallback arms the routes case fails (one arm), naming the unavailable one
     res3 = Result("storage", "cpu", {})
-    built3, info3 = storage._routes_case(res3, dataclasses.replace(s2, sec={**s2.sec, "fallback_arms": None}), objs)
+    built3, info3 = stage._routes_case(res3, dataclasses.replace(s2, sec={**s2.sec, "fallback_arms": None}), objs)
     assert list(built3) == ["buffered"] and res3.cases[0].passed is False and "fallback" not in info3
     for r in built3.values():
         r.close()

@@ -133,6 +133,32 @@ class PairedTiming:
 
 
 RunFn = Callable[[str, Any, Intervals], None]
+ArmRun = Callable[[str, int], dict[str, list[float]]]
+
+
+def alternate(arms: tuple[str, str], pairs: int, warmup: int, run_arm: ArmRun, progress: bool = False,
+              label: str | None = None) -> PairedTiming:
+    """The paired-run loop: `warmup + pairs` rounds, in each `run_arm(arm, round)` once per arm, the arm that goes
+    first alternating (A first in the first kept pair); the warm-up rounds' times are discarded.
+
+    `run_arm` returns the arm's seconds per part, one value per child (a whole-group arm may return a list of
+    one); `round` runs from 0, the first `warmup` rounds being the discarded ones. The caller sets the timing's
+    `parents` (nesting) if its parts nest.
+    """
+    if pairs < 1:
+        raise TimingError("pairs must be ≥ 1")
+    arm_a, arm_b = arms
+    result = PairedTiming(arm_a, arm_b, warmup=warmup)
+    from kmesh.progress import track
+
+    for index in track(range(warmup + pairs), label or f"pairs {arm_a} vs {arm_b}", enabled=progress):
+        order = [arm_a, arm_b] if (index - warmup) % 2 == 0 else [arm_b, arm_a]
+        record: dict[str, Any] = {"order": order}
+        for arm in order:
+            record[arm] = run_arm(arm, index)
+        if index >= warmup:
+            result.pairs.append(record)
+    return result
 
 
 def run_pairs(
@@ -145,7 +171,8 @@ def run_pairs(
     progress: bool = True,
     between: Callable[[], None] | None = None,
 ) -> PairedTiming:
-    """Run `fn(arm, child, intervals)` for both arms over all children, `pairs` times, order alternating.
+    """Run `fn(arm, child, intervals)` for both arms over all children, `pairs` times, order alternating
+    (kmesh.bench.alternate).
 
     `between` runs before every child run (e.g. forced eviction so each read is cold).
     """
@@ -153,25 +180,21 @@ def run_pairs(
         raise TimingError("pairs must be ≥ 1")
     if not children:
         raise TimingError("need at least one child")
-    a, b = arms
-    result = PairedTiming(a, b, warmup=warmup)
-    from kmesh.progress import track
+    parents: dict[str, str | None] = {}
 
-    for i in track(range(warmup + pairs), f"pairs {a} vs {b}", enabled=progress):
-        order = [a, b] if (i - warmup) % 2 == 0 else [b, a]
-        record: dict[str, Any] = {"order": order}
-        for arm in order:
-            per_part: dict[str, list[float]] = {}
-            for child in children:
-                if between:
-                    between()
-                iv = Intervals(device)
-                fn(arm, child, iv)
-                for name, s in iv.seconds().items():
-                    per_part.setdefault(name, []).append(s)
-                for name, parent in iv.parents.items():
-                    result.parents.setdefault(name, parent)
-            record[arm] = per_part
-        if i >= warmup:
-            result.pairs.append(record)
+    def run_arm(arm: str, _round: int) -> dict[str, list[float]]:
+        per_part: dict[str, list[float]] = {}
+        for child in children:
+            if between:
+                between()
+            iv = Intervals(device)
+            fn(arm, child, iv)
+            for name, seconds in iv.seconds().items():
+                per_part.setdefault(name, []).append(seconds)
+            for name, parent in iv.parents.items():
+                parents.setdefault(name, parent)
+        return per_part
+
+    result = alternate(arms, pairs, warmup, run_arm, progress=progress)
+    result.parents.update(parents)
     return result

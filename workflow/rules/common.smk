@@ -22,20 +22,19 @@ STAGE_CODE = {
     "kernels": [],
     "model": ["model/*.py", "sources/__init__.py", "sources/digest.py"],
     "synthetic": ["layout.py", "rope.py", "restore.py", "reference/*.py", "cuda/*.py", "vllm/*.py"],
-    "drain": ["transfer/*.py", "shm.py", "stages/drain_client.py"],
+    "drain": ["transfer/*.py", "shm.py"],
     "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
     "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
                     "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
                     "stages/model.py", "sources/__init__.py", "sources/digest.py"],
-    "integrity": ["integrity/*.py", "stages/integrity_*.py", "cuda/*.py"],
+    "integrity": ["integrity/*.py", "cuda/*.py"],
     "group": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py",
               "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence*.py",
               "stages/model.py", "sources/__init__.py", "sources/digest.py"],
-    "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence*.py", "model/*.py", "workload.py",
-                "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
-                "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
-                "sources/__init__.py", "sources/digest.py"],
-    "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
+    "storage": ["storage/*.py", "model/*.py", "workload.py", "segments.py", "child.py", "modelsetup.py",
+                "service_side.py", "layout.py", "rope.py", "restore.py", "restore_errors.py", "cuda/*.py",
+                "transfer/*.py", "integrity/*.py", "service/*.py", "shm.py", "sources/__init__.py", "sources/digest.py"],
+    "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "cuda/*.py"],
     "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
              "cuda/*.py", "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
              "sources/__init__.py", "sources/digest.py"],
@@ -52,7 +51,7 @@ SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/pro
 
 
 def stage_code(stage):
-    patterns = [f"stages/{stage}.py", *STAGE_CODE[stage], *SHARED_CODE]
+    patterns = [f"stages/{stage}.py", f"stages/{stage}/*.py", *STAGE_CODE[stage], *SHARED_CODE]
     code = sorted({f for p in patterns for f in glob.glob(f"src/kmesh/{p}")})
     missing = [p for p in SHARED_CODE if not glob.glob(f"src/kmesh/{p}")]
     if missing:  # a renamed shared module must not silently drop out of every stage's inputs

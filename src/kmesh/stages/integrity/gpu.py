@@ -19,15 +19,15 @@ SHA256_CHECK_BYTES = 4 * 1024 * 1024 + 1
 def _views(torch: Any, data: Any, lengths: list[int], mis: int, tail: int) -> tuple[list[Any], list[Any]]:
     """Per length a device buffer holding the data at offset `mis`, bytes after it set to `tail`; the views hashed."""
     bases, views = [], []
-    for n in lengths:
-        b = torch.full((n + mis + 64,), tail, dtype=torch.uint8, device="cuda")
-        b[mis:mis + n].copy_(data[:n])
-        bases.append(b)
-        views.append(b[mis:mis + n])
+    for length in lengths:
+        base = torch.full((length + mis + 64,), tail, dtype=torch.uint8, device="cuda")
+        base[mis:mis + length].copy_(data[:length])
+        bases.append(base)
+        views.append(base[mis:mis + length])
     return bases, views
 
 
-def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
+def check_gpu_digests(case: Case, seed: int, chunks: list[int]) -> None:
     import blake3
     import torch
 
@@ -43,7 +43,7 @@ def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
         **{f"sha256-tree@{ch}": [tree.reference(host[:n], ch) for n in lengths] for ch in chunks}}
     calls = [("sha256", "sha256", {"mode": "concurrent"}), ("sha256", "sha256", {"mode": "serial"}),
              ("blake3", "blake3", {})] + [(f"sha256-tree@{ch}", "sha256-tree", {"chunk_bytes": ch}) for ch in chunks]
-    c.record("lengths", lengths)
+    case.record("lengths", lengths)
     bad: dict[str, list[Any]] = {}
     for mis in (0, 1, 3):
         for tail in (0xA5, 0x5A):
@@ -58,7 +58,7 @@ def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
                 if wrong:
                     bad.setdefault(f"{key}/{kw.get('mode', '')}/mis{mis}/tail{tail:#x}", []).extend(wrong)
             del bases, views
-    c.check("every_gpu_digest_equals_reference", not bad, bad)
+    case.check("every_gpu_digest_equals_reference", not bad, bad)
 
     # one buffer, own stream, async; the caller's other work is not waited for
     side = torch.cuda.Stream()
@@ -68,8 +68,8 @@ def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
             for alg, kw in (("sha256", {}), ("blake3", {}), ("sha256-tree", {"chunk_bytes": chunks[0]}))}
     want = {"sha256": hashlib.sha256(host[:len(obj)]).digest(), "blake3": blake3.blake3(host[:len(obj)]).digest(),
             "sha256-tree": tree.reference(host[:len(obj)], chunks[0])}
-    c.check("async_side_stream_equal", all(p.result() == [want[a]] for a, p in pend.items()))
-    c.check("hash_buffer_equal", gpu.hash_buffer("blake3", obj) == want["blake3"])
+    case.check("async_side_stream_equal", all(p.result() == [want[a]] for a, p in pend.items()))
+    case.check("hash_buffer_equal", gpu.hash_buffer("blake3", obj) == want["blake3"])
 
     # corruption of one byte of object 2 of 4 is found and named
     objs = [data[i * 1024 * 1024:(i + 1) * 1024 * 1024].clone() for i in range(4)]
@@ -82,8 +82,8 @@ def check_gpu_digests(c: Case, seed: int, chunks: list[int]) -> None:
         except DigestMismatchError as e:
             caught = str(e)
         objs[2][123457] ^= 0x10
-        c.check(f"{alg}_corruption_detected", caught is not None and "object 2" in caught, caught)
-        c.check(f"{alg}_restored_verifies", gpu.hash_buffers(alg, objs, **kw) == good)
+        case.check(f"{alg}_corruption_detected", caught is not None and "object 2" in caught, caught)
+        case.check(f"{alg}_restored_verifies", gpu.hash_buffers(alg, objs, **kw) == good)
 
 
 def whole_sha256_big(res: Result, ds: Any, trials: int) -> dict[str, Any]:
@@ -94,18 +94,18 @@ def whole_sha256_big(res: Result, ds: Any, trials: int) -> dict[str, Any]:
 
     want = hashlib.sha256(ds.host[0]).digest()
     times, ok = [], True
-    with res.case("bench-big-gpu-sha256", {"bytes": ds.nbytes, "trials": trials}) as c:
+    with res.case("bench-big-gpu-sha256", {"bytes": ds.nbytes, "trials": trials}) as case:
         gpu.plan_for("sha256", ds.dev)  # plan built before timing; module loaded by the earlier cases
         # (no warm-up run: one chain of the big object takes seconds; the first timed call is the warm one's twin)
         for _ in range(trials):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            p = gpu.hash_async("sha256", ds.dev)
-            b.record()
-            ok &= p.result() == [want]
-            times.append(a.elapsed_time(b) / 1e3)
-        c.check("digest_matches", ok)
-        c.record("times_s", times)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = gpu.hash_async("sha256", ds.dev)
+            end.record()
+            ok &= pending.result() == [want]
+            times.append(start.elapsed_time(end) / 1e3)
+        case.check("digest_matches", ok)
+        case.record("times_s", times)
     med = statistics.median(times) if times else float("nan")
     return {"median_ms": med * 1e3, "gbps": ds.nbytes / med / 1e9, "trials": len(times),
             "note": "one object = one chain: serial and concurrent are the same launch; measured outside the rotation"}

@@ -37,7 +37,7 @@ from kmesh.child import ChildContext
 from kmesh.model.runner import KVCache
 from kmesh.restore import capture, restore
 from kmesh.segments import restore_child
-from kmesh.stages.storage_objects import ObjectSet
+from kmesh.stages.storage.objects import ObjectSet, check_catalog_object
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header
 from kmesh.storage.routes import Route
@@ -68,52 +68,49 @@ def parse_variant(name: str, hashers: int = 1) -> PipelineCheck | None:
     `pipelined-device-<algorithm>`; each of them with `-restore-once` (one restore after the last copy)."""
     if name == "sequential":
         return None
-    m = _VARIANT.fullmatch(name)
-    if m is None:
+    match = _VARIANT.fullmatch(name)
+    if match is None:
         raise PipelineVariantError(f"floor variant {name!r}: expected sequential, pipelined, "
                                    f"pipelined-host-<algorithm> or pipelined-device-<algorithm>, "
                                    f"optionally ending in -restore-once")
-    where, algo = m.group(1) or "host", m.group(2)
+    where, algo = match.group(1) or "host", match.group(2)
     if algo is not None and algo not in integrity.names():
         raise PipelineVariantError(f"floor variant {name!r}: unknown integrity algorithm {algo!r} "
                                    f"(known: {', '.join(integrity.names())})")
-    return PipelineCheck(where, algo, max(1, int(hashers)) if where == "host" else 1, m.group(3) is not None)
+    return PipelineCheck(where, algo, max(1, int(hashers)) if where == "host" else 1, match.group(3) is not None)
 
 
 def _restore_segment(ctx: ChildContext, cache: KVCache, private: torch.Tensor, child: Child, seg: int,
                      restored: torch.Tensor) -> None:
     dev = cache.raw.device
-    e = ctx.catalog.entries[seg]
-    spans = [(a, b) for s, a, b in child.segment_slices() if s == seg]
+    entry = ctx.catalog.entries[seg]
+    spans = [(start, end) for s, start, end in child.segment_slices() if s == seg]
     if not spans:
         return
-    src = torch.cat([e.slots(dev) for _ in spans])
-    old = torch.cat([e.leader_positions(dev) for _ in spans])
-    new = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
+    src = torch.cat([entry.slots(dev) for _ in spans])
+    old = torch.cat([entry.leader_positions(dev) for _ in spans])
+    new = torch.cat([torch.arange(start, end, device=dev) for start, end in spans])
     saved = capture(private, ctx.catalog.layout, src, old)
     restore(cache.raw, cache.layout, saved, new, new, ctx.runner.rope, backend=ctx.restore_backend)
-    for a, b in spans:
-        restored[a:b] = True
+    for start, end in spans:
+        restored[start:end] = True
 
 
-def _read(route: Route, objs: ObjectSet, i: int, landing: torch.Tensor) -> tuple[torch.Tensor, Header]:
-    """Object i's read call into its landing slot (header checked on open; file unchanged; the catalog's
+def _read(route: Route, objs: ObjectSet, index: int, landing: torch.Tensor) -> tuple[torch.Tensor, Header]:
+    """Object `index`'s read call into its landing slot (header checked on open; file unchanged; the catalog's
     object). Not yet verified."""
-    e = objs.catalog.entries[i]
-    with route.open(objs.paths[i]) as f:
-        h = f.header
-        if h.key != e.key or h.payload_nbytes != e.nbytes:
-            raise se.ObjectMismatchError(f"{objs.paths[i]} holds {h.key!r} ({h.payload_nbytes} B), the catalog "
-                                         f"wants {e.key!r} ({e.nbytes} B)")
-        dst = landing[objs.slots[i]:objs.slots[i] + h.padded_nbytes]
-        route.read(f, dst)
-        f.check_unchanged()
-    return dst, h
+    with route.open(objs.paths[index]) as file:
+        header = file.header
+        check_catalog_object(objs, index, header)
+        dst = landing[objs.slots[index]:objs.slots[index] + header.padded_nbytes]
+        route.read(file, dst)
+        file.check_unchanged()
+    return dst, header
 
 
-def _mismatch(objs: ObjectSet, i: int, h: Header, got: bytes) -> se.ObjectCorruptError:
-    return se.ObjectCorruptError(f"{objs.paths[i]}: {h.algorithm} digest mismatch on the device copy "
-                                 f"(recorded {h.digest.hex()[:16]}…, computed {got.hex()[:16]}…)")
+def _mismatch(objs: ObjectSet, index: int, header: Header, got: bytes) -> se.ObjectCorruptError:
+    return se.ObjectCorruptError(f"{objs.paths[index]}: {header.algorithm} digest mismatch on the device copy "
+                                 f"(recorded {header.digest.hex()[:16]}…, computed {got.hex()[:16]}…)")
 
 
 class _DeviceChecker:
@@ -122,18 +119,18 @@ class _DeviceChecker:
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def digest(self, t1: Any, slot: torch.Tensor, h: Header) -> tuple[bytes, Any]:
+    def digest(self, t1: Any, slot: torch.Tensor, header: Header) -> tuple[bytes, Any]:
         """(digest, what T2 must wait for)."""
         if self.stream is None:
             t1.issued()                       # CPU engine: the copy into the "device" slot is done
-            return integrity.get(h.algorithm).digest(slot.numpy(), **h.params), None
+            return integrity.get(header.algorithm).digest(slot.numpy(), **header.params), None
         from kmesh.integrity import gpu
 
         self.stream.wait_event(t1.issued())   # device visibility: the hash waits for the copy
-        d = gpu.hash_async(h.algorithm, [slot], stream=self.stream, **h.params).result()[0]
+        digest = gpu.hash_async(header.algorithm, [slot], stream=self.stream, **header.params).result()[0]
         done = torch.cuda.Event()
         done.record(self.stream)
-        return d, done
+        return digest, done
 
     def close(self) -> None:
         if self.stream is not None:
@@ -156,62 +153,62 @@ def pipelined_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: R
     if check.where == "device" and (device_landing is None or device_landing.numel() < objs.total_padded):
         raise PipelineVariantError("a device check needs a device landing of the object set's padded size")
     entries = objs.catalog.entries
-    q: queue.Queue[tuple[Any, Any, Any, Future[None] | None, BaseException | None]] = queue.Queue()
+    handoff: queue.Queue[tuple[Any, Any, Any, Future[None] | None, BaseException | None]] = queue.Queue()
     stop = threading.Event()
     pool = ThreadPoolExecutor(check.hashers, thread_name_prefix="kmesh-floor-hash") if check.where == "host" else None
     checker = _DeviceChecker(private.device) if check.where == "device" else None
 
-    def mark(event: str, i: int) -> None:
+    def mark(event: str, index: int) -> None:
         if trace is not None:
             if event == "restored" and private.device.type == "cuda":
                 torch.cuda.synchronize(private.device)
-            trace.append((event, i, time.perf_counter()))
+            trace.append((event, index, time.perf_counter()))
 
     def reader() -> None:
-        for e in entries:
+        for entry in entries:
             if stop.is_set():
                 return
             try:
-                mark("read-start", e.index)
-                slot, h = _read(route, objs, e.index, landing)
-                mark("read-end", e.index)
-                fut = (pool.submit(h.verify, route.host_bytes(slot), str(objs.paths[e.index]))
+                mark("read-start", entry.index)
+                slot, header = _read(route, objs, entry.index, landing)
+                mark("read-end", entry.index)
+                verified = (pool.submit(header.verify, route.host_bytes(slot), str(objs.paths[entry.index]))
                        if pool is not None else None)
-                q.put((e, slot, h, fut, None))
+                handoff.put((entry, slot, header, verified, None))
             except BaseException as err:  # handed to the stage's thread
-                q.put((e, None, None, None, err))
+                handoff.put((entry, None, None, None, err))
                 return
 
-    th = threading.Thread(target=reader, name=f"storage-reader-{child.name}", daemon=True)
-    th.start()
+    reader_thread = threading.Thread(target=reader, name=f"storage-reader-{child.name}", daemon=True)
+    reader_thread.start()
     restored = torch.zeros(len(child.ids), dtype=torch.bool)
     try:
         for _ in entries:
-            e, slot, h, fut, err = q.get()
+            entry, slot, header, verified, err = handoff.get()
             if err is not None:
                 raise err
-            dst = private[e.offset:e.offset + e.nbytes]
+            dst = private[entry.offset:entry.offset + entry.nbytes]
             if checker is None:
-                fut.result()                                  # ObjectCorruptError before any use
-                mark("checked", e.index)
-                ctx.engine.drain([ctx.engine.submit(slot[:e.nbytes], dst, owner=owner)])
+                verified.result()                                  # ObjectCorruptError before any use
+                mark("checked", entry.index)
+                ctx.engine.drain([ctx.engine.submit(slot[:entry.nbytes], dst, owner=owner)])
             else:
-                dslot = device_landing[objs.slots[e.index]:objs.slots[e.index] + h.padded_nbytes]
+                dslot = device_landing[objs.slots[entry.index]:objs.slots[entry.index] + header.padded_nbytes]
                 t1 = ctx.engine.submit(slot, dslot, owner=owner)
-                d, hashed = checker.digest(t1, dslot, h)
-                if d != h.digest:
-                    raise _mismatch(objs, e.index, h, d)
-                mark("checked", e.index)
-                ctx.engine.drain([t1, ctx.engine.submit(dslot[:e.nbytes], dst, owner=owner, after=hashed)])
+                digest, hashed = checker.digest(t1, dslot, header)
+                if digest != header.digest:
+                    raise _mismatch(objs, entry.index, header, digest)
+                mark("checked", entry.index)
+                ctx.engine.drain([t1, ctx.engine.submit(dslot[:entry.nbytes], dst, owner=owner, after=hashed)])
             if not check.restore_once:
-                _restore_segment(ctx, cache, private, child, e.index, restored)
-                mark("restored", e.index)
+                _restore_segment(ctx, cache, private, child, entry.index, restored)
+                mark("restored", entry.index)
         if check.restore_once:    # every copy drained above: one validation, one launch for the whole child
             restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
             mark("restored", -1)
     finally:
         stop.set()
-        th.join()
+        reader_thread.join()
         if pool is not None:
             pool.shutdown(wait=True)                          # no hasher reads the landing after we return
         if ctx.engine.pending(owner):

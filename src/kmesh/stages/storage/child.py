@@ -23,7 +23,7 @@ from kmesh.bench import Intervals
 from kmesh.child import ChildContext, ChildOutcome, ChildStateError, new_cache, outcome_of, prefill_and_decode
 from kmesh.model.runner import KVCache
 from kmesh.segments import restore_child
-from kmesh.stages.storage_objects import ObjectSet, read_verified
+from kmesh.stages.storage.objects import ObjectSet, read_verified
 from kmesh.storage.routes import Route
 from kmesh.workload import Child
 
@@ -37,11 +37,11 @@ def route_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route
                   iv: Intervals | None = None) -> torch.Tensor | None:
     """Read, check and copy every object into `private`; restore into `cache` (None: stop after the copies)."""
     with _part(iv, "restore"):
-        for e in objs.catalog.entries:
+        for entry in objs.catalog.entries:
             with _part(iv, "check"):
-                payload = read_verified(route, objs, e.index, landing,
+                payload = read_verified(route, objs, entry.index, landing,
                                         read_part=(lambda: iv.part("read")) if iv is not None else None)
-            ctx.engine.submit(payload, private[e.offset:e.offset + e.nbytes], owner=owner)
+            ctx.engine.submit(payload, private[entry.offset:entry.offset + entry.nbytes], owner=owner)
         ctx.engine.drain(owner=owner)
         if cache is None:
             return None
@@ -51,8 +51,8 @@ def route_restore(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route
 def release_checked(ctx: ChildContext, owner: str, *buffers: torch.Tensor) -> None:
     if ctx.engine.pending(owner):
         raise ChildStateError(f"{owner}: copies still pending after the drain")
-    for b in buffers:
-        ctx.engine.release(b)      # BufferHeldError if any ticket still holds it
+    for buffer in buffers:
+        ctx.engine.release(buffer)      # BufferHeldError if any ticket still holds it
 
 
 def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, landing: torch.Tensor,
@@ -63,8 +63,8 @@ def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, 
     with iv.part("outer"):
         cache = new_cache(ctx, child)
         restored = route_restore(ctx, child, objs, route, landing, private, cache, owner, iv)
-        res, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        out = outcome_of(ctx, child, f"storage:{route.arm}", "kmesh", cache, restored, res, tokens, None,
+        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
+        out = outcome_of(ctx, child, f"storage:{route.arm}", "kmesh", cache, restored, blended, tokens, None,
                          ["restored", "repaired"])
         release_checked(ctx, owner, landing, private)
     return out

@@ -45,59 +45,66 @@ def save_objects(export: Export, directory: Path, algorithm: str = "sha256", pad
     arrival checks' complemented bytes)."""
     directory.mkdir(parents=True, exist_ok=True)
     raw = export.raw.cpu()
-    paths, headers, slots, off = [], [], [], 0
-    for e in export.catalog.entries:
-        data = raw[e.offset:e.offset + e.nbytes].contiguous()
+    paths, headers, slots, offset = [], [], [], 0
+    for entry in export.catalog.entries:
+        data = raw[entry.offset:entry.offset + entry.nbytes].contiguous()
         if transform is not None:
             data = transform(data).contiguous()
-        p = directory / f"segment-{e.index}.kmo"
-        h = write_object(p, data.numpy(), e.key, {"catalog_layout": export.catalog.layout.to_dict(),
-                                                  "offset": e.offset, "nbytes": e.nbytes, "sha256": e.sha256},
-                         algorithm=algorithm, params=params, pad_to=pad_to)
-        paths.append(p)
-        headers.append(h)
-        slots.append(off)
-        off += h.padded_nbytes
-    return ObjectSet(export.catalog, paths, headers, slots, off)
+        path = directory / f"segment-{entry.index}.kmo"
+        header = write_object(path, data.numpy(), entry.key,
+                              {"catalog_layout": export.catalog.layout.to_dict(), "offset": entry.offset,
+                               "nbytes": entry.nbytes, "sha256": entry.sha256},
+                              algorithm=algorithm, params=params, pad_to=pad_to)
+        paths.append(path)
+        headers.append(header)
+        slots.append(offset)
+        offset += header.padded_nbytes
+    return ObjectSet(export.catalog, paths, headers, slots, offset)
 
 
-def to_segment_error(e: se.StorageError) -> SegmentLoadError:
+def to_segment_error(error: se.StorageError) -> SegmentLoadError:
     """The SegmentLoadError a child falls back on; the message starts with the storage error's class name."""
-    msg = f"{type(e).__name__}: {e}"
-    if isinstance(e, se.ObjectNotFoundError):
+    msg = f"{type(error).__name__}: {error}"
+    if isinstance(error, se.ObjectNotFoundError):
         return SegmentMissingError(msg)
-    if isinstance(e, se.ShortFileError):
+    if isinstance(error, se.ShortFileError):
         return SegmentTruncatedError(msg)
-    if isinstance(e, se.ObjectMismatchError):
+    if isinstance(error, se.ObjectMismatchError):
         return SegmentLayoutError(msg)
-    if isinstance(e, (se.ObjectCorruptError, se.HeaderCorruptError, se.HeaderLieError, se.BadMagicError,
+    if isinstance(error, (se.ObjectCorruptError, se.HeaderCorruptError, se.HeaderLieError, se.BadMagicError,
                       se.BadVersionError, se.ObjectAlgorithmError, se.ObjectReplacedError)):
         return SegmentCorruptError(msg)
     return SegmentLoadError(msg)
 
 
-def read_verified(route: Route, objs: ObjectSet, i: int, landing: torch.Tensor,
+def read_verified(route: Route, objs: ObjectSet, index: int, landing: torch.Tensor,
                   after_read: Callable[[int, ObjectFile], None] | None = None,
                   read_part: Callable[[], Any] | None = None) -> torch.Tensor:
-    """Object i through the route into its landing slot, verified; returns the payload view. Raises StorageError.
-    `read_part()` is a context manager around the read call alone (the stage's timed `read`)."""
-    e = objs.catalog.entries[i]
-    with route.open(objs.paths[i]) as f:
-        h = f.header
-        dst = landing[objs.slots[i]:objs.slots[i] + h.padded_nbytes]
+    """Object `index` through the route into its landing slot, verified; returns the payload view. Raises
+    StorageError. `read_part()` is a context manager around the read call alone (the stage's timed `read`)."""
+    with route.open(objs.paths[index]) as file:
+        header = file.header
+        dst = landing[objs.slots[index]:objs.slots[index] + header.padded_nbytes]
         if read_part is None:
-            route.read(f, dst)
+            route.read(file, dst)
         else:
             with read_part():
-                route.read(f, dst)
+                route.read(file, dst)
         if after_read is not None:
-            after_read(i, f)
-        h.verify(route.host_bytes(dst), str(objs.paths[i]))
-        f.check_unchanged()
-    if h.key != e.key or h.payload_nbytes != e.nbytes:
-        raise se.ObjectMismatchError(f"{objs.paths[i]} holds {h.key!r} ({h.payload_nbytes} B), the catalog "
-                                     f"wants {e.key!r} ({e.nbytes} B)")
-    return dst[:h.payload_nbytes]
+            after_read(index, file)
+        header.verify(route.host_bytes(dst), str(objs.paths[index]))
+        file.check_unchanged()
+    check_catalog_object(objs, index, header)
+    return dst[:header.payload_nbytes]
+
+
+def check_catalog_object(objs: ObjectSet, index: int, header: Header) -> None:
+    """The file at objs.paths[index] holds the catalog's object `index` (key and payload size), else
+    ObjectMismatchError."""
+    entry = objs.catalog.entries[index]
+    if header.key != entry.key or header.payload_nbytes != entry.nbytes:
+        raise se.ObjectMismatchError(f"{objs.paths[index]} holds {header.key!r} ({header.payload_nbytes} B), the "
+                                     f"catalog wants {entry.key!r} ({entry.nbytes} B)")
 
 
 class StorageSegments:
@@ -114,8 +121,8 @@ class StorageSegments:
             payload = read_verified(self.route, self.objs, entry.index, self.landing, self.after_read)
         except se.StorageError as e:
             raise to_segment_error(e) from e
-        n = payload.numel()
-        if entry.offset + n > staging.numel():
-            raise SegmentTruncatedError(f"object {entry.key!r} of {n} B overruns the staging buffer")
-        staging[entry.offset:entry.offset + n].copy_(payload)
-        return n
+        nbytes = payload.numel()
+        if entry.offset + nbytes > staging.numel():
+            raise SegmentTruncatedError(f"object {entry.key!r} of {nbytes} B overruns the staging buffer")
+        staging[entry.offset:entry.offset + nbytes].copy_(payload)
+        return nbytes

@@ -12,7 +12,8 @@ Cases:
                       concurrent sha256, corruption detected by verify_buffers
   sweep-sha256-tree   sha256-tree GB/s per chunk size (256 B – 64 KiB) on the 4 × 3 MiB set, trials rotating order;
                       best_chunk_bytes = the fastest (GPU kernel on cuda, CPU threads on cpu); used by the arms below
-  bench-set           the arms on 4 × 3 MiB (the write-up's 12 MiB), trials rotating order (kmesh.stages.integrity_arms)
+  bench-set           the arms on 4 × 3 MiB (the write-up's 12 MiB), trials rotating order
+                      (kmesh.stages.integrity.arms)
   bench-big           the same on one big object (1 GiB on cuda; sized for the 60 s CPU budget on cpu)
 Every arm's digests are compared with the references in every trial; summary: digests_match, arms, trials,
 best_chunk_bytes, sizes, and (cuda) the issue's goals as measured — goals, not pass/fail thresholds.
@@ -28,14 +29,14 @@ from kmesh.integrity import (DigestMismatchError, IntegrityError, UnknownAlgorit
                              verify)
 from kmesh.integrity.boundaries import boundary_lengths
 from kmesh.result import Result
-from kmesh.stages import integrity_arms as ia
+from kmesh.stages.integrity import arms as ia
 
 # The write-up's measurements on 4 × 3 MiB (§24 follow-up), for the ratios the issue's goals are stated in.
 WRITEUP_MS = {"cpu-sha256": 5.512, "gpu-sha256-serial": 249.010, "gpu-sha256-concurrent": 62.252}
 
 
 def _refuse_case(res: Result) -> None:
-    with res.case("refuse-unknown", {"known": names()}) as c:
+    with res.case("refuse-unknown", {"known": names()}) as case:
         def refused(fn: Any, exc: type) -> str | None:
             try:
                 fn()
@@ -44,42 +45,43 @@ def _refuse_case(res: Result) -> None:
             return None
 
         msg = refused(lambda: get("md5"), UnknownAlgorithmError)
-        c.check("unknown_name_refused", msg is not None and "md5" in msg and "known" in msg, msg)
-        c.check("verify_unknown_refused", refused(lambda: verify("sha1", b"x", b"\0" * 20), UnknownAlgorithmError)
-                is not None)
+        case.check("unknown_name_refused", msg is not None and "md5" in msg and "known" in msg, msg)
+        case.check("verify_unknown_refused", refused(lambda: verify("sha1", b"x", b"\0" * 20), UnknownAlgorithmError)
+                   is not None)
         from kmesh.integrity import gpu
 
-        c.check("gpu_unknown_refused", refused(lambda: gpu.hash_async("crc32", []), UnknownAlgorithmError) is not None)
+        case.check("gpu_unknown_refused",
+                   refused(lambda: gpu.hash_async("crc32", []), UnknownAlgorithmError) is not None)
         bad = {str(v): refused(lambda v=v: get("sha256-tree").digest(b"abc", chunk_bytes=v), IntegrityError)
                for v in (None, 100, 32, 1 << 25, "4096", True)}
-        c.check("bad_chunk_bytes_refused", all(bad.values()), bad)
-        c.check("unknown_param_refused", refused(lambda: get("blake3").digest(b"", chunk_bytes=64), IntegrityError)
-                is not None)
+        case.check("bad_chunk_bytes_refused", all(bad.values()), bad)
+        case.check("unknown_param_refused", refused(lambda: get("blake3").digest(b"", chunk_bytes=64), IntegrityError)
+                   is not None)
 
 
 def _cpu_digests_case(res: Result, seed: int, chunks: list[int]) -> None:
     import blake3
     import hashlib
 
-    with res.case("cpu-digests", {"chunks": chunks, "threads": cpu.cpu_threads()}) as c:
+    with res.case("cpu-digests", {"chunks": chunks, "threads": cpu.cpu_threads()}) as case:
         rng = np.random.default_rng(seed + 1)
         lengths = sorted({n for ch in chunks for n in boundary_lengths(ch) if n <= 4 * 1024 * 1024 + 1})
         data = rng.integers(0, 256, max(lengths), dtype=np.uint8)
         bad: dict[str, list[int]] = {"sha256": [], "sha256-tree": [], "blake3": []}
-        for n in lengths:
-            d = data[:n]
-            if get("sha256").digest(d) != hashlib.sha256(d.tobytes()).digest():
-                bad["sha256"].append(n)
+        for length in lengths:
+            prefix = data[:length]
+            if get("sha256").digest(prefix) != hashlib.sha256(prefix.tobytes()).digest():
+                bad["sha256"].append(length)
             for ch in chunks:
-                want = tree.reference(d, ch)
-                if cpu.sha256_tree(d, ch, threads=1) != want or cpu.sha256_tree(d, ch) != want \
-                        or get("sha256-tree").digest(d, chunk_bytes=ch) != want:
-                    bad["sha256-tree"].append((n, ch))
-            if get("blake3").digest(d) != blake3.blake3(d.tobytes(), max_threads=1).digest():
-                bad["blake3"].append(n)
-        c.record("lengths", lengths)
-        for alg, b in bad.items():
-            c.check(f"{alg}_equal_reference", not b, b)
+                want = tree.reference(prefix, ch)
+                if cpu.sha256_tree(prefix, ch, threads=1) != want or cpu.sha256_tree(prefix, ch) != want \
+                        or get("sha256-tree").digest(prefix, chunk_bytes=ch) != want:
+                    bad["sha256-tree"].append((length, ch))
+            if get("blake3").digest(prefix) != blake3.blake3(prefix.tobytes(), max_threads=1).digest():
+                bad["blake3"].append(length)
+        case.record("lengths", lengths)
+        for alg, wrong in bad.items():
+            case.check(f"{alg}_equal_reference", not wrong, wrong)
         obj = data[:3 * 1024 * 1024 + 7].copy()
         for alg, params in (("sha256", {}), ("sha256-tree", {"chunk_bytes": chunks[0]}), ("blake3", {})):
             good = get(alg).digest(obj, **params)
@@ -90,33 +92,36 @@ def _cpu_digests_case(res: Result, seed: int, chunks: list[int]) -> None:
             except DigestMismatchError:
                 caught = True
             obj[len(obj) // 2] ^= 0x01
-            c.check(f"{alg}_corruption_detected", caught)
-            c.check(f"{alg}_restored_verifies", get(alg).digest(obj, **params) == good)
+            case.check(f"{alg}_corruption_detected", caught)
+            case.check(f"{alg}_restored_verifies", get(alg).digest(obj, **params) == good)
 
 
 def _gpu_digests_case(res: Result, on_device: bool, seed: int, chunks: list[int]) -> None:
-    with res.case("gpu-digests", {"chunks": chunks}) as c:
+    with res.case("gpu-digests", {"chunks": chunks}) as case:
         if not on_device:
-            c.skip("no CUDA device in this profile: the kernels' code runs on the CPU in tests/test_integrity_kernels.py")
-        from kmesh.stages.integrity_gpu import check_gpu_digests
+            case.skip("no CUDA device in this profile: the kernels' code runs on the CPU in "
+                      "tests/test_integrity_kernels.py")
+        from kmesh.stages.integrity.gpu import check_gpu_digests
 
-        check_gpu_digests(c, seed, chunks)
+        check_gpu_digests(case, seed, chunks)
 
 
-def _sweep_case(res: Result, sec: dict[str, Any], s: ia.DataSet, on_device: bool, device: str) -> int | None:
+def _sweep_case(res: Result, sec: dict[str, Any], dataset: ia.DataSet, on_device: bool,
+                device: str) -> int | None:
     chunks = [int(x) for x in sec["sweep_chunk_bytes"]]
-    with res.case("sweep-sha256-tree", {"chunks": chunks, "set": s.describe(), "trials": sec["sweep_trials"]}) as c:
-        refs = {f"sha256-tree@{ch}": [tree.reference(h, ch) for h in s.host] for ch in chunks}
+    with res.case("sweep-sha256-tree", {"chunks": chunks, "set": dataset.describe(),
+                                        "trials": sec["sweep_trials"]}) as case:
+        refs = {f"sha256-tree@{ch}": [tree.reference(h, ch) for h in dataset.host] for ch in chunks}
         arms = ia.sweep_arms(chunks, on_device)
-        raw = ia.run_trials(arms, s, refs, int(sec["sweep_trials"]), int(sec["warmup"]), device)
-        rows = ia.summarize(raw, s.nbytes, baseline="")
+        raw = ia.run_trials(arms, dataset, refs, int(sec["sweep_trials"]), int(sec["warmup"]), device)
+        rows = ia.summarize(raw, dataset.nbytes, baseline="")
         sweep = [{"chunk_bytes": ch, **rows[a.name]} for ch, a in zip(chunks, arms)]
         best = max(sweep, key=lambda r: r["gbps"])["chunk_bytes"]
         res.timings["sweep_sha256_tree"] = {"kind": "sweep", "arm": "gpu" if on_device else "cpu",
-                                            "bytes": s.nbytes, "rows": sweep, "orders": raw["orders"],
+                                            "bytes": dataset.nbytes, "rows": sweep, "orders": raw["orders"],
                                             "best_chunk_bytes": best, "design": ia.__doc__.split("\n\n")[1]}
-        c.check("digests_match", not raw["mismatches"], raw["mismatches"][:5])
-        c.record("best_chunk_bytes", best)
+        case.check("digests_match", not raw["mismatches"], raw["mismatches"][:5])
+        case.record("best_chunk_bytes", best)
         return best
     return None
 
@@ -124,7 +129,7 @@ def _sweep_case(res: Result, sec: dict[str, Any], s: ia.DataSet, on_device: bool
 def _bench_case(res: Result, key: str, sec: dict[str, Any], ds: ia.DataSet, arm_names: list[str], chunk: int,
                 on_device: bool, device: str, trials: int) -> dict[str, Any] | None:
     with res.case(f"bench-{key}", {"set": ds.describe(), "arms": arm_names, "trials": trials,
-                                   "tree_chunk_bytes": chunk}) as c:
+                                   "tree_chunk_bytes": chunk}) as case:
         refs = ia.references(ds, chunk)
         arms = ia.make_arms(arm_names, on_device, chunk)
         raw = ia.run_trials(arms, ds, refs, trials, int(sec["warmup"]), device)
@@ -133,9 +138,9 @@ def _bench_case(res: Result, key: str, sec: dict[str, Any], ds: ia.DataSet, arm_
                                       "warmup": int(sec["warmup"]), "baseline": ia.BASELINE, "rows": rows,
                                       "orders": raw["orders"], "times_s": raw["times_s"],
                                       "design": ia.__doc__.split("\n\n")[1]}
-        c.check("digests_match", not raw["mismatches"], raw["mismatches"][:5])
-        c.check("every_arm_timed", all(len(v) == trials for v in raw["times_s"].values()),
-                {k: len(v) for k, v in raw["times_s"].items()})
+        case.check("digests_match", not raw["mismatches"], raw["mismatches"][:5])
+        case.check("every_arm_timed", all(len(v) == trials for v in raw["times_s"].values()),
+                   {k: len(v) for k, v in raw["times_s"].items()})
         return rows
     return None
 
@@ -200,7 +205,7 @@ def run(cfg: Config) -> Result:
     for name, r in (rows or {}).items():
         arms.setdefault(name, {})["big"] = r
     if on_device and int(sec.get("big_whole_sha256_trials", 0)) > 0:
-        from kmesh.stages.integrity_gpu import whole_sha256_big
+        from kmesh.stages.integrity.gpu import whole_sha256_big
 
         row = whole_sha256_big(res, dbig, int(sec["big_whole_sha256_trials"]))
         for name in ("gpu-sha256-serial", "gpu-sha256-concurrent"):   # one object: the same single launch

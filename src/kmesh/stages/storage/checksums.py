@@ -40,8 +40,8 @@ from kmesh.bench import Intervals, run_pairs
 from kmesh.child import ChildContext, ChildOutcome, new_cache, outcome_of, prefill_and_decode
 from kmesh.model.quality import compare_states, identical
 from kmesh.segments import restore_child
-from kmesh.stages.storage_child import release_checked
-from kmesh.stages.storage_objects import ObjectSet, save_objects
+from kmesh.stages.storage.child import release_checked
+from kmesh.stages.storage.objects import ObjectSet, save_objects
 from kmesh.storage import routes
 from kmesh.storage.errors import ObjectAlgorithmError, ObjectCorruptError
 from kmesh.workload import Child
@@ -71,17 +71,17 @@ class ChecksumArmError(ValueError):
     """A checksum arm that does not exist or cannot run on this device."""
 
 
-def arm(name: str, device: torch.device) -> ChecksumArm:
+def arm_named(name: str, device: torch.device) -> ChecksumArm:
     try:
-        a = ARMS[name]
+        found = ARMS[name]
     except KeyError:
         raise ChecksumArmError(f"unknown checksum arm {name!r} (known: {', '.join(ARMS)})") from None
-    if a.where == "gpu" and device.type != "cuda":
+    if found.where == "gpu" and device.type != "cuda":
         raise ChecksumArmError(f"checksum arm {name!r} hashes on the GPU; this stage runs on {device}")
-    if a.where == "host" and a.overlap and device.type == "cuda":
+    if found.where == "host" and found.overlap and device.type == "cuda":
         # on CUDA the overlapped check is the GPU one; a host hash would need its own download per object
         raise ChecksumArmError(f"checksum arm {name!r} is the cpu profile's overlap arm; on CUDA use gpu-*-overlap")
-    return a
+    return found
 
 
 def _part(iv: Intervals | None, name: str) -> ContextManager[Any]:
@@ -115,55 +115,56 @@ def _params(objs: ObjectSet) -> dict[str, Any]:
     return dict(objs.headers[0].params)
 
 
-def _mismatch(objs: ObjectSet, i: int, algorithm: str, got: bytes) -> ObjectCorruptError:
-    return ObjectCorruptError(f"{objs.paths[i]}: {algorithm} digest mismatch (recorded "
-                              f"{objs.headers[i].digest.hex()[:16]}…, computed {got.hex()[:16]}…)")
+def _mismatch(objs: ObjectSet, index: int, algorithm: str, got: bytes) -> ObjectCorruptError:
+    return ObjectCorruptError(f"{objs.paths[index]}: {algorithm} digest mismatch (recorded "
+                              f"{objs.headers[index].digest.hex()[:16]}…, computed {got.hex()[:16]}…)")
 
 
-def _read_and_copy(ctx: ChildContext, objs: ObjectSet, i: int, b: Buffers, a: ChecksumArm, owner: str,
+def _read_and_copy(ctx: ChildContext, objs: ObjectSet, index: int, bufs: Buffers, arm: ChecksumArm, owner: str,
                    iv: Intervals | None) -> tuple[torch.Tensor, Any]:
-    """Object i: header checked (algorithm as the arm expects), read into its host slot, device copy submitted
+    """Object `index`: header checked (algorithm as the arm expects), read into its host slot, device copy submitted
     after the read returned (T1). Returns the device slot and T1."""
-    with b.route.open(objs.paths[i]) as f:
-        h = f.header
-        if h.algorithm != a.algorithm:
-            raise ObjectAlgorithmError(f"{objs.paths[i]} is checked with {h.algorithm}, arm {a.name} expects "
-                                       f"{a.algorithm}")
-        sl = slice(objs.slots[i], objs.slots[i] + h.padded_nbytes)
+    with bufs.route.open(objs.paths[index]) as file:
+        header = file.header
+        if header.algorithm != arm.algorithm:
+            raise ObjectAlgorithmError(f"{objs.paths[index]} is checked with {header.algorithm}, arm {arm.name} "
+                                       f"expects {arm.algorithm}")
+        span = slice(objs.slots[index], objs.slots[index] + header.padded_nbytes)
         with _part(iv, "read"):
-            b.route.read(f, b.host[sl])
-        f.check_unchanged()
-    return b.dev[sl], ctx.engine.submit(b.host[sl], b.dev[sl], owner=owner)
+            bufs.route.read(file, bufs.host[span])
+        file.check_unchanged()
+    return bufs.dev[span], ctx.engine.submit(bufs.host[span], bufs.dev[span], owner=owner)
 
 
-def _verify_all(objs: ObjectSet, b: Buffers, a: ChecksumArm, slots: list[torch.Tensor]) -> None:
+def _verify_all(objs: ObjectSet, bufs: Buffers, arm: ChecksumArm, slots: list[torch.Tensor]) -> None:
     """Plain arms: every device slot checked after all copies are done."""
-    if a.where == "host":
-        b.down[:objs.total_padded].copy_(b.dev[:objs.total_padded])     # the download (synchronous)
-        for i, h in enumerate(objs.headers):
-            h.verify(memoryview(b.down[objs.slots[i]:objs.slots[i] + h.padded_nbytes].numpy()), str(objs.paths[i]))
+    if arm.where == "host":
+        bufs.down[:objs.total_padded].copy_(bufs.dev[:objs.total_padded])     # the download (synchronous)
+        for index, header in enumerate(objs.headers):
+            downloaded = bufs.down[objs.slots[index]:objs.slots[index] + header.padded_nbytes]
+            header.verify(memoryview(downloaded.numpy()), str(objs.paths[index]))
         return
     from kmesh.integrity import gpu
 
-    got = gpu.hash_buffers(a.algorithm, slots, **_params(objs))
-    for i, (h, d) in enumerate(zip(objs.headers, got)):
-        if d != h.digest:
-            raise _mismatch(objs, i, a.algorithm, d)
+    got = gpu.hash_buffers(arm.algorithm, slots, **_params(objs))
+    for index, (header, digest) in enumerate(zip(objs.headers, got)):
+        if digest != header.digest:
+            raise _mismatch(objs, index, arm.algorithm, digest)
 
 
-def _hash_after(t1: Any, slot: torch.Tensor, a: ChecksumArm, params: dict[str, Any],
+def _hash_after(t1: Any, slot: torch.Tensor, arm: ChecksumArm, params: dict[str, Any],
                 done: threading.Event) -> bytes:
     """CPU overlap: wait until T1 has copied the object, hash the 'device' slot, then let T2 go."""
     try:
         t1.issued()
-        return integrity.get(a.algorithm).digest(slot.numpy(), **params)
+        return integrity.get(arm.algorithm).digest(slot.numpy(), **params)
     finally:
         done.set()
 
 
-def checksum_restore(ctx: ChildContext, child: Child, objs: ObjectSet, b: Buffers, a: ChecksumArm,
+def checksum_restore(ctx: ChildContext, child: Child, objs: ObjectSet, bufs: Buffers, arm: ChecksumArm,
                      cache: Any, owner: str, iv: Intervals | None = None) -> torch.Tensor | None:
-    """Read, copy to the device landing, verify and copy into b.private every object; restore into cache
+    """Read, copy to the device landing, verify and copy into bufs.private every object; restore into cache
     (None: stop after the copies). Raises StorageError (nothing pending) for a bad object."""
     entries = objs.catalog.entries
     try:
@@ -171,59 +172,60 @@ def checksum_restore(ctx: ChildContext, child: Child, objs: ObjectSet, b: Buffer
             slots: list[torch.Tensor] = []
             pending: list[tuple[int, Any]] = []
             params = _params(objs)
-            for e in entries:
-                dev_slot, t1 = _read_and_copy(ctx, objs, e.index, b, a, owner, iv)
+            for entry in entries:
+                dev_slot, t1 = _read_and_copy(ctx, objs, entry.index, bufs, arm, owner, iv)
                 slots.append(dev_slot)
-                if not a.overlap:
+                if not arm.overlap:
                     continue
-                if a.where == "gpu":
+                if arm.where == "gpu":
                     from kmesh.integrity import gpu
-                    assert b.hash_stream is not None
-                    b.hash_stream.wait_event(t1.issued())     # device visibility: the hash waits for the copy
-                    p: Any = gpu.hash_async(a.algorithm, [dev_slot], stream=b.hash_stream, **params)
+                    assert bufs.hash_stream is not None
+                    bufs.hash_stream.wait_event(t1.issued())     # device visibility: the hash waits for the copy
+                    pending_digest: Any = gpu.hash_async(arm.algorithm, [dev_slot], stream=bufs.hash_stream, **params)
                     done: Any = torch.cuda.Event()
-                    done.record(b.hash_stream)
+                    done.record(bufs.hash_stream)
                 else:
                     done = threading.Event()
-                    p = b.pool.submit(_hash_after, t1, dev_slot, a, params, done)
-                pending.append((e.index, p))
+                    pending_digest = bufs.pool.submit(_hash_after, t1, dev_slot, arm, params, done)
+                pending.append((entry.index, pending_digest))
                 # T2 starts after the hash: the device slot is held until both its consumers are done
-                ctx.engine.submit(dev_slot[:e.nbytes], b.private[e.offset:e.offset + e.nbytes], owner=owner,
-                                  after=done)
-            if a.overlap:
+                ctx.engine.submit(dev_slot[:entry.nbytes], bufs.private[entry.offset:entry.offset + entry.nbytes],
+                                  owner=owner, after=done)
+            if arm.overlap:
                 with _part(iv, "verify"):
-                    for i, p in pending:
-                        d = p.result()[0] if a.where == "gpu" else p.result()
-                        if d != objs.headers[i].digest:
-                            raise _mismatch(objs, i, a.algorithm, d)
+                    for index, pending_digest in pending:
+                        digest = pending_digest.result()[0] if arm.where == "gpu" else pending_digest.result()
+                        if digest != objs.headers[index].digest:
+                            raise _mismatch(objs, index, arm.algorithm, digest)
             else:
                 ctx.engine.drain(owner=owner)           # every T1 physically done
                 with _part(iv, "verify"):
-                    _verify_all(objs, b, a, slots)
-                for e, s in zip(entries, slots):
-                    ctx.engine.submit(s[:e.nbytes], b.private[e.offset:e.offset + e.nbytes], owner=owner)
+                    _verify_all(objs, bufs, arm, slots)
+                for entry, slot in zip(entries, slots):
+                    ctx.engine.submit(slot[:entry.nbytes], bufs.private[entry.offset:entry.offset + entry.nbytes],
+                                      owner=owner)
             ctx.engine.drain(owner=owner)
             if cache is None:
                 return None
-            return restore_child(cache, ctx.catalog, b.private, child, ctx.runner, ctx.restore_backend)
+            return restore_child(cache, ctx.catalog, bufs.private, child, ctx.runner, ctx.restore_backend)
     finally:
         if ctx.engine.pending(owner):        # a bad object: what was accepted finishes before the error leaves
             ctx.engine.drain(owner=owner)
-        if b.hash_stream is not None:
-            b.hash_stream.synchronize()
+        if bufs.hash_stream is not None:
+            bufs.hash_stream.synchronize()
 
 
-def timed_checksum_child(ctx: ChildContext, child: Child, objs: ObjectSet, b: Buffers, a: ChecksumArm,
+def timed_checksum_child(ctx: ChildContext, child: Child, objs: ObjectSet, bufs: Buffers, arm: ChecksumArm,
                          iv: Intervals) -> ChildOutcome:
-    owner = f"checksum-{a.name}-{child.name}"
-    b.poison()     # untimed: a route or copy that delivered nothing cannot pass on earlier bytes
+    owner = f"checksum-{arm.name}-{child.name}"
+    bufs.poison()     # untimed: a route or copy that delivered nothing cannot pass on earlier bytes
     with iv.part("outer"):
         cache = new_cache(ctx, child)
-        restored = checksum_restore(ctx, child, objs, b, a, cache, owner, iv)
-        res, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        out = outcome_of(ctx, child, f"storage:{a.name}", "kmesh", cache, restored, res, tokens, None,
+        restored = checksum_restore(ctx, child, objs, bufs, arm, cache, owner, iv)
+        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
+        out = outcome_of(ctx, child, f"storage:{arm.name}", "kmesh", cache, restored, blended, tokens, None,
                          ["restored", "repaired"])
-        release_checked(ctx, owner, b.host, b.dev, b.private)
+        release_checked(ctx, owner, bufs.host, bufs.dev, bufs.private)
     return out
 
 
@@ -232,20 +234,20 @@ def save_sets(export: Any, root: Path, algorithms: list[str], pad_to: int | None
     """One object set per algorithm (each header records its algorithm and params)."""
     out = {}
     for algo in algorithms:
-        d = root / algo
-        shutil.rmtree(d, ignore_errors=True)
+        directory = root / algo
+        shutil.rmtree(directory, ignore_errors=True)
         params = {"chunk_bytes": tree_chunk_bytes} if algo == "sha256-tree" else None
-        out[algo] = save_objects(export, d, algo, pad_to, params=params)
+        out[algo] = save_objects(export, directory, algo, pad_to, params=params)
     return out
 
 
-def corrupt_copy(objs: ObjectSet, export: Any, d: Path, pad_to: int | None, index: int = 1) -> ObjectSet:
+def corrupt_copy(objs: ObjectSet, export: Any, directory: Path, pad_to: int | None, index: int = 1) -> ObjectSet:
     """A copy of the set whose object `index` has one payload byte flipped (its header unchanged)."""
     from kmesh.storage.objfile import HEADER_BYTES
 
-    shutil.rmtree(d, ignore_errors=True)
-    h = objs.headers[0]
-    bad = save_objects(export, d, h.algorithm, pad_to, params=dict(h.params) or None)
+    shutil.rmtree(directory, ignore_errors=True)
+    first = objs.headers[0]
+    bad = save_objects(export, directory, first.algorithm, pad_to, params=dict(first.params) or None)
     raw = bytearray(bad.paths[index].read_bytes())
     raw[HEADER_BYTES + 100] ^= 0x01
     bad.paths[index].write_bytes(bytes(raw))
@@ -264,38 +266,38 @@ class PairRun:
     compared: int = 0
     identical_runs: int = 0
 
-    def _one(self, a: ChecksumArm, child: Child, iv: Intervals) -> None:
-        out = timed_checksum_child(self.ctx, child, self.sets[a.algorithm], self.bufs, a, iv)
+    def _one(self, arm: ChecksumArm, child: Child, iv: Intervals) -> None:
+        out = timed_checksum_child(self.ctx, child, self.sets[arm.algorithm], self.bufs, arm, iv)
         self.compared += 1
         self.identical_runs += identical(compare_states(self.refs[child.name], out))
 
     def warm(self, names: list[str], child: Child) -> None:
         """One untimed run per arm (compared with the reference like every other run)."""
         dev = "cuda" if self.device.type == "cuda" else "cpu"
-        for n in names:
+        for name in names:
             iv = Intervals(dev)
-            self._one(arm(n, self.device), child, iv)
+            self._one(arm_named(name, self.device), child, iv)
             iv.seconds()
 
     def __call__(self, a_name: str, b_name: str, children: list[Child], pairs: int, warmup: int) -> Any:
-        arms = {n: arm(n, self.device) for n in (a_name, b_name)}
+        arms = {n: arm_named(n, self.device) for n in (a_name, b_name)}
 
-        def fn(name: str, child: Child, iv: Intervals) -> None:
+        def run_arm(name: str, child: Child, iv: Intervals) -> None:
             self._one(arms[name], child, iv)
 
-        paths = [p for s in self.sets.values() for p in s.paths]
-        return run_pairs(fn, (a_name, b_name), children, pairs=pairs, warmup=warmup,
+        paths = [p for objs in self.sets.values() for p in objs.paths]
+        return run_pairs(run_arm, (a_name, b_name), children, pairs=pairs, warmup=warmup,
                          device="cuda" if self.device.type == "cuda" else "cpu",
                          between=lambda: routes.drop_page_cache(paths), progress=False)
 
 
-def refused(ctx: ChildContext, child: Child, bad: ObjectSet, b: Buffers, a: ChecksumArm) -> str | None:
+def refused(ctx: ChildContext, child: Child, bad: ObjectSet, bufs: Buffers, arm: ChecksumArm) -> str | None:
     """Run the arm over a corrupted set: the error's text if it was refused (nothing pending), else None."""
-    owner = f"checksum-bad-{a.name}"
-    b.poison()
+    owner = f"checksum-bad-{arm.name}"
+    bufs.poison()
     try:
-        checksum_restore(ctx, child, bad, b, a, None, owner)
+        checksum_restore(ctx, child, bad, bufs, arm, None, owner)
     except ObjectCorruptError as e:
-        release_checked(ctx, owner, b.host, b.dev, b.private)
+        release_checked(ctx, owner, bufs.host, bufs.dev, bufs.private)
         return f"{type(e).__name__}: {e}"
     return None

@@ -1,6 +1,6 @@
 """Stage `restore_bench` (issue 14): what a restore costs against moving the same bytes once.
 
-Design (kmesh.bench, DESIGN §5): per shape (kmesh.stages.restore_bench_cases.SHAPES), matched pairs, arm order
+Design (kmesh.bench, DESIGN §5): per shape (kmesh.stages.restore_bench.cases.SHAPES), matched pairs, arm order
 alternating, warm-up pairs excluded; each timed interval holds `reps` back-to-back executions, time per execution
 = interval / reps; ratios are medians of the per-pair ratios.
   cuda: copy vs kernel  — torch's device-to-device copy of exactly the segment's bytes (the bandwidth ceiling:
@@ -26,45 +26,46 @@ from typing import Any
 
 import torch
 
-from kmesh.bench import run_pairs
+from kmesh.bench import PairedTiming, run_pairs
 from kmesh.config import Config
-from kmesh.result import Result
-from kmesh.stages.restore_bench_cases import Bench, build, check_restored, shape, timed
+from kmesh.result import Case, Result
+from kmesh.stages.restore_bench.cases import Bench, build, check_restored, shape, timed
 
 GOAL_BANDWIDTH = 0.85   # kernel / copy bandwidth (issue 3)
 GOAL_SPEEDUP = 20.0     # torch time / kernel time
 
 
-def _medians(t: Any, arm: str, reps: int) -> list[float]:
-    return [x / reps for x in t.per_pair(arm, "exec")]
+def _medians(timing: PairedTiming, arm: str, reps: int) -> list[float]:
+    return [x / reps for x in timing.per_pair(arm, "exec")]
 
 
-def _compare(b: Bench, ops: dict, arms: tuple[str, str], reps: int, pairs: int, warmup: int, device: str,
+def _compare(ops: dict, arms: tuple[str, str], reps: int, pairs: int, warmup: int, device: str,
              res: Result, key: str) -> tuple[list[float], list[float]]:
-    t = run_pairs(timed(ops, {arms[0]: reps, arms[1]: reps}, device), arms, ["segment"], pairs=pairs,
-                  warmup=warmup, device=device, progress=False)
-    res.timings[key] = t.to_dict()
-    return _medians(t, arms[0], reps), _medians(t, arms[1], reps)
+    timing = run_pairs(timed(ops, {arms[0]: reps, arms[1]: reps}, device), arms, ["segment"], pairs=pairs,
+                       warmup=warmup, device=device, progress=False)
+    res.timings[key] = timing.to_dict()
+    return _medians(timing, arms[0], reps), _medians(timing, arms[1], reps)
 
 
-def _cpu_shape(name: str, b: Bench, sec: dict, pairs: int, warmup: int, res: Result, c: Any) -> dict[str, Any]:
-    counted = b.plan.bytes_moved()
-    ops = {"copy": lambda: b.copy_dst.copy_(b.copy_src), "torch": lambda: b.plan.run("torch")}
-    copy_t, torch_t = _compare(b, ops, ("copy", "torch"), sec["reps"], pairs, warmup, "cpu", res,
+def _cpu_shape(name: str, bench: Bench, sec: dict, pairs: int, warmup: int, res: Result,
+               case: Case) -> dict[str, Any]:
+    counted = bench.plan.bytes_moved()
+    ops = {"copy": lambda: bench.copy_dst.copy_(bench.copy_src), "torch": lambda: bench.plan.run("torch")}
+    copy_t, torch_t = _compare(ops, ("copy", "torch"), sec["reps"], pairs, warmup, "cpu", res,
                                f"{name}:copy_vs_torch")
-    c.check("copy_equals_source", bool(torch.equal(b.copy_dst, b.copy_src)))
-    chk = check_restored(b, lambda p: p.run("torch"))
-    c.check("torch_values_byte_identical", chk["values_differ"] == 0, chk["values_differ"])
-    c.check("torch_outside_cells_untouched", chk["outside_differ"] == 0, chk["outside_differ"])
+    case.check("copy_equals_source", bool(torch.equal(bench.copy_dst, bench.copy_src)))
+    chk = check_restored(bench, lambda p: p.run("torch"))
+    case.check("torch_values_byte_identical", chk["values_differ"] == 0, chk["values_differ"])
+    case.check("torch_outside_cells_untouched", chk["outside_differ"] == 0, chk["outside_differ"])
     ratio = statistics.median(t_ / c_ for c_, t_ in zip(copy_t, torch_t))
     return {"copy_s": statistics.median(copy_t), "torch_s": statistics.median(torch_t),
-            "copy_GBps": 2 * b.seg_bytes / statistics.median(copy_t) / 1e9,
+            "copy_GBps": 2 * bench.seg_bytes / statistics.median(copy_t) / 1e9,
             "torch_GBps": counted["total"] / statistics.median(torch_t) / 1e9,
             "time_ratio_torch_over_copy": ratio,
-            "torch_vs_copy": counted["total"] / (2 * b.seg_bytes) / ratio,
+            "torch_vs_copy": counted["total"] / (2 * bench.seg_bytes) / ratio,
             "kernel_vs_copy": None, "speedup_vs_torch": None,
             "bytes_differ": chk["values_differ"] + chk["outside_differ"],
-            "pairs": pairs, "bytes": counted, "segment_bytes": b.seg_bytes}
+            "pairs": pairs, "bytes": counted, "segment_bytes": bench.seg_bytes}
 
 
 def _use_variant(flags: str) -> None:
@@ -74,39 +75,39 @@ def _use_variant(flags: str) -> None:
     configure(None)
 
 
-def _cuda_variant(name: str, flags: str, b: Bench, sec: dict, pairs: int, warmup: int, res: Result,
-                  c: Any) -> dict[str, Any]:
+def _cuda_variant(name: str, flags: str, bench: Bench, sec: dict, pairs: int, warmup: int, res: Result,
+                  case: Case) -> dict[str, Any]:
     from kmesh.cuda.restore_rope import launch_restore
 
     _use_variant(flags)
-    launch = launch_restore(b.plan)   # compiles/loads this variant outside the timing
-    counted = b.plan.bytes_moved()
+    launch = launch_restore(bench.plan)   # compiles/loads this variant outside the timing
+    counted = bench.plan.bytes_moved()
     tag = flags or "default"
-    ops = {"copy": lambda: b.copy_dst.copy_(b.copy_src), "kernel": lambda: launch_restore(b.plan),
-           "torch": lambda: b.plan.run("torch")}
-    copy_t, kern_t = _compare(b, ops, ("copy", "kernel"), sec["reps"], pairs, warmup, "cuda", res,
+    ops = {"copy": lambda: bench.copy_dst.copy_(bench.copy_src), "kernel": lambda: launch_restore(bench.plan),
+           "torch": lambda: bench.plan.run("torch")}
+    copy_t, kern_t = _compare(ops, ("copy", "kernel"), sec["reps"], pairs, warmup, "cuda", res,
                               f"{name}:copy_vs_kernel[{tag}]")
-    torch_t, kern2_t = _compare(b, ops, ("torch", "kernel"), sec["torch_reps"], pairs, warmup, "cuda", res,
+    torch_t, kern2_t = _compare(ops, ("torch", "kernel"), sec["torch_reps"], pairs, warmup, "cuda", res,
                                 f"{name}:torch_vs_kernel[{tag}]")
-    c.check(f"copy_equals_source[{tag}]", bool(torch.equal(b.copy_dst, b.copy_src)))
-    ref = check_restored(b, lambda p: p.run("torch"))
-    ker = check_restored(b, launch_restore)
+    case.check(f"copy_equals_source[{tag}]", bool(torch.equal(bench.copy_dst, bench.copy_src)))
+    ref = check_restored(bench, lambda p: p.run("torch"))
+    ker = check_restored(bench, launch_restore)
     differ = int((ref["_buf"] != ker["_buf"]).sum())
-    c.check(f"kernel_equals_torch_bytes[{tag}]", differ == 0, differ)
-    c.check(f"torch_values_byte_identical[{tag}]", ref["values_differ"] == 0, ref["values_differ"])
-    c.check(f"kernel_outside_cells_untouched[{tag}]", ker["outside_differ"] == 0, ker["outside_differ"])
+    case.check(f"kernel_equals_torch_bytes[{tag}]", differ == 0, differ)
+    case.check(f"torch_values_byte_identical[{tag}]", ref["values_differ"] == 0, ref["values_differ"])
+    case.check(f"kernel_outside_cells_untouched[{tag}]", ker["outside_differ"] == 0, ker["outside_differ"])
     ratio = statistics.median(c_ / k_ for c_, k_ in zip(copy_t, kern_t))
     return {"launch": launch, "copy_s": statistics.median(copy_t), "kernel_s": statistics.median(kern_t),
-            "copy_GBps": 2 * b.seg_bytes / statistics.median(copy_t) / 1e9,
+            "copy_GBps": 2 * bench.seg_bytes / statistics.median(copy_t) / 1e9,
             "kernel_GBps": counted["total"] / statistics.median(kern_t) / 1e9,
             "torch_GBps": counted["total"] / statistics.median(torch_t) / 1e9,
             "time_ratio_copy_over_kernel": ratio,
-            "kernel_vs_copy": ratio * counted["total"] / (2 * b.seg_bytes),
+            "kernel_vs_copy": ratio * counted["total"] / (2 * bench.seg_bytes),
             "kernel_won_vs_copy": sum(k_ < c_ for c_, k_ in zip(copy_t, kern_t)),
             "torch_s": statistics.median(torch_t), "kernel_s_in_torch_pairs": statistics.median(kern2_t),
             "speedup_vs_torch": statistics.median(t_ / k_ for t_, k_ in zip(torch_t, kern2_t)),
             "kernel_won_vs_torch": sum(k_ < t_ for t_, k_ in zip(torch_t, kern2_t)),
-            "bytes_differ": differ, "pairs": pairs, "bytes": counted, "segment_bytes": b.seg_bytes}
+            "bytes_differ": differ, "pairs": pairs, "bytes": counted, "segment_bytes": bench.seg_bytes}
 
 
 def run(cfg: Config) -> Result:
@@ -118,38 +119,39 @@ def run(cfg: Config) -> Result:
     res.extra["design"] = __doc__.split("Design", 1)[1].strip()
     res.extra["device"] = device
     shapes: dict[str, Any] = {}
-    with res.case("device", {"device": device}) as c:
+    with res.case("device", {"device": device}) as case:
         if device == "cuda" and not torch.cuda.is_available():
-            c.check("cuda_available", False, "restore_bench.device is cuda but torch sees no GPU")
+            case.check("cuda_available", False, "restore_bench.device is cuda but torch sees no GPU")
         else:
-            c.check("device_usable", True, torch.cuda.get_device_name() if device == "cuda" else "cpu")
+            case.check("device_usable", True, torch.cuda.get_device_name() if device == "cuda" else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         return res
     if device == "cuda":
         res.extra["gpu"] = torch.cuda.get_device_name()
     variants = sec.get("variants") or [""]
     for si, name in enumerate(sec["shapes"]):
-        s = shape(name)
-        with res.case(name, s.params()) as c:
-            b = build(s, cfg.seed + si, device)
+        spec = shape(name)
+        with res.case(name, spec.params()) as case:
+            bench = build(spec, cfg.seed + si, device)
             if device == "cpu":
-                summ = _cpu_shape(name, b, sec, pairs, warmup, res, c)
+                summ = _cpu_shape(name, bench, sec, pairs, warmup, res, case)
             else:
-                per_variant = {flags or "default": _cuda_variant(name, flags, b, sec, pairs, warmup, res, c)
+                per_variant = {flags or "default": _cuda_variant(name, flags, bench, sec, pairs, warmup, res,
+                                                                 case)
                                for flags in variants}
                 _use_variant(variants[0])
                 summ = dict(per_variant[variants[0] or "default"])
                 ok = {k: v for k, v in per_variant.items() if v["bytes_differ"] == 0}
                 summ["fastest_variant"] = min(ok, key=lambda k: ok[k]["kernel_s"]) if ok else None
-                c.record("variants", per_variant)
+                case.record("variants", per_variant)
                 summ["goal_bandwidth_met"] = summ["kernel_vs_copy"] >= GOAL_BANDWIDTH
                 summ["goal_speedup_met"] = summ["speedup_vs_torch"] >= GOAL_SPEEDUP
-            c.record("summary", summ)
+            case.record("summary", summ)
             shapes[name] = {k: summ[k] for k in ("kernel_vs_copy", "speedup_vs_torch", "bytes_differ",
                                                  "copy_GBps", "segment_bytes")}
             shapes[name].update({k: summ[k] for k in ("kernel_GBps", "torch_GBps", "torch_vs_copy",
                                                       "goal_bandwidth_met", "goal_speedup_met") if k in summ})
-            b = None   # free this shape's buffers before the next one
+            bench = None   # free this shape's buffers before the next one
             if device == "cuda":
                 torch.cuda.empty_cache()
     res.extra["shapes"] = shapes

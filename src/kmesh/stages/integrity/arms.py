@@ -50,9 +50,9 @@ def make_set(name: str, sizes: Sequence[int], seed: int, device: str) -> DataSet
     if device == "cuda":
         import torch
 
-        g = torch.Generator(device="cuda")
-        g.manual_seed(seed)
-        dev = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g) for n in sizes]
+        generator = torch.Generator(device="cuda")
+        generator.manual_seed(seed)
+        dev = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=generator) for n in sizes]
         host = [d.cpu().numpy() for d in dev]
         pinned = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
         return DataSet(name, host, dev, pinned)
@@ -86,8 +86,8 @@ def _download(ds: DataSet) -> list[Any]:
     """Device objects into the pinned host buffers, waited for: what a CPU check of GPU-resident bytes costs."""
     import torch
 
-    for p, d in zip(ds.pinned, ds.dev):
-        p.copy_(d, non_blocking=True)
+    for pinned, dev in zip(ds.pinned, ds.dev):
+        pinned.copy_(dev, non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return [p.numpy() for p in ds.pinned]
 
@@ -140,20 +140,19 @@ def run_trials(arms: Sequence[Arm], ds: DataSet, refs: dict[str, list[bytes]], t
     """Every arm once per trial, order rotating; seconds per arm per trial and whether every digest matched."""
     times: dict[str, list[float]] = {a.name: [] for a in arms}
     orders, mismatches = [], []
-    k = len(arms)
-    for t in range(warmup + trials):
-        r = (t - warmup) % k
-        order = list(arms[r:]) + list(arms[:r])
+    for trial in range(warmup + trials):
+        first = (trial - warmup) % len(arms)
+        order = list(arms[first:]) + list(arms[:first])
         for arm in order:
             iv = Intervals(device)
             got = arm.run(ds, iv)
             want = refs[arm.ref_key]
             if got != want:
-                mismatches.append({"trial": t - warmup, "arm": arm.name,
+                mismatches.append({"trial": trial - warmup, "arm": arm.name,
                                    "objects": [i for i, (a, b) in enumerate(zip(got, want)) if a != b]})
-            if t >= warmup:
+            if trial >= warmup:
                 times[arm.name].append(iv.seconds()["hash"])
-        if t >= warmup:
+        if trial >= warmup:
             orders.append([a.name for a in order])
     return {"times_s": times, "orders": orders, "mismatches": mismatches}
 
@@ -167,8 +166,8 @@ def summarize(raw: dict[str, Any], nbytes: int, baseline: str = BASELINE) -> dic
         row: dict[str, Any] = {"median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "trials": len(ts),
                                "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
         if base is not None and name != baseline:
-            ps = paired_stats(base, ts)
-            row.update(ratio_vs_baseline=ps["median_ratio"], speedup_vs_baseline=1.0 / ps["median_ratio"],
-                       faster_than_baseline=ps["b_faster"])
+            paired = paired_stats(base, ts)
+            row.update(ratio_vs_baseline=paired["median_ratio"], speedup_vs_baseline=1.0 / paired["median_ratio"],
+                       faster_than_baseline=paired["b_faster"])
         out[name] = row
     return out

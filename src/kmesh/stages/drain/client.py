@@ -1,4 +1,4 @@
-"""The copying process of the `drain` stage: `python -m kmesh.stages.drain_client --ctl FD --device D`.
+"""The copying process of the `drain` stage: `python -m kmesh.stages.drain.client --ctl FD --device D`.
 
 It owns the "device" buffers (CPU profile: a shared memory segment the stage created; cuda profile: GPU
 memory of this process) and, per case, a TransferEngine whose copies are gated chunk by chunk by the stage
@@ -21,10 +21,8 @@ from typing import Any
 import torch
 
 from kmesh import shm
+from kmesh.stages.drain.protocol import CANARY, POISON
 from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, Ticket, TransferEngine, TransferError
-
-CANARY = 4096  # bytes of canary on each side of every payload in a segment
-POISON = 0xA5  # destination bytes before a copy
 
 
 def pattern(n_words: int, seed: int, device: str = "cpu") -> torch.Tensor:
@@ -58,26 +56,26 @@ class Client:
         self.gate = ChunkGate.from_read_fd(fds[0])
         self.ledger = SharedLedger.attach(ledger)
         pinned = {}
-        for name, b in buffers.items():
-            n = int(b["nbytes"])
-            if b.get("seg"):
-                seg = self.segs[name] = shm.Segment.attach(b["seg"])
+        for name, spec in buffers.items():
+            nbytes = int(spec["nbytes"])
+            if spec.get("seg"):
+                seg = self.segs[name] = shm.Segment.attach(spec["seg"])
                 if self.device == "cuda":
                     _host_register(seg)
                     self.registered.append(seg.address)
-                view = seg.tensor(torch.uint8, (n,), CANARY)
+                view = seg.tensor(torch.uint8, (nbytes,), CANARY)
                 pinned[name] = bool(view.is_pinned()) if self.device == "cuda" else None
             else:
-                view = torch.empty(n, dtype=torch.uint8, device=self.device)
+                view = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.bufs[name] = view
-            if b.get("fill") == "poison":
+            if spec.get("fill") == "poison":
                 view.fill_(POISON)
-            elif b.get("fill") == "pattern":
+            elif spec.get("fill") == "pattern":
                 if self.device == "cuda":
                     # A slow producer on the current stream: the engine must order its copy after it.
                     view.fill_(POISON)
-                    torch.cuda._sleep(int(b.get("producer_cycles", 50_000_000)))
-                view.view(torch.int32).copy_(pattern(n // 4, int(b["seed"]), str(view.device)))
+                    torch.cuda._sleep(int(spec.get("producer_cycles", 50_000_000)))
+                view.view(torch.int32).copy_(pattern(nbytes // 4, int(spec["seed"]), str(view.device)))
         self.engine = TransferEngine(self.device, FaultPlan.from_dict(faults), gate=self.gate, ledger=self.ledger)
         return {"pinned": pinned, "pid": os.getpid()}
 
@@ -86,29 +84,29 @@ class Client:
         t0 = time.perf_counter()
         err, pending = None, []
         try:
-            t = self.engine.submit(self.bufs[src], self.bufs[dst], owner="drain-case")
+            ticket = self.engine.submit(self.bufs[src], self.bufs[dst], owner="drain-case")
         except TransferError as e:
             err, pending = type(e).__name__, e.pending
-            t = e.pending[0]
+            ticket = e.pending[0]
         dt = time.perf_counter() - t0
-        self.tickets[t.id] = t
-        return {"ticket": t.id, "error": err, "pending": [p.id for p in pending], "submit_s": dt,
-                "chunks_total": t.chunks_total}
+        self.tickets[ticket.id] = ticket
+        return {"ticket": ticket.id, "error": err, "pending": [p.id for p in pending], "submit_s": dt,
+                "chunks_total": ticket.chunks_total}
 
     def progress(self, ticket: int) -> dict[str, Any]:
-        t = self.tickets[ticket]
-        return {"chunks_done": t.chunks_done, "chunks_total": t.chunks_total, "state": t.state}
+        held = self.tickets[ticket]
+        return {"chunks_done": held.chunks_done, "chunks_total": held.chunks_total, "state": held.state}
 
     def release(self, names: list[str]) -> dict[str, Any]:
         """Try engine.release on each buffer: the API must refuse while tickets hold it."""
         assert self.engine is not None
         out = {}
-        for n in names:
+        for name in names:
             try:
-                self.engine.release(self.bufs[n])
-                out[n] = None
+                self.engine.release(self.bufs[name])
+                out[name] = None
             except TransferError as e:
-                out[n] = type(e).__name__
+                out[name] = type(e).__name__
         return {"raised": out}
 
     def holds(self) -> dict[str, Any]:
@@ -121,19 +119,19 @@ class Client:
         sel = [self.tickets[i] for i in tickets] if tickets is not None else None
         t0 = time.perf_counter()
         try:
-            r = self.engine.drain(sel, timeout=timeout)
+            drained = self.engine.drain(sel, timeout=timeout)
         except TransferError as e:
             return {"error": type(e).__name__, "message": str(e), "pending": [t.id for t in e.pending],
                     "drain_s": time.perf_counter() - t0}
-        return {"error": None, "done": [t.id for t in r.done], "failed": [t.id for t in r.failed],
-                "holds_released": r.holds_released, "drain_s": time.perf_counter() - t0}
+        return {"error": None, "done": [t.id for t in drained.done], "failed": [t.id for t in drained.failed],
+                "holds_released": drained.holds_released, "drain_s": time.perf_counter() - t0}
 
     def digest(self, name: str) -> dict[str, Any]:
         """sha256 of a buffer's bytes (read after a full synchronize): how the stage checks GPU memory."""
-        b = self.bufs[name]
-        if b.device.type == "cuda":
+        buf = self.bufs[name]
+        if buf.device.type == "cuda":
             torch.cuda.synchronize()
-        return {"sha256": hashlib.sha256(b.cpu().numpy().tobytes()).hexdigest()}
+        return {"sha256": hashlib.sha256(buf.cpu().numpy().tobytes()).hexdigest()}
 
     def reuse_device(self, name: str, sentinel: int) -> dict[str, Any]:
         """The would-be reuser of this process's own device buffer (after the final drain): hand its memory
@@ -144,10 +142,10 @@ class Client:
             self.engine.release(self.bufs[name])
         except TransferError as e:
             raised = type(e).__name__
-        n = self.bufs[name].numel()
+        nbytes = self.bufs[name].numel()
         if name not in self.segs:
             del self.bufs[name]  # the caching allocator may give the same block to the next request
-            self.bufs[name] = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self.bufs[name] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.bufs[name].fill_(sentinel)
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -158,12 +156,12 @@ class Client:
         """Ungated submit→drain round trips on a fault-free engine (warm-up runs excluded)."""
         eng = TransferEngine(self.device)
         times = []
-        for i in range(warmup + reps):
+        for rep in range(warmup + reps):
             if self.device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             eng.drain([eng.submit(self.bufs[src], self.bufs[dst], owner="bench")])
-            if i >= warmup:
+            if rep >= warmup:
                 times.append(time.perf_counter() - t0)
         eng.close()
         return {"seconds": times, "nbytes": self.bufs[src].numel()}
@@ -236,8 +234,8 @@ def _host_unregister(seg: shm.Segment) -> None:
 
 
 def serve(ctl: socket.socket, client: Client) -> None:
-    f = ctl.makefile("rwb", buffering=0)  # unbuffered: readline never reads past the line (fd carrier byte)
-    for line in f:
+    stream = ctl.makefile("rwb", buffering=0)  # unbuffered: readline never reads past the line (fd carrier byte)
+    for line in stream:
         msg = json.loads(line)
         op = msg.pop("op")
         if "nfds" in msg:
@@ -246,18 +244,18 @@ def serve(ctl: socket.socket, client: Client) -> None:
             reply = {"ok": True, **getattr(client, op)(**msg)}
         except Exception as e:  # reported to the stage, which fails the case with this text
             reply = {"ok": False, "exc": type(e).__name__, "message": str(e)}
-        f.write((json.dumps(reply) + "\n").encode())
+        stream.write((json.dumps(reply) + "\n").encode())
         if op == "exit":
             return
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--ctl", type=int, required=True)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    a = p.parse_args(argv)
-    ctl = socket.socket(fileno=a.ctl)
-    serve(ctl, Client(a.device))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ctl", type=int, required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args(argv)
+    ctl = socket.socket(fileno=args.ctl)
+    serve(ctl, Client(args.device))
     return 0
 
 

@@ -72,64 +72,64 @@ class Bench:
         return plan_restore(raw, self.layout, self.segment, self.slots, self.new_positions, self.rope)
 
 
-def build(s: Shape, seed: int, device: str) -> Bench:
-    g = torch.Generator(device=device).manual_seed(seed)
-    T, n = s.tokens, s.block_size
-    blocks = (T + SHIFT + n - 1) // n + 8
-    lay = KVLayout.paged(s.order, s.layers, blocks, n, s.kv_heads, s.head_dim, s.dtype,
+def build(spec: Shape, seed: int, device: str) -> Bench:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, block = spec.tokens, spec.block_size
+    blocks = (T + SHIFT + block - 1) // block + 8
+    lay = KVLayout.paged(spec.order, spec.layers, blocks, block, spec.kv_heads, spec.head_dim, spec.dtype,
                          k_scale=0.0625, v_scale=0.03125)
-    shp = (T, s.layers, s.kv_heads, s.head_dim)
-    if s.dtype.startswith("fp8"):   # finite fp8 bytes (no NaN codes): sign 0, all exponents/mantissas below 0x7F
-        k = torch.randint(0, 0x7F, shp, generator=g, device=device, dtype=torch.uint8)
-        v = torch.randint(0, 0x7F, shp, generator=g, device=device, dtype=torch.uint8)
+    shp = (T, spec.layers, spec.kv_heads, spec.head_dim)
+    if spec.dtype.startswith("fp8"):   # finite fp8 bytes (no NaN codes): sign 0, all exponents/mantissas below 0x7F
+        k = torch.randint(0, 0x7F, shp, generator=gen, device=device, dtype=torch.uint8)
+        v = torch.randint(0, 0x7F, shp, generator=gen, device=device, dtype=torch.uint8)
     else:
-        k = torch.randn(shp, generator=g, device=device).to(lay.storage_dtype)
-        v = torch.randn(shp, generator=g, device=device).to(lay.storage_dtype)
+        k = torch.randn(shp, generator=gen, device=device).to(lay.storage_dtype)
+        v = torch.randn(shp, generator=gen, device=device).to(lay.storage_dtype)
     old = torch.arange(T, device=device)
     new = old + SHIFT
-    table = torch.randperm(blocks, generator=g, device=device)
-    slots = table[new // n] * n + new % n
-    seg = KVSegment(k, v, old, s.dtype, lay.k_scale, lay.v_scale)
-    rope = RopeConfig(s.head_dim, s.head_dim, 1e6, "neox", None, 32768)
-    raw = torch.randint(0, 256, (lay.nbytes,), generator=g, device=device, dtype=torch.uint8)
+    table = torch.randperm(blocks, generator=gen, device=device)
+    slots = table[new // block] * block + new % block
+    seg = KVSegment(k, v, old, spec.dtype, lay.k_scale, lay.v_scale)
+    rope = RopeConfig(spec.head_dim, spec.head_dim, 1e6, "neox", None, 32768)
+    raw = torch.randint(0, 256, (lay.nbytes,), generator=gen, device=device, dtype=torch.uint8)
     plan = plan_restore(raw, lay, seg, slots, new, rope)
-    src = torch.randint(0, 256, (seg.nbytes,), generator=g, device=device, dtype=torch.uint8)
+    src = torch.randint(0, 256, (seg.nbytes,), generator=gen, device=device, dtype=torch.uint8)
     return Bench(lay, seg, slots, new, rope, raw, plan, src, torch.empty_like(src))
 
 
 def timed(ops: dict[str, Callable[[], None]], reps: dict[str, int], device: str) -> Callable[..., None]:
     """A kmesh.bench run function: `reps[arm]` back-to-back executions of `ops[arm]` in one interval."""
-    def fn(arm: str, _child: object, iv: Any) -> None:
+    def run_arm(arm: str, _child: object, iv: Any) -> None:
         if device == "cuda":
             torch.cuda._sleep(SLEEP_CYCLES)
         with iv.part("exec"):
             for _ in range(reps[arm]):
                 ops[arm]()
-    return fn
+    return run_arm
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
-def check_restored(b: Bench, run: Callable[[RestorePlan], None]) -> dict[str, int]:
+def check_restored(bench: Bench, run: Callable[[RestorePlan], None]) -> dict[str, int]:
     """Restore into a freshly poisoned cache and compare bytes with what must be there.
 
     values_differ: restored V cells vs the segment's V (a restore copies values unchanged);
     outside_differ: bytes outside the destination cells vs the poison (nothing else may be written).
     Returns the poisoned-and-restored buffer's byte counts; the buffer itself is returned under "_buf".
     """
-    g = torch.Generator(device=b.raw.device).manual_seed(12345)
-    poison = torch.randint(0, 256, b.raw.shape, generator=g, device=b.raw.device, dtype=torch.uint8)
+    gen = torch.Generator(device=bench.raw.device).manual_seed(12345)
+    poison = torch.randint(0, 256, bench.raw.shape, generator=gen, device=bench.raw.device, dtype=torch.uint8)
     buf = poison.clone()
-    run(b.fresh_plan(buf))
-    got = capture(buf, b.layout, b.slots, b.new_positions)
-    values_differ = int((_as_bytes(got.v) != _as_bytes(b.segment.v)).sum())
+    run(bench.fresh_plan(buf))
+    got = capture(buf, bench.layout, bench.slots, bench.new_positions)
+    values_differ = int((_as_bytes(got.v) != _as_bytes(bench.segment.v)).sum())
     # Expected whole buffer: the poison with exactly the destination cells replaced by what the restore wrote.
     expect = poison.clone()
-    flat = b.layout.elements(expect)
-    bb, nn = b.layout.split_slots(b.slots)
-    b.layout.k_tensor(flat)[:, bb, nn] = got.k.transpose(0, 1)
-    b.layout.v_tensor(flat)[:, bb, nn] = got.v.transpose(0, 1)
+    flat = bench.layout.elements(expect)
+    bb, nn = bench.layout.split_slots(bench.slots)
+    bench.layout.k_tensor(flat)[:, bb, nn] = got.k.transpose(0, 1)
+    bench.layout.v_tensor(flat)[:, bb, nn] = got.v.transpose(0, 1)
     outside_differ = int((expect != buf).sum())
     return {"values_differ": values_differ, "outside_differ": outside_differ, "_buf": buf}  # type: ignore[dict-item]
