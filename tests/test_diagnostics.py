@@ -87,7 +87,7 @@ def test_gpu_diagnostics_refuse_clearly_without_a_gpu(name, tmp_path, capsys):
 
 
 def test_decode_reproducibility_on_the_cpu_profile(tmp_path):
-    """The one CPU-runnable diagnostic, end to end on a 2-layer seeded Qwen2 (~20 s): seven runs, a service process
+    """The one CPU-runnable diagnostic, end to end on a 2-layer seeded Qwen2 (~10 s): seven runs, a service process
     during runs 2-4, and on the CPU every run bit-equal to run 0."""
     out = _kmesh("diagnose", "decode_reproducibility", "--profile", "cpu", "--steps", "3",
                  "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",

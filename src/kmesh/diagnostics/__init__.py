@@ -5,7 +5,8 @@ diagnostic's options). Each module's docstring says what it measures and how to 
 most need a CUDA GPU: without one they stop with a DiagnosticError saying so.
 
 The list is read from this package's files (a module whose name starts with `_` is a helper, not a diagnostic),
-and each summary from its docstring's first paragraph, without importing anything: listing stays fast and works without a GPU.
+and each summary from its docstring's first paragraph, without importing anything: listing stays fast and works
+without a GPU.
 """
 from __future__ import annotations
 

@@ -1,15 +1,19 @@
-"""What the diagnostics share: the GPU check, CUDA-event timing, the config options and the JSON output."""
+"""What the diagnostics share: the GPU check, CUDA-event timing, the options, the scaled workloads, the JSON output."""
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from kmesh.config import PROFILES, Config, load_config, parse_overrides
 from kmesh.diagnostics import DiagnosticError
+from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.segments import Export
+from kmesh.workload import Child, Workload, build
 
 
 def require_cuda(diagnostic: str) -> None:
@@ -34,20 +38,40 @@ def timed(fn: Callable[[], Any], reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
-    """The diagnostic's argument parser; --help prints its whole docstring (what it measures, how to read it)."""
-    return argparse.ArgumentParser(prog=f"kmesh diagnose {name}", description=doc,
+def parser(name: str, doc: str | None, *, config: bool = False, out: bool = False) -> argparse.ArgumentParser:
+    """The diagnostic's argument parser; --help prints its whole docstring (what it measures, how to read it).
+    config: --profile (default cuda) and --set KEY=VALUE, as `kmesh run` takes them; out: a required --out FILE."""
+    made = argparse.ArgumentParser(prog=f"kmesh diagnose {name}", description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-def add_config_options(parser: argparse.ArgumentParser, profile: str = "cuda") -> None:
-    """--profile and --set KEY=VALUE, as `kmesh run` takes them."""
-    parser.add_argument("--profile", choices=PROFILES, default=profile, help=f"config profile (default {profile})")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    if config:
+        made.add_argument("--profile", choices=PROFILES, default="cuda", help="config profile (default cuda)")
+        made.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    if out:
+        made.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return made
 
 
 def load(args: argparse.Namespace) -> Config:
     return load_config(profile=args.profile, overrides=parse_overrides(args.set))
+
+
+@dataclass
+class ScaledLeader:
+    """The equivalence workload scaled to `prompt_tokens`, its leader's export and the child measured (A)."""
+
+    prompt_tokens: int
+    workload: Workload
+    export: Export
+    child: Child
+
+
+def scaled_leaders(setup: ModelSetup, prompt_tokens: Iterable[int], tag: str) -> Iterator[ScaledLeader]:
+    """For each prompt length in turn: the workload scaled to it, its leader prefilled and exported (object keys
+    kmesh-eq/<tag>-<prompt_tokens>)."""
+    for length in prompt_tokens:
+        workload = build(setup.tok, setup.cfg.seed, setup.workload.spec.scaled(length))
+        export = leader_prefill(setup.runner, workload, f"kmesh-eq/{tag}-{length}".encode())
+        yield ScaledLeader(length, workload, export, workload.children[0])
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -19,7 +19,6 @@ taking when its _ms beats mask_repeat_ms at no worse err64; causal_full_ms is th
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,10 +58,10 @@ def variants_at(prompt_len: int, gen: torch.Generator) -> dict[str, Any]:
     from kmesh.model.attention_triton import position_causal_attention
 
     dev = "cuda"
-    n = int(RECOMPUTED * prompt_len)
-    pos = torch.sort(torch.randperm(prompt_len - 1, device=dev, generator=gen)[: n - 1]).values
+    num_queries = int(RECOMPUTED * prompt_len)
+    pos = torch.sort(torch.randperm(prompt_len - 1, device=dev, generator=gen)[: num_queries - 1]).values
     pos = torch.cat([pos, torch.tensor([prompt_len - 1], device=dev)])   # the last position is always recomputed
-    q = torch.randn(1, QUERY_HEADS, n, HEAD_DIM, device=dev, dtype=DTYPE, generator=gen)
+    q = torch.randn(1, QUERY_HEADS, num_queries, HEAD_DIM, device=dev, dtype=DTYPE, generator=gen)
     k = torch.randn(1, KV_HEADS, prompt_len, HEAD_DIM, device=dev, dtype=DTYPE, generator=gen)
     v = torch.randn(1, KV_HEADS, prompt_len, HEAD_DIM, device=dev, dtype=DTYPE, generator=gen)
     q_full = torch.randn(1, QUERY_HEADS, prompt_len, HEAD_DIM, device=dev, dtype=DTYPE, generator=gen)
@@ -81,7 +80,7 @@ def variants_at(prompt_len: int, gen: torch.Generator) -> dict[str, Any]:
                                               is_causal=True)
 
     ref = mask_repeat()
-    row: dict[str, Any] = {"n": n, "T": prompt_len, "mask_repeat_ms": timed(mask_repeat),
+    row: dict[str, Any] = {"n": num_queries, "T": prompt_len, "mask_repeat_ms": timed(mask_repeat),
                            "mask_gqa_ms": timed(mask_gqa), "mask_gqa_maxdiff": float((mask_gqa() - ref).abs().max()),
                            "causal_full_ms": timed(causal_full)}
     _flex(row, q, k, v, pos, ref)
@@ -89,7 +88,7 @@ def variants_at(prompt_len: int, gen: torch.Generator) -> dict[str, Any]:
     k_cached, v_cached = kv[..., :HEAD_DIM], kv[..., HEAD_DIM:]
     q_rows = q[0].transpose(0, 1).contiguous()                                          # [n, Hq, D]
     ref_rows = ref[0].transpose(0, 1)
-    sampled = torch.randperm(n, device=dev, generator=gen)[:SAMPLED_ROWS]
+    sampled = torch.randperm(num_queries, device=dev, generator=gen)[:SAMPLED_ROWS]
     sampled_pos = pos[sampled]
     k64 = k_cached.double().repeat_interleave(GROUPS, 1)
     v64 = v_cached.double().repeat_interleave(GROUPS, 1)
@@ -117,9 +116,7 @@ def variants_at(prompt_len: int, gen: torch.Generator) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parser("attention_variants", __doc__)
-    options.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    args = options.parse_args(argv)
+    args = parser("attention_variants", __doc__, out=True).parse_args(argv)
     require_cuda("attention_variants")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {}

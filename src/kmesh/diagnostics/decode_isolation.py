@@ -19,14 +19,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kmesh.child import new_cache
-from kmesh.diagnostics._common import add_config_options, load, parser, require_cuda, write_json
+from kmesh.diagnostics._common import load, parser, require_cuda, write_json
 from kmesh.model.blend import blend
 from kmesh.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
 
@@ -143,9 +142,7 @@ def compare_runs(setup: ModelSetup, runs: list[tuple[list[int], Record]]) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parser("decode_isolation", __doc__)
-    add_config_options(options)
-    options.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    options = parser("decode_isolation", __doc__, config=True, out=True)
     options.add_argument("--runs", type=int, default=10, help="runs during the context churn (default 10)")
     args = options.parse_args(argv)
     require_cuda("decode_isolation")

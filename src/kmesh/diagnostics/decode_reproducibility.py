@@ -17,35 +17,22 @@ import torch
 
 from kmesh.child import new_cache
 from kmesh.diagnostics import DiagnosticError
-from kmesh.diagnostics._common import add_config_options, load, parser, require_cuda
+from kmesh.diagnostics._common import load, parser, require_cuda
 from kmesh.model.blend import blend
 from kmesh.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
 from kmesh.service.harness import Harness
 from kmesh.workload import Child
 
 
-@torch.no_grad()
 def recompute_and_decode(setup: ModelSetup, child: Child, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Full-recompute prefill of `child`, then `steps` greedy decode steps: (tokens, logits per step on the CPU)."""
-    runner = setup.runner
+    """Full-recompute prefill of `child`, then `steps` greedy decode steps: (tokens, logits per step on the CPU,
+    the prefill's first)."""
     ids = torch.tensor(child.ids, device=setup.device)
-    prompt_len = len(ids)
     cache = new_cache(setup.ctx, child)
-    first = blend(runner, ids, cache, torch.zeros(prompt_len, dtype=torch.bool), setup.ctx.repair, "full")
-    tokens, logits = [int(first.logits.argmax())], [first.logits.float().cpu()]
-    for step in range(steps):
-        pos = torch.tensor([prompt_len + step], device=setup.device)
-        hidden = runner.embed(torch.tensor([tokens[-1]], device=setup.device))
-        rot = runner.rotary(pos)
-        for layer in range(runner.num_layers):
-            q, k, v = runner.qkv(layer, hidden, pos, rot)
-            cache.write(layer, pos, k, v)
-            keys, values = cache.layer_kv(layer, prompt_len + step + 1)
-            hidden = runner.finish_layer(layer, hidden, runner.attend(q, pos, keys, values, last_query=True))
-        step_logits = runner.logits(hidden)[0]
-        logits.append(step_logits.float().cpu())
-        tokens.append(int(step_logits.argmax()))
-    return tokens, logits
+    first = blend(setup.runner, ids, cache, torch.zeros(len(ids), dtype=torch.bool), setup.ctx.repair, "full")
+    step_logits: list[torch.Tensor] = []
+    tokens = setup.runner.decode(cache, len(ids), first.logits, steps + 1, step_logits=step_logits)
+    return tokens, [logits.float().cpu() for logits in (first.logits, *step_logits)]
 
 
 def compare(run: int, base: tuple[list[int], list[torch.Tensor]], other: tuple[list[int], list[torch.Tensor]]) -> str:
@@ -62,8 +49,7 @@ def compare(run: int, base: tuple[list[int], list[torch.Tensor]], other: tuple[l
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parser("decode_reproducibility", __doc__)
-    add_config_options(options)
+    options = parser("decode_reproducibility", __doc__, config=True)
     options.add_argument("--child", default="C", help="which child of the equivalence workload (default C)")
     options.add_argument("--steps", type=int, default=23, help="greedy decode steps after the prefill (default 23)")
     args = options.parse_args(argv)

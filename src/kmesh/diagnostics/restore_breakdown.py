@@ -13,57 +13,54 @@ allocations): see docs/measurements/equivalence-h200/README.md.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kmesh.diagnostics._common import add_config_options, load, parser, require_cuda, timed, write_json
-from kmesh.modelsetup import equivalence_setup, leader_prefill
+from kmesh.diagnostics._common import (ScaledLeader, load, parser, require_cuda, scaled_leaders, timed,
+                                      write_json)
+from kmesh.modelsetup import ModelSetup, equivalence_setup
 from kmesh.restore import capture, plan_restore
 from kmesh.segments import restore_child
-from kmesh.workload import build
 
 PROMPT_TOKENS = (4096, 16384)
 timed15 = functools.partial(timed, reps=15)
 
 
+def breakdown(setup: ModelSetup, scaled: ScaledLeader) -> dict[str, Any]:
+    """The parts of child A's restore at one prompt length (keys: see the module doc)."""
+    runner, child, export, length = setup.runner, scaled.child, scaled.export, scaled.prompt_tokens
+    cache = runner.new_cache(length, scaled.workload.spec.block_size)
+    device = cache.raw.device
+    slices = child.segment_slices()
+    slots = torch.cat([export.catalog.entries[seg].slots(device) for seg, _, _ in slices])
+    old_pos = torch.cat([export.catalog.entries[seg].leader_positions(device) for seg, _, _ in slices])
+    new_pos = torch.cat([torch.arange(start, end, device=device) for _, start, end in slices])
+    segment = capture(export.raw, export.catalog.layout, slots, old_pos)
+    row: dict[str, Any] = {
+        "tokens_restored": int(new_pos.numel()), "segment_bytes": segment.nbytes,
+        "capture_ms": timed15(lambda: capture(export.raw, export.catalog.layout, slots, old_pos)),
+        "plan_ms": timed15(lambda: plan_restore(cache.raw, cache.layout, segment, new_pos, new_pos, runner.rope))}
+    plan = plan_restore(cache.raw, cache.layout, segment, new_pos, new_pos, runner.rope)
+    for backend in ("torch", "cuda"):
+        row[f"write_{backend}_ms"] = timed15(lambda: plan.run(backend))
+        row[f"restore_child_{backend}_ms"] = timed15(
+            lambda: restore_child(cache, export.catalog, export.raw, child, runner, backend))
+    by_torch = runner.new_cache(length, scaled.workload.spec.block_size)
+    by_cuda = runner.new_cache(length, scaled.workload.spec.block_size)
+    restore_child(by_torch, export.catalog, export.raw, child, runner, "torch")
+    restore_child(by_cuda, export.catalog, export.raw, child, runner, "cuda")
+    row["backends_bytes_equal"] = bool(torch.equal(by_torch.raw, by_cuda.raw))
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
-    options = parser("restore_breakdown", __doc__)
-    add_config_options(options)
-    options.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    args = options.parse_args(argv)
+    args = parser("restore_breakdown", __doc__, config=True, out=True).parse_args(argv)
     require_cuda("restore_breakdown")
-    cfg = load(args)
-    setup = equivalence_setup(cfg)
-    runner = setup.runner
+    setup = equivalence_setup(load(args))
     out: dict[str, Any] = {}
-    for prompt_len in PROMPT_TOKENS:
-        workload = build(setup.tok, cfg.seed, setup.workload.spec.scaled(prompt_len))
-        export = leader_prefill(runner, workload, f"kmesh-eq/rb-{prompt_len}".encode())
-        child = workload.children[0]
-        cache = runner.new_cache(prompt_len, workload.spec.block_size)
-        device = cache.raw.device
-        slices = child.segment_slices()
-        slots = torch.cat([export.catalog.entries[seg].slots(device) for seg, _, _ in slices])
-        old_pos = torch.cat([export.catalog.entries[seg].leader_positions(device) for seg, _, _ in slices])
-        new_pos = torch.cat([torch.arange(start, end, device=device) for _, start, end in slices])
-        segment = capture(export.raw, export.catalog.layout, slots, old_pos)
-        row: dict[str, Any] = {
-            "tokens_restored": int(new_pos.numel()), "segment_bytes": segment.nbytes,
-            "capture_ms": timed15(lambda: capture(export.raw, export.catalog.layout, slots, old_pos)),
-            "plan_ms": timed15(lambda: plan_restore(cache.raw, cache.layout, segment, new_pos, new_pos, runner.rope))}
-        plan = plan_restore(cache.raw, cache.layout, segment, new_pos, new_pos, runner.rope)
-        for backend in ("torch", "cuda"):
-            row[f"write_{backend}_ms"] = timed15(lambda: plan.run(backend))
-            row[f"restore_child_{backend}_ms"] = timed15(
-                lambda: restore_child(cache, export.catalog, export.raw, child, runner, backend))
-        by_torch = runner.new_cache(prompt_len, workload.spec.block_size)
-        by_cuda = runner.new_cache(prompt_len, workload.spec.block_size)
-        restore_child(by_torch, export.catalog, export.raw, child, runner, "torch")
-        restore_child(by_cuda, export.catalog, export.raw, child, runner, "cuda")
-        row["backends_bytes_equal"] = bool(torch.equal(by_torch.raw, by_cuda.raw))
-        out[str(prompt_len)] = row
-        print(prompt_len, row, flush=True)
+    for scaled in scaled_leaders(setup, PROMPT_TOKENS, "rb"):
+        out[str(scaled.prompt_tokens)] = breakdown(setup, scaled)
+        print(scaled.prompt_tokens, out[str(scaled.prompt_tokens)], flush=True)
     write_json(args.out, out)
     return 0
