@@ -164,3 +164,32 @@ def test_every_script_the_repository_names_exists():
     assert any(where == "Makefile" for where, _ in named)
     missing = sorted(f"{where}: {ref}" for where, ref in named if not (ROOT / ref).exists())
     assert not missing, missing
+
+
+def test_decode_isolation_finds_the_first_differing_op_on_cpu(tmp_path):
+    """decode_isolation's recording and comparison (its GPU-only part is the context churn): two CPU runs are
+    bit-equal; a run whose attention output of one step and layer is perturbed is reported at exactly that op,
+    with its inputs equal and the re-runs matching run 0's output, not the perturbed one."""
+    import yaml
+
+    from kmesh.config import load_config
+    from kmesh.diagnostics import decode_isolation
+    from kmesh.modelsetup import equivalence_setup
+
+    cfg = load_config(profile="cpu", overrides={
+        "results_dir": str(tmp_path), "model": {"qwen2_random": yaml.safe_load(TINY_QWEN2)},
+        "equivalence": {"model": "qwen2_random", "byte_token_offset": 0,
+                        "workload": {"prompt_tokens": 352, "segment_tokens": [80, 80, 80], "children": 3,
+                                     "block_size": 16}}})
+    setup = equivalence_setup(cfg)
+    runs = [decode_isolation.recorded_run(setup), decode_isolation.recorded_run(setup)]
+    tokens, rec = decode_isolation.recorded_run(setup)
+    rec[(5, 1, "attn")] = rec[(5, 1, "attn")] + 1e-3
+    rows = decode_isolation.compare_runs(setup, [*runs, (tokens, rec)])
+    assert [row["first_diff"] for row in rows] == [None, None, [5, 1, "attn"]]
+    assert rows[1]["tokens_equal"] and rows[1]["prefill_equal"]
+    assert rows[2]["attn_inputs_equal"] is True
+    assert (rows[2]["rerun_matches_this"], rows[2]["rerun_matches_run0"]) == (0, 20)
+    # on the CPU the runner's attention is SDPA's flash kernel; a backend that cannot run here is recorded
+    assert rows[2]["backend_flash_eq_run0"] is True and rows[2]["backend_math_eq_this"] is False
+    assert rows[2]["backend_cudnn"].startswith("RuntimeError: No viable backend")
