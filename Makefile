@@ -33,8 +33,9 @@ mutation: env  ## mutation testing of layout, rope, restore, service registry, t
 	mkdir -p results/mutation mutants/src
 	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS) > results/mutation/mutmut.log 2>&1; \
 	  rc=$$?; tr '\r' '\n' < results/mutation/mutmut.log | grep -a -E "mutations/second|Stopping|failed to" | tail -3; \
-	  python scripts/mutation_report.py $(MUTATION_REPORT_ARGS) && exit $$rc
+	  python -m kmesh.tools.mutation_report $(MUTATION_REPORT_ARGS) && exit $$rc
 
-lock:  ## regenerate requirements/cpu.lock from requirements/cpu.in
-	$(VENV)/bin/python scripts/lock.py cpu
-	$(VENV)/bin/python scripts/lock.py mutation
+# src on the path: the lock is made before (and without) the editable install of setup-env.sh
+lock:  ## regenerate requirements/cpu.lock and mutation.lock from their .in files
+	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.tools.lock cpu
+	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.tools.lock mutation

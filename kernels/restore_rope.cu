@@ -47,7 +47,7 @@
 // Bytes: reads T·L·H·(Dk + Dv)·sizeof(S) of segment + T·rot/2·8 of tables + 9·T of slots/flags;
 // writes the same T·L·H·(Dk + Dv)·sizeof(S) into the cache (padding tokens: nothing). Every segment
 // byte is read once and every destination byte written once (16-byte loads/stores; tables and slots
-// are re-read per unit from L1/L2), as the copy baseline of scripts/bench_restore.py counts read + write.
+// are re-read per unit from L1/L2), as the copy baseline of the restore_bench stage counts read + write.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

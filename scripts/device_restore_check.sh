@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for §21 (issue 3): build kernels, run the cuda-profile synthetic stage, the GPU tests of
-# kmesh.restore, and the restore benchmark. Everything it keeps goes to $OUT (6 files).
+# kmesh.restore, and the restore benchmark (stage restore_bench). Everything it keeps goes to $OUT (6 files).
 #   run: bash scripts/device_restore_check.sh          (carry .whl, and .whl-test for pytest)
 #   VARIANTS=",-DRESTORE_ROT_CHUNK=16" bash scripts/device_restore_check.sh   # first entry = default build
 # Tuning variants are compiled on the fly (or taken from a carried results/.kernel-cache); each must pass
@@ -48,6 +48,14 @@ with open("/tmp/validated.txt", "w") as ok:
             print(f"   FAILED (synthetic rc={s}, pytest rc={int(p)}): not timed", flush=True)
 PY
 [ -s /tmp/validated.txt ] && [ -z "$(head -1 /tmp/validated.txt)" ] || { echo "default build failed validation: no timing"; exit 1; }
-ok=$(paste -sd, /tmp/validated.txt)
-echo "timing validated variants: [$ok]"
-python3 scripts/bench_restore.py --out "$out" --variants "$ok" ${BENCH_ARGS:-} 2>&1 | tail -40
+mapfile -t ok < /tmp/validated.txt
+variants=$(printf '"%s",' "${ok[@]}")
+echo "timing validated variants: [${variants%,}]"
+# The restore_bench stage times them (BENCH_ARGS: more --set overrides, e.g. "--set restore_bench.pairs=15");
+# its result file and bandwidth table (kmesh render) are kept as bench_restore.json / bench_restore.md.
+python3 -m kmesh run restore_bench --profile cuda --set "restore_bench.variants=[${variants%,}]" ${BENCH_ARGS:-} \
+  2>&1 | tail -8; rc=$?
+cp results/cuda/restore_bench/result.json "$out/bench_restore.json"
+python3 -m kmesh render --profile cuda > /dev/null && cp results/cuda/tables/restore_bench_bandwidth.md "$out/bench_restore.md" \
+  && cat "$out/bench_restore.md"
+exit $rc

@@ -1,4 +1,5 @@
-"""`kmesh run STAGE | pipeline [SNAKEMAKE ARGS] | doctor | render | service ...` (also `python -m kmesh ...`)."""
+"""`kmesh run STAGE | pipeline [SNAKEMAKE ARGS] | doctor | render | diagnose [NAME ...] | service ...`
+(also `python -m kmesh ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,28 +10,11 @@ from pathlib import Path
 from kmesh.errors import KMeshError
 
 
-def _parse_overrides(items: list[str]) -> dict:
-    """--set a.b=value (value parsed as YAML) → nested dict."""
-    import yaml
-
-    out: dict = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise KMeshError(f"--set expects KEY=VALUE, got {item!r}")
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(raw)
-    return out
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from kmesh.config import load_config
+    from kmesh.config import load_config, parse_overrides
     from kmesh.stages import result_path, stage_runner
 
-    cfg = load_config(profile=args.profile, config_path=args.config, overrides=_parse_overrides(args.set))
+    cfg = load_config(profile=args.profile, config_path=args.config, overrides=parse_overrides(args.set))
     run = stage_runner(args.stage)
     result = run(cfg)
     out = Path(args.out or result_path(cfg, args.stage))
@@ -77,6 +61,20 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from kmesh import diagnostics
+
+    if args.name is None:
+        print("diagnostics (python -m kmesh diagnose NAME [--help | ARGS]):")
+        print(diagnostics.listing())
+        return 0
+    try:
+        return diagnostics.run(args.name, args.args)
+    except diagnostics.UnknownDiagnosticError:
+        print(f"diagnostics:\n{diagnostics.listing()}", file=sys.stderr)
+        raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kmesh", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -104,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--profile", choices=["cpu", "cuda"], default=None)
     n.add_argument("--config", default=None)
     n.set_defaults(func=cmd_render)
+
+    g = sub.add_parser("diagnose", help="run one measurement diagnostic (kmesh.diagnostics); none named: list them")
+    g.add_argument("name", nargs="?", help="which diagnostic (leave out to list them)")
+    g.add_argument("args", nargs=argparse.REMAINDER, help="the diagnostic's own arguments (NAME --help lists them)")
+    g.set_defaults(func=cmd_diagnose)
 
     try:
         from kmesh.service.cli import add_service_parser

@@ -56,6 +56,21 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
     return out
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set a.b=value` items (value parsed as YAML) -> the nested dict load_config's `overrides` takes."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
 def _field_path(err: jsonschema.ValidationError) -> str:
     path = ".".join(str(p) for p in err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):

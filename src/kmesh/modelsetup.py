@@ -97,6 +97,17 @@ def build_setup(cfg: Config, spec: SetupSpec) -> ModelSetup:
     return ModelSetup(cfg, cfg.section(spec.section), device, model, what, tok, runner, workload, export, ctx)
 
 
+def equivalence_setup(cfg: Config) -> ModelSetup:
+    """The equivalence stage's setup, from cfg.section("equivalence"): its model, workload, repair and leader
+    (object keys under b"kmesh-eq/leader"). The diagnostics measure on exactly what that stage runs."""
+    sec = cfg.section("equivalence")
+    return build_setup(cfg, SetupSpec(
+        section="equivalence", key_prefix=b"kmesh-eq/leader", model_sec=sec, workload=sec.get("workload", {}),
+        repair=sec["repair"], max_new_tokens=int(sec["max_new_tokens"]),
+        restore_backend=sec.get("restore_backend", "torch"), attention=sec.get("attention", "auto"),
+        device=sec["device"]))
+
+
 SetupT = TypeVar("SetupT", bound=ModelSetup)
 
 

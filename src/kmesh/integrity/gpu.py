@@ -19,7 +19,7 @@ write-up's two GPU arms). A plan (per-pass block tables, uploaded once) is cache
 lengths, chunk size). The second request with a plan captures the whole request — every pass and the digest copy —
 as a CUDA graph with its own scratch and pinned digest buffer (`Replay`); later ones are one graph launch, which is
 what makes a small set cheaper: on the H200, issuing a 4 × 3 MiB BLAKE3 request pass by pass put ~250 µs between
-the CUDA events around it, its GPU work ~43 µs (docs/measurements/integrity-h200, scripts/gpu_hash_overhead.py).
+the CUDA events around it, its GPU work ~43 µs (docs/measurements/integrity-h200, `kmesh diagnose gpu_hash_overhead`).
 Requests whose previous digests are still unread, poisoned ones, and `set_replay(False)` take the allocating path.
 """
 from __future__ import annotations

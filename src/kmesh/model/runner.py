@@ -297,8 +297,11 @@ class LayerRunner:
         return self.logits(h[-1:])[0]
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int) -> list[int]:
-        """Greedy continuation after a prefill of `length` positions whose next-token logits are given."""
+    def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int,
+               step_logits: list[torch.Tensor] | None = None) -> list[int]:
+        """Greedy continuation after a prefill of `length` positions whose next-token logits are given. With
+        `step_logits`, each decode step's next-token logits [vocab] are appended to it (the logits behind every
+        token after the first)."""
         if length + max_new_tokens > cache.capacity + 1:
             raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
         tokens = [int(first_logits.argmax())]
@@ -312,5 +315,8 @@ class LayerRunner:
                 kc, vc = cache.layer_kv(layer, length + i + 1)
                 # one query at the last position sees every key under either mask: no mask tensor needed
                 h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
-            tokens.append(int(self.logits(h)[0].argmax()))
+            logits = self.logits(h)[0]
+            if step_logits is not None:
+                step_logits.append(logits)
+            tokens.append(int(logits.argmax()))
         return tokens

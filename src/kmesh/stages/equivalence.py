@@ -36,21 +36,12 @@ from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import arm_quality, compare_states, identical, summarize
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.result import Result
-from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
+from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service.harness import Harness
 from kmesh.stages import equivalence_controls as controls
 from kmesh.service_side import ServiceSide
 from kmesh.workload import answer_matches
-
-
-def _setup(cfg: Config) -> ModelSetup:
-    sec = cfg.section("equivalence")
-    return build_setup(cfg, SetupSpec(
-        section="equivalence", key_prefix=b"kmesh-eq/leader", model_sec=sec, workload=sec.get("workload", {}),
-        repair=sec["repair"], max_new_tokens=int(sec["max_new_tokens"]),
-        restore_backend=sec.get("restore_backend", "torch"), attention=sec.get("attention", "auto"),
-        device=sec["device"]))
 
 
 def _runner_case(res: Result, s: ModelSetup) -> None:
@@ -148,7 +139,7 @@ def _quality_case(res: Result, s: ModelSetup, refs: dict[str, ChildOutcome]) -> 
 
 
 def run(cfg: Config) -> Result:
-    res, s = begin_with_setup("equivalence", cfg, _setup)
+    res, s = begin_with_setup("equivalence", cfg, equivalence_setup)
     if s is None:
         return res
     res.extra.update(model=s.what, device=str(s.device), children=len(s.workload.children),

@@ -28,8 +28,8 @@ def nvcc_version(nvcc: str) -> str | None:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30)
     except OSError:
         return None
-    m = re.search(r"release ([0-9.]+)", out.stdout)
-    return m.group(1) if m else out.stdout.strip().splitlines()[-1:][0] if out.stdout else None
+    match = re.search(r"release ([0-9.]+)", out.stdout)
+    return match.group(1) if match else out.stdout.strip().splitlines()[-1:][0] if out.stdout else None
 
 
 def compile_cubin(nvcc: str, gencode: str, src: Path, out: Path) -> dict[str, object]:
@@ -53,13 +53,13 @@ def run(cfg: Config) -> Result:
     res.extra["nvcc_version"] = nvcc_version(nvcc) if nvcc else None
     res.extra["gencode"] = sec["gencode"]
 
-    with res.case("inventory", {"dir": str(src_dir)}) as c:
-        c.record("sources", [s.name for s in sources])
+    with res.case("inventory", {"dir": str(src_dir)}) as case:
+        case.record("sources", [s.name for s in sources])
         if not sources:
-            c.skip(f"no kernels/*.cu in {src_dir}")
-        c.check("every_source_has_entry_point",
-                all(kernel_entry_points(s.read_text()) for s in sources),
-                {s.name: kernel_entry_points(s.read_text()) for s in sources})
+            case.skip(f"no kernels/*.cu in {src_dir}")
+        case.check("every_source_has_entry_point",
+                   all(kernel_entry_points(s.read_text()) for s in sources),
+                   {s.name: kernel_entry_points(s.read_text()) for s in sources})
 
     cuda_ok = False
     try:
@@ -71,18 +71,18 @@ def run(cfg: Config) -> Result:
 
     for src in sources:
         cubin = out_dir / f"{src.stem}.cubin"
-        with res.case(f"compile:{src.stem}", {"source": src.name, "gencode": sec["gencode"]}) as c:
+        with res.case(f"compile:{src.stem}", {"source": src.name, "gencode": sec["gencode"]}) as case:
             if nvcc is None:
-                c.skip(f"no nvcc ({sec['nvcc']!r} not found on PATH)")
+                case.skip(f"no nvcc ({sec['nvcc']!r} not found on PATH)")
             cubin.unlink(missing_ok=True)  # a stale cubin must never pass for a fresh one
             info = compile_cubin(nvcc, sec["gencode"], src, cubin)
-            c.record("build", info)
-            c.check("nvcc_ok", info["returncode"] == 0, info["stderr_tail"] or None)
-            c.check("cubin_written", cubin.is_file() and cubin.stat().st_size > 0,
-                    cubin.stat().st_size if cubin.is_file() else None)
-        with res.case(f"load:{src.stem}", {"cubin": str(cubin)}) as c:
+            case.record("build", info)
+            case.check("nvcc_ok", info["returncode"] == 0, info["stderr_tail"] or None)
+            case.check("cubin_written", cubin.is_file() and cubin.stat().st_size > 0,
+                       cubin.stat().st_size if cubin.is_file() else None)
+        with res.case(f"load:{src.stem}", {"cubin": str(cubin)}) as case:
             if cfg.profile != "cuda" or not cuda_ok:
-                c.skip("no CUDA device in this profile/machine: compiled only")
+                case.skip("no CUDA device in this profile/machine: compiled only")
             if not cubin.is_file():
                 raise FileNotFoundError(f"{cubin} was not built")
             import cupy
@@ -90,11 +90,11 @@ def run(cfg: Config) -> Result:
             module = cupy.RawModule(path=str(cubin))
             names = kernel_entry_points(src.read_text())
             found = {}
-            for n in names:
+            for name in names:
                 try:
-                    module.get_function(n)
-                    found[n] = True
+                    module.get_function(name)
+                    found[name] = True
                 except Exception as e:  # report which symbol is missing, keep checking the rest
-                    found[n] = f"{type(e).__name__}: {e}"
-            c.check("entry_points_load", all(v is True for v in found.values()), found)
+                    found[name] = f"{type(e).__name__}: {e}"
+            case.check("entry_points_load", all(v is True for v in found.values()), found)
     return res

@@ -42,11 +42,11 @@ def _smollm2_cases(res: Result, cfg: Config) -> None:
     folder = smollm2.converted_dir(cfg)
     ref: dict[str, Any] = {}
 
-    with res.case("smollm2-gguf", {"package": smollm2.DISTRIBUTION}) as c:
+    with res.case("smollm2-gguf", {"package": smollm2.DISTRIBUTION}) as case:
         gguf = smollm2.gguf_file()
-        c.record("gguf", gguf.name)
-        c.record("gguf_sha256", sha256_file(gguf))
-        c.check("gguf_matches_wheel_record", smollm2.gguf_matches_record(gguf) is True)
+        case.record("gguf", gguf.name)
+        case.record("gguf_sha256", sha256_file(gguf))
+        case.check("gguf_matches_wheel_record", smollm2.gguf_matches_record(gguf) is True)
         t0 = time.perf_counter()
         model, tok = smollm2.load_gguf(gguf)
         res.timings["smollm2_gguf_load_s"] = time.perf_counter() - t0
@@ -54,51 +54,51 @@ def _smollm2_cases(res: Result, cfg: Config) -> None:
         with torch.no_grad():
             logits = model(ids).logits
         tokens, _ = smollm2.greedy(model, tok, ids, sec["max_new_tokens"])
-        c.check("logits_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
-        c.record("prompt_tokens", ids.shape[1])
+        case.check("logits_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+        case.record("prompt_tokens", ids.shape[1])
         ref.update(gguf=gguf, model=model, tok=tok, ids=ids, logits=logits, tokens=tokens)
 
-    with res.case("smollm2-convert", {"dir": str(folder)}) as c:
+    with res.case("smollm2-convert", {"dir": str(folder)}) as case:
         if not ref:
-            c.skip("the GGUF model did not load (see smollm2-gguf)")
+            case.skip("the GGUF model did not load (see smollm2-gguf)")
         t0 = time.perf_counter()
         conv = smollm2.ensure_converted(folder, ref["gguf"], loaded=(ref["model"], ref["tok"]))
         res.timings["smollm2_convert_s"] = time.perf_counter() - t0
-        c.record("reused_cached_folder", conv.reused)
-        c.record("why_converted", conv.why_converted)
-        c.record("files", {k: v["bytes"] for k, v in conv.manifest["files"].items()})
+        case.record("reused_cached_folder", conv.reused)
+        case.record("why_converted", conv.why_converted)
+        case.record("files", {k: v["bytes"] for k, v in conv.manifest["files"].items()})
         expect = smollm2.expected_manifest(ref["gguf"], sha256_file(ref["gguf"]))
         problem = manifest_problem(folder, expect)
-        c.check("manifest_verifies", problem is None, value=problem or str(folder / MANIFEST))
-        c.check("safetensors_written", (folder / "model.safetensors").is_file())
+        case.check("manifest_verifies", problem is None, value=problem or str(folder / MANIFEST))
+        case.check("safetensors_written", (folder / "model.safetensors").is_file())
 
     reloaded: dict[str, Any] = {}
-    with res.case("smollm2-reload-logits", {"dtype": "float32", "prompt": sec["prompt"]}) as c:
+    with res.case("smollm2-reload-logits", {"dtype": "float32", "prompt": sec["prompt"]}) as case:
         if not ref or not (folder / MANIFEST).is_file():
-            c.skip("no converted folder to reload (see smollm2-gguf / smollm2-convert)")
+            case.skip("no converted folder to reload (see smollm2-gguf / smollm2-convert)")
         t0 = time.perf_counter()
         model, tok = smollm2.load_converted(folder)
         res.timings["smollm2_reload_s"] = time.perf_counter() - t0
         ids = smollm2.chat_ids(tok, sec["prompt"])
-        c.check("tokenizer_ids_equal", torch.equal(ids, ref["ids"]), value=ids.shape[1])
+        case.check("tokenizer_ids_equal", torch.equal(ids, ref["ids"]), value=ids.shape[1])
         with torch.no_grad():
             logits = model(ids).logits
         same_shape = logits.shape == ref["logits"].shape
-        c.check("logits_bit_identical", same_shape and torch.equal(logits, ref["logits"]),
-                value={"gguf_sha256": sha256_tensor(ref["logits"]), "converted_sha256": sha256_tensor(logits)})
-        c.record("max_abs_diff", float((logits - ref["logits"]).abs().max()) if same_shape else None)
+        case.check("logits_bit_identical", same_shape and torch.equal(logits, ref["logits"]),
+                   value={"gguf_sha256": sha256_tensor(ref["logits"]), "converted_sha256": sha256_tensor(logits)})
+        case.record("max_abs_diff", float((logits - ref["logits"]).abs().max()) if same_shape else None)
         reloaded.update(model=model, tok=tok, ids=ids)
 
     with res.case("smollm2-answer", {"prompt": sec["prompt"], "expect": sec.get("expect"),
-                                     "max_new_tokens": sec["max_new_tokens"]}) as c:
+                                     "max_new_tokens": sec["max_new_tokens"]}) as case:
         if not reloaded:
-            c.skip("the converted model did not reload (see smollm2-reload-logits)")
+            case.skip("the converted model did not reload (see smollm2-reload-logits)")
         tokens, text = smollm2.greedy(reloaded["model"], reloaded["tok"], reloaded["ids"], sec["max_new_tokens"])
-        c.record("answer", text)
-        c.check("answer_non_empty", bool(text.strip()), value=len(tokens))
+        case.record("answer", text)
+        case.check("answer_non_empty", bool(text.strip()), value=len(tokens))
         if sec.get("expect"):
-            c.check("answer_contains_expected", sec["expect"].lower() in text.lower(), value=sec["expect"])
-        c.check("same_tokens_as_gguf", tokens == ref["tokens"], value=tokens)
+            case.check("answer_contains_expected", sec["expect"].lower() in text.lower(), value=sec["expect"])
+        case.check("same_tokens_as_gguf", tokens == ref["tokens"], value=tokens)
 
 
 def _qwen2_cases(res: Result, cfg: Config) -> None:
@@ -125,52 +125,52 @@ def _qwen2_cases(res: Result, cfg: Config) -> None:
         res.timings.setdefault("qwen2_build_s", []).append(info["build_s"])
         return model, info
 
-    with res.case("qwen2-random-same-seed", {"seed": cfg.seed, "device": str(device), **shape}) as c:
+    with res.case("qwen2-random-same-seed", {"seed": cfg.seed, "device": str(device), **shape}) as case:
         m1, i1 = timed_build(cfg.seed)
-        c.record("parameters", sum(p.numel() for p in m1.parameters()))
-        c.record("first_build", i1)
+        case.record("parameters", sum(p.numel() for p in m1.parameters()))
+        case.record("first_build", i1)
         del m1
         gc.collect()
         m2, i2 = timed_build(cfg.seed)
-        c.record("second_build", i2)
-        c.check("digest_identical", i1["digest"] == i2["digest"], value=i1["digest"])
+        case.record("second_build", i2)
+        case.check("digest_identical", i1["digest"] == i2["digest"], value=i1["digest"])
         ids = torch.arange(16, device=device)[None] * 97 % sec["vocab_size"]
         with torch.no_grad():
             logits = m2(ids).logits
-        c.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+        case.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
         digests["seed"] = i1["digest"]
         del m2, logits
         gc.collect()
 
-    with res.case("qwen2-random-other-seed", {"seed": cfg.seed + 1, "device": str(device)}) as c:
+    with res.case("qwen2-random-other-seed", {"seed": cfg.seed + 1, "device": str(device)}) as case:
         if "seed" not in digests:
-            c.skip("no same-seed digest to compare with (see qwen2-random-same-seed)")
+            case.skip("no same-seed digest to compare with (see qwen2-random-same-seed)")
         m3, i3 = timed_build(cfg.seed + 1)
-        c.record("build", i3)
-        c.check("digest_differs", i3["digest"] != digests["seed"], value=i3["digest"])
+        case.record("build", i3)
+        case.check("digest_differs", i3["digest"] != digests["seed"], value=i3["digest"])
         del m3
         gc.collect()
 
-    with res.case("qwen2-checkpoint-missing", {}) as c:
+    with res.case("qwen2-checkpoint-missing", {}) as case:
         missing = cfg.results_dir / "no-such-checkpoint"
         # A hub id is just a relative path that is not there: it must fail the same way, never download.
         for label, path in (("missing_path", str(missing)), ("hub_id", "Qwen/Qwen2.5-0.5B-Instruct")):
             try:
                 qwen2_random.load({**sec, "checkpoint": path}, cfg.seed, "cpu", root=cfg.root)
             except ModelError as e:
-                c.check(f"{label}_is_model_error_naming_it", path in str(e), value=str(e))
+                case.check(f"{label}_is_model_error_naming_it", path in str(e), value=str(e))
             else:
-                c.check(f"{label}_is_model_error_naming_it", False, value="loaded without error")
+                case.check(f"{label}_is_model_error_naming_it", False, value="loaded without error")
 
     if sec.get("checkpoint"):
-        with res.case("qwen2-checkpoint", {"checkpoint": sec["checkpoint"], "device": str(device)}) as c:
+        with res.case("qwen2-checkpoint", {"checkpoint": sec["checkpoint"], "device": str(device)}) as case:
             model, what = qwen2_random.load(sec, cfg.seed, device, root=cfg.root)
-            c.record("source", what)
-            c.record("digest", qwen2_random.weights_digest(model))
+            case.record("source", what)
+            case.record("digest", qwen2_random.weights_digest(model))
             ids = torch.arange(16, device=device)[None] * 97 % model.config.vocab_size
             with torch.no_grad():
                 logits = model(ids).logits
-            c.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
+            case.check("forward_finite", bool(torch.isfinite(logits).all()), value=list(logits.shape))
 
 
 def run(cfg: Config) -> Result:

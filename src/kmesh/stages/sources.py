@@ -16,7 +16,7 @@ For each distribution in `sources.distributions`:
                     afresh: the lock re-read from disk, the sha256 of each file recomputed, the installed
                     version from importlib.metadata, the unpacked sources counted (pins_disagreements)
 
-Which file: the lock (scripts/lock.py) pins the file pip resolves for the wheel target, i.e. a wheel.
+Which file: the lock (kmesh.tools.lock) pins the file pip resolves for the wheel target, i.e. a wheel.
 No sdist of either pin downloads without a build (checked 2026-11-30, see SDIST_CHECKED), and a wheel
 carries the Python sources anyway.
 """
@@ -47,16 +47,17 @@ SDIST_CHECKED = {
 
 
 def _target(src: dict[str, Any]) -> WheelTarget:
-    t = src["wheel_target"]
-    return WheelTarget(str(t["python_version"]), t["abi"], t["platform"], t.get("implementation", "cp"))
+    target = src["wheel_target"]
+    return WheelTarget(str(target["python_version"]), target["abi"], target["platform"],
+                       target.get("implementation", "cp"))
 
 
-def _rel(p: Path, root: Path) -> str:
+def _rel(path: Path, root: Path) -> str:
     """A path relative to the checkout where it lies inside it (summaries travel between machines)."""
     try:
-        return str(p.resolve().relative_to(root.resolve()))
+        return str(path.resolve().relative_to(root.resolve()))
     except ValueError:
-        return str(p)
+        return str(path)
 
 
 def _installed(dist: str) -> str | None:
@@ -79,27 +80,28 @@ def pins_disagreements(summary: dict[str, Any], cfg: Config, dists: list[str]) -
     rows = summary.get("distributions") or {}
     if sorted(rows) != sorted(dists):
         bad.append(f"distributions {sorted(rows)}, expected {sorted(dists)}")
-    for d in dists:
-        row, pin = rows.get(d) or {}, lock.get(d)
+    for dist in dists:
+        row, pin = rows.get(dist) or {}, lock.get(dist)
         want = (pin.version, pin.sha256) if pin else (None, None)
         if (row.get("version"), row.get("sha256")) != want:
-            bad.append(f"{d}: version/sha256 {row.get('version')}/{row.get('sha256')}, the lock says {want[0]}/{want[1]}")
+            bad.append(f"{dist}: version/sha256 {row.get('version')}/{row.get('sha256')}, "
+                       f"the lock says {want[0]}/{want[1]}")
         if row.get("file"):
-            f = cache / row["file"]
-            on_disk = sha256_file(f) if f.is_file() else None
+            dist_file = cache / row["file"]
+            on_disk = sha256_file(dist_file) if dist_file.is_file() else None
             if row.get("verified") is not (pin is not None and on_disk == pin.sha256):
-                bad.append(f"{d}: verified={row.get('verified')} but {f} has sha256 {on_disk}, "
+                bad.append(f"{dist}: verified={row.get('verified')} but {dist_file} has sha256 {on_disk}, "
                            f"the lock says {want[1]}")
         elif row.get("verified"):
-            bad.append(f"{d}: verified without a file")
-        if pin is not None and row.get("installed_version", "<absent>") != _installed(d):
-            bad.append(f"{d}: installed_version {row.get('installed_version', '<absent>')!r}, "
-                       f"importlib.metadata says {_installed(d)!r}")
+            bad.append(f"{dist}: verified without a file")
+        if pin is not None and row.get("installed_version", "<absent>") != _installed(dist):
+            bad.append(f"{dist}: installed_version {row.get('installed_version', '<absent>')!r}, "
+                       f"importlib.metadata says {_installed(dist)!r}")
         if row.get("sources_dir"):
             root = cfg.path(row["sources_dir"])
-            n = sum(1 for p in root.rglob("*") if p.is_file() and p.name.endswith(SOURCE_SUFFIXES))
-            if n != row.get("python_files"):
-                bad.append(f"{d}: python_files {row.get('python_files')}, {root} holds {n}")
+            count = sum(1 for p in root.rglob("*") if p.is_file() and p.name.endswith(SOURCE_SUFFIXES))
+            if count != row.get("python_files"):
+                bad.append(f"{dist}: python_files {row.get('python_files')}, {root} holds {count}")
     return bad
 
 
@@ -119,75 +121,79 @@ def run(cfg: Config) -> Result:
     unpacked: dict[str, Unpacked] = {}
     rows: dict[str, dict[str, Any]] = {}
 
-    with res.case("lock", {"lock": src["lock"], "distributions": dists}) as c:
+    with res.case("lock", {"lock": src["lock"], "distributions": dists}) as case:
         lock = read_lock(lock_path)
-        c.record("lock_sha256", hashlib.sha256(lock_path.read_bytes()).hexdigest())
-        for d in dists:
-            if c.check(f"pinned_{d}", d in lock, value=(lock[d].version, lock[d].sha256) if d in lock else None):
-                pins[d] = lock[d]
+        case.record("lock_sha256", hashlib.sha256(lock_path.read_bytes()).hexdigest())
+        for dist in dists:
+            if case.check(f"pinned_{dist}", dist in lock,
+                          value=(lock[dist].version, lock[dist].sha256) if dist in lock else None):
+                pins[dist] = lock[dist]
 
-    for d in dists:
-        pin = pins.get(d)
-        rows[d] = {"version": pin.version if pin else None, "sha256": pin.sha256 if pin else None,
-                   "module": modules.get(d), "kind": "wheel", "kind_reason": KIND_REASON,
-                   "sdist_checked": SDIST_CHECKED.get(d), "file": None, "verified": None}
-        with res.case(f"fetch-{d}", {"distribution": d, "cache": str(cache)}) as c:
+    for dist in dists:
+        pin = pins.get(dist)
+        rows[dist] = {"version": pin.version if pin else None, "sha256": pin.sha256 if pin else None,
+                      "module": modules.get(dist), "kind": "wheel", "kind_reason": KIND_REASON,
+                      "sdist_checked": SDIST_CHECKED.get(dist), "file": None, "verified": None}
+        with res.case(f"fetch-{dist}", {"distribution": dist, "cache": str(cache)}) as case:
             if pin is None:
-                c.skip(f"{d} is not pinned in {src['lock']} (see case 'lock')")
+                case.skip(f"{dist} is not pinned in {src['lock']} (see case 'lock')")
             t0 = time.perf_counter()
             try:
-                f = fetch(pin, cache, _target(src), pinned_by=src["lock"])
+                fetched_file = fetch(pin, cache, _target(src), pinned_by=src["lock"])
             except NetworkUnavailableError as e:
-                c.skip(str(e))
-            res.timings[f"fetch_{d}_s"] = time.perf_counter() - t0
-            fetched[d] = f
-            c.record("file", f.path.name)
-            c.record("bytes", f.path.stat().st_size)
-            c.record("reused_cached_file", f.reused)
-            c.record("kind", f.kind)
-            c.check("sha256_equals_lock", f.sha256 == pin.sha256, value={"expected": pin.sha256, "actual": f.sha256})
-            rows[d].update(file=f.path.name, verified=f.sha256 == pin.sha256)
+                case.skip(str(e))
+            res.timings[f"fetch_{dist}_s"] = time.perf_counter() - t0
+            fetched[dist] = fetched_file
+            case.record("file", fetched_file.path.name)
+            case.record("bytes", fetched_file.path.stat().st_size)
+            case.record("reused_cached_file", fetched_file.reused)
+            case.record("kind", fetched_file.kind)
+            case.check("sha256_equals_lock", fetched_file.sha256 == pin.sha256,
+                       value={"expected": pin.sha256, "actual": fetched_file.sha256})
+            rows[dist].update(file=fetched_file.path.name, verified=fetched_file.sha256 == pin.sha256)
 
-        with res.case(f"unpack-{d}", {"distribution": d}) as c:
-            if d not in fetched:
-                c.skip(f"no verified file for {d} (see case fetch-{d})")
+        with res.case(f"unpack-{dist}", {"distribution": dist}) as case:
+            if dist not in fetched:
+                case.skip(f"no verified file for {dist} (see case fetch-{dist})")
             t0 = time.perf_counter()
-            u = unpack_sources(fetched[d].path, fetched[d].sha256, base / f"{d}-{pins[d].version}")
-            res.timings[f"unpack_{d}_s"] = time.perf_counter() - t0
-            unpacked[d] = u
-            c.record("dir", u.root)
-            c.record("reused_unpacked", u.reused)
-            c.check("python_sources", len(u.sources) > 0, value=len(u.sources))
-            verified, bad = verify_unpacked(fetched[d].path, u)
-            c.check("files_on_disk_match_wheel_record", verified > 0 and not bad,
-                    value={"verified": verified, "differ": bad[:10]})
-            rows[d].update(sources_dir=_rel(u.root, cfg.root), python_files=len(u.sources))
+            dist_sources = unpack_sources(fetched[dist].path, fetched[dist].sha256,
+                                          base / f"{dist}-{pins[dist].version}")
+            res.timings[f"unpack_{dist}_s"] = time.perf_counter() - t0
+            unpacked[dist] = dist_sources
+            case.record("dir", dist_sources.root)
+            case.record("reused_unpacked", dist_sources.reused)
+            case.check("python_sources", len(dist_sources.sources) > 0, value=len(dist_sources.sources))
+            verified, bad = verify_unpacked(fetched[dist].path, dist_sources)
+            case.check("files_on_disk_match_wheel_record", verified > 0 and not bad,
+                       value={"verified": verified, "differ": bad[:10]})
+            rows[dist].update(sources_dir=_rel(dist_sources.root, cfg.root), python_files=len(dist_sources.sources))
 
-        with res.case(f"installed-{d}", {"distribution": d, "module": modules.get(d)}) as c:
+        with res.case(f"installed-{dist}", {"distribution": dist, "module": modules.get(dist)}) as case:
             if pin is None:
-                c.skip(f"{d} is not pinned in {src['lock']} (see case 'lock')")
-            have = installed_version(d)
-            rows[d]["installed_version"] = have
+                case.skip(f"{dist} is not pinned in {src['lock']} (see case 'lock')")
+            have = installed_version(dist)
+            rows[dist]["installed_version"] = have
             if have is None and not require_installed:
-                c.skip(f"{d} is not installed here, and this profile does not require it "
-                       f"(sources.require_installed: false — the GPU host carries no vLLM/LMCache)")
-            c.check("version_equals_pin", have == pin.version, value={"installed": have, "pinned": pin.version})
-            if have is not None and modules.get(d):
-                origin = module_origin(modules[d])
-                c.check("module_resolves_into_dist", module_from_dist(d, modules[d]), value=origin)
-            if have is not None and d in unpacked:
-                cmp = compare_installed(d, unpacked[d].root, unpacked[d].sources)
-                c.check("installed_sources_equal_wheel", cmp.identical,
-                        value={"compared": cmp.compared, "missing": cmp.missing[:10], "different": cmp.different[:10]})
-                rows[d]["installed_equals_pin"] = cmp.identical and have == pin.version
+                case.skip(f"{dist} is not installed here, and this profile does not require it "
+                          f"(sources.require_installed: false — the GPU host carries no vLLM/LMCache)")
+            case.check("version_equals_pin", have == pin.version, value={"installed": have, "pinned": pin.version})
+            if have is not None and modules.get(dist):
+                origin = module_origin(modules[dist])
+                case.check("module_resolves_into_dist", module_from_dist(dist, modules[dist]), value=origin)
+            if have is not None and dist in unpacked:
+                cmp = compare_installed(dist, unpacked[dist].root, unpacked[dist].sources)
+                case.check("installed_sources_equal_wheel", cmp.identical,
+                           value={"compared": cmp.compared, "missing": cmp.missing[:10],
+                                  "different": cmp.different[:10]})
+                rows[dist]["installed_equals_pin"] = cmp.identical and have == pin.version
             else:
-                c.record("installed_sources_equal_wheel", "not compared: no unpacked sources")
+                case.record("installed_sources_equal_wheel", "not compared: no unpacked sources")
 
-    with res.case("pins-summary", {"path": str(summary_file)}) as c:
+    with res.case("pins-summary", {"path": str(summary_file)}) as case:
         body = {"lock": src["lock"], "profile": cfg.profile, "distributions": rows}
         write_pins(summary_file, body)
         back = read_pins(summary_file)          # as another stage reads it: SourcesError on a bad schema
-        c.record("read_back_as", PINS_SCHEMA)
+        case.record("read_back_as", PINS_SCHEMA)
         problems = pins_disagreements(back, cfg, dists)
-        c.check("rows_agree_with_lock_files_and_install", not problems, value=problems[:10] or None)
+        case.check("rows_agree_with_lock_files_and_install", not problems, value=problems[:10] or None)
     return res

@@ -96,14 +96,14 @@ def rope_for(name: str, head_dim: int) -> RopeConfig:
     raise StageError(f"unknown rope variant {name!r}")
 
 
-def positions_for(shift: str, n: int) -> tuple[int, int, int, int]:
-    """(tokens, old start, new start, trailing padding tokens) of a shift kind for block size n."""
+def positions_for(shift: str, block_size: int) -> tuple[int, int, int, int]:
+    """(tokens, old start, new start, trailing padding tokens) of a shift kind for blocks of `block_size` tokens."""
     return {
-        "none": (2 * n + 7, 40, 40, 0),
-        "forward": (2 * n + 7, 5, 5 + 3 * n + 11, 0),
-        "backward": (2 * n + 7, 300, 17, 0),
-        "crossing": (n + 6, 100, n - 3, 0),            # starts 3 tokens before a block edge
-        "partial": (2 * n + 5, 64, 64 + n // 2 + 1, 3),  # last block partly filled, then 3 padding tokens
+        "none": (2 * block_size + 7, 40, 40, 0),
+        "forward": (2 * block_size + 7, 5, 5 + 3 * block_size + 11, 0),
+        "backward": (2 * block_size + 7, 300, 17, 0),
+        "crossing": (block_size + 6, 100, block_size - 3, 0),             # starts 3 tokens before a block edge
+        "partial": (2 * block_size + 5, 64, 64 + block_size // 2 + 1, 3),  # last block partly filled, 3 padding
     }[shift]
 
 
@@ -122,104 +122,105 @@ class CaseData:
 def build_case(spec: CaseSpec, seed: int, device: str | torch.device) -> CaseData:
     gen = torch.Generator().manual_seed(seed)
     packing, order = spec.arrangement.split(":")
-    n = spec.block_size
-    T_real, old0, new0, pad = positions_for(spec.shift, n)
-    T = T_real + pad
-    num_blocks = (new0 + T_real + n - 1) // n + 3     # spare blocks stay untouched (canary area)
+    block_size = spec.block_size
+    real_tokens, old0, new0, pad = positions_for(spec.shift, block_size)
+    num_tokens = real_tokens + pad
+    num_blocks = (new0 + real_tokens + block_size - 1) // block_size + 3   # spare blocks stay untouched (canary area)
     mla = packing == "mla"
-    H = 1 if mla else HEADS
+    num_heads = 1 if mla else HEADS
     Dk = KV_LORA_RANK + ROPE_DIM if mla else HEAD_DIM
     rope = rope_for(spec.rope, ROPE_DIM if mla else HEAD_DIM)
     fp8 = spec.dtype.startswith("fp8")
-    L = SEGMENT_LAYERS
+    num_layers = SEGMENT_LAYERS
 
     # Un-rotated keys, exactly representable in the cache dtype, then rotated at the old positions in float64.
-    x = torch.randn(T, L, H, Dk, generator=gen, dtype=torch.float64)
-    vals = torch.randn(T, L, H, 0 if mla else HEAD_DIM, generator=gen, dtype=torch.float64)
+    unrotated = torch.randn(num_tokens, num_layers, num_heads, Dk, generator=gen, dtype=torch.float64)
+    vals = torch.randn(num_tokens, num_layers, num_heads, 0 if mla else HEAD_DIM, generator=gen, dtype=torch.float64)
     top = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(spec.dtype)
-    k_scale = float(x.abs().max() / (top / 2)) if fp8 else 1.0
+    k_scale = float(unrotated.abs().max() / (top / 2)) if fp8 else 1.0
     v_scale = float(vals.abs().max() / (top / 2)) if fp8 and vals.numel() else 1.0
-    tmp = KVLayout("mla" if mla else packing, order, CACHE_LAYERS, num_blocks, n, H, Dk, 0 if mla else HEAD_DIM,
-                   spec.dtype, rope_offset=KV_LORA_RANK if mla else 0, k_scale=k_scale, v_scale=v_scale,
-                   offset=GUARD)
-    x = _representable(x, tmp)
-    old = torch.arange(old0, old0 + T, dtype=torch.int64)
-    new = torch.arange(new0, new0 + T, dtype=torch.int64)
+    tmp = KVLayout("mla" if mla else packing, order, CACHE_LAYERS, num_blocks, block_size, num_heads, Dk,
+                   0 if mla else HEAD_DIM, spec.dtype, rope_offset=KV_LORA_RANK if mla else 0, k_scale=k_scale,
+                   v_scale=v_scale, offset=GUARD)
+    unrotated = _representable(unrotated, tmp)
+    old = torch.arange(old0, old0 + num_tokens, dtype=torch.int64)
+    new = torch.arange(new0, new0 + num_tokens, dtype=torch.int64)
     rs = tmp.rope_offset
-    rotated = x.clone()
-    rotated[..., rs:] = rotary_ref.fresh_rotation(x[..., rs:].reshape(T, L * H, -1), old, rope).reshape(T, L, H, -1)
-    k = _store(rotated, tmp, tmp.k_scale)
-    v = _store(vals, tmp, tmp.v_scale) if not mla else None
+    rotated = unrotated.clone()
+    rotated[..., rs:] = rotary_ref.fresh_rotation(unrotated[..., rs:].reshape(num_tokens, num_layers * num_heads, -1),
+                                                  old, rope).reshape(num_tokens, num_layers, num_heads, -1)
+    keys_stored = _store(rotated, tmp, tmp.k_scale)
+    values_stored = _store(vals, tmp, tmp.v_scale) if not mla else None
 
     # vLLM-style slot mapping: a request's logical block i sits in physical block table[i].
     table = torch.randperm(num_blocks, generator=gen)
-    slots = table[new // n] * n + new % n
-    slots[T_real:] = -1
+    slots = table[new // block_size] * block_size + new % block_size
+    slots[real_tokens:] = -1
     poison = torch.randint(0, 256, (tmp.nbytes + GUARD,), dtype=torch.uint8, generator=gen)
-    seg = KVSegment(k, v, old, spec.dtype, tmp.k_scale, tmp.v_scale)
-    return CaseData(spec, tmp, rope, seg.to(device), x, slots.to(device), new.to(device), poison.to(device))
+    seg = KVSegment(keys_stored, values_stored, old, spec.dtype, tmp.k_scale, tmp.v_scale)
+    return CaseData(spec, tmp, rope, seg.to(device), unrotated, slots.to(device), new.to(device), poison.to(device))
 
 
-def _representable(x: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+def _representable(tensor: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     if layout.fp8_dtype is not None:
-        return dequantize(quantize(x, layout.fp8_dtype, 1.0 / layout.k_scale), layout.fp8_dtype,
+        return dequantize(quantize(tensor, layout.fp8_dtype, 1.0 / layout.k_scale), layout.fp8_dtype,
                           layout.k_scale).double()
-    return x.to(layout.storage_dtype).double()
+    return tensor.to(layout.storage_dtype).double()
 
 
-def _store(x: torch.Tensor, layout: KVLayout, scale: float) -> torch.Tensor:
+def _store(tensor: torch.Tensor, layout: KVLayout, scale: float) -> torch.Tensor:
     if layout.fp8_dtype is not None:
-        return quantize(x.float(), layout.fp8_dtype, float(1.0 / scale))
-    return x.to(layout.storage_dtype)
+        return quantize(tensor.float(), layout.fp8_dtype, float(1.0 / scale))
+    return tensor.to(layout.storage_dtype)
 
 
 RestoreFn = Callable[..., Any]
 
 
-def check_case(c: Case, d: CaseData, raw: torch.Tensor, prefix: str = "") -> dict[str, float]:
+def check_case(case: Case, data: CaseData, raw: torch.Tensor, prefix: str = "") -> dict[str, float]:
     """Checks (a)–(d) on a restored buffer `raw` (GUARD-padded). Returns the measured key error."""
-    lay, seg, spec = d.layout, d.segment, d.spec
+    lay, seg, spec = data.layout, data.segment, data.spec
     layers = list(range(spec.first_layer, spec.first_layer + SEGMENT_LAYERS))
-    keep = d.slots >= 0
-    real_slots = d.slots[keep]
+    keep = data.slots >= 0
+    real_slots = data.slots[keep]
     k_got, v_got = addressing.read(raw, lay, real_slots, layers)
     k_views, v_views = lay.read_tokens(raw, real_slots, layers)
-    c.check(prefix + "layer_views_agree_with_reference",
-            _same_bytes(k_views, k_got) and (v_got is None or _same_bytes(v_views, v_got)))
+    case.check(prefix + "layer_views_agree_with_reference",
+               _same_bytes(k_views, k_got) and (v_got is None or _same_bytes(v_views, v_got)))
     # (a) values
     if seg.v is not None:
-        c.check(prefix + "values_bit_identical", _same_bytes(v_got, seg.v[keep]))
+        case.check(prefix + "values_bit_identical", _same_bytes(v_got, seg.v[keep]))
     # (b) keys against float64
-    rs, rd = lay.rope_offset, d.rope.rotary_dim
-    T = int(keep.sum())
-    H = lay.num_kv_heads
+    rs, rd = lay.rope_offset, data.rope.rotary_dim
+    num_tokens = int(keep.sum())
+    num_heads = lay.num_kv_heads
     keep_cpu = keep.cpu()
-    ref = rotary_ref.fresh_rotation(d.x64[keep_cpu][..., rs:].reshape(T, SEGMENT_LAYERS * H, -1),
-                                    d.new_pos.cpu()[keep_cpu], d.rope)
-    ref = ref.reshape(T, SEGMENT_LAYERS, H, -1)[..., :rd].to(raw.device)
+    ref = rotary_ref.fresh_rotation(data.x64[keep_cpu][..., rs:].reshape(num_tokens, SEGMENT_LAYERS * num_heads, -1),
+                                    data.new_pos.cpu()[keep_cpu], data.rope)
+    ref = ref.reshape(num_tokens, SEGMENT_LAYERS, num_heads, -1)[..., :rd].to(raw.device)
     got = k_got[..., rs:rs + rd]
     got = dequantize(got, lay.fp8_dtype, lay.k_scale).double() if lay.fp8_dtype is not None else got.double()
     rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
     err = float(rel.nan_to_num(nan=math.inf).max())   # bytes that read back as NaN are an infinite error
     bound = 2 * UNIT_ROUNDOFF[spec.dtype] + 8 * UNIT_ROUNDOFF["float32"]
-    c.check(prefix + "keys_vs_float64", err <= bound, {"max_rel_l2": err, "bound": bound})
-    moved = (seg.positions != d.new_pos)[keep]
+    case.check(prefix + "keys_vs_float64", err <= bound, {"max_rel_l2": err, "bound": bound})
+    moved = (seg.positions != data.new_pos)[keep]
     if bool((~moved).any()):
-        c.check(prefix + "keys_unmoved_bit_identical", _same_bytes(k_got[~moved], seg.k[keep][~moved]))
+        case.check(prefix + "keys_unmoved_bit_identical", _same_bytes(k_got[~moved], seg.k[keep][~moved]))
     # (d) channels the rope does not touch
     other = torch.ones(lay.head_dim, dtype=torch.bool, device=raw.device)
     other[rs:rs + rd] = False
     if bool(other.any()):
-        c.check(prefix + "unrotated_channels_identical", _same_bytes(k_got[..., other], seg.k[keep][..., other]),
-                int(other.sum()))
+        case.check(prefix + "unrotated_channels_identical", _same_bytes(k_got[..., other], seg.k[keep][..., other]),
+                   int(other.sum()))
     # (c) canary: everything outside the destination cells is still the poison
     mask = addressing.touched_mask(raw.numel(), lay, real_slots, layers, raw.device)
-    untouched = torch.equal(raw[~mask], d.poison[~mask])
-    c.check(prefix + "canary_untouched", untouched,
-            {"outside_bytes": int((~mask).sum()), "changed": int((raw[~mask] != d.poison[~mask]).sum())})
-    expected = addressing.destination_bytes(lay, T, SEGMENT_LAYERS)
-    c.check(prefix + "destination_bytes_expected", int(mask.sum()) == expected,
-            {"marked": int(mask.sum()), "expected": expected})
+    untouched = torch.equal(raw[~mask], data.poison[~mask])
+    case.check(prefix + "canary_untouched", untouched,
+               {"outside_bytes": int((~mask).sum()), "changed": int((raw[~mask] != data.poison[~mask]).sum())})
+    expected = addressing.destination_bytes(lay, num_tokens, SEGMENT_LAYERS)
+    case.check(prefix + "destination_bytes_expected", int(mask.sum()) == expected,
+               {"marked": int(mask.sum()), "expected": expected})
     return {"max_rel_l2": err, "bound": bound}
 
 
@@ -230,31 +231,34 @@ def _same_bytes(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def run_case(c: Case, d: CaseData, restore_fn: RestoreFn = restore, check_kernel: bool = False) -> dict[str, float]:
+def run_case(case: Case, data: CaseData, restore_fn: RestoreFn = restore,
+             check_kernel: bool = False) -> dict[str, float]:
     """Restore with `restore_fn` (torch path by default) into a poisoned buffer and check it; returns the
     torch path's key error."""
-    raw = d.poison.clone()
-    restore_fn(raw, d.layout, d.segment, d.slots, d.new_pos, d.rope, first_layer=d.spec.first_layer)
-    c.record("layout", {"order": d.layout.order, "packing": d.layout.packing, "num_blocks": d.layout.num_blocks,
-                        "nbytes": d.layout.nbytes, "tokens": d.segment.num_tokens,
-                        "padding_tokens": int((d.slots < 0).sum()), "rotary_dim": d.rope.rotary_dim,
-                        "style": d.rope.style, "scaling": d.rope.scaling_type})
-    err = check_case(c, d, raw)
-    c.record("key_error", err)
+    raw = data.poison.clone()
+    restore_fn(raw, data.layout, data.segment, data.slots, data.new_pos, data.rope, first_layer=data.spec.first_layer)
+    case.record("layout", {"order": data.layout.order, "packing": data.layout.packing,
+                           "num_blocks": data.layout.num_blocks, "nbytes": data.layout.nbytes,
+                           "tokens": data.segment.num_tokens, "padding_tokens": int((data.slots < 0).sum()),
+                           "rotary_dim": data.rope.rotary_dim, "style": data.rope.style,
+                           "scaling": data.rope.scaling_type})
+    err = check_case(case, data, raw)
+    case.record("key_error", err)
     if not check_kernel:
         return err
     from kmesh.cuda.restore_rope import launch_restore
 
     for path, slow in (("kernel_vector_or_auto", False), ("kernel_element", True)):
-        out = d.poison.clone()
-        plan = plan_restore(out, d.layout, d.segment, d.slots, d.new_pos, d.rope, first_layer=d.spec.first_layer)
+        out = data.poison.clone()
+        plan = plan_restore(out, data.layout, data.segment, data.slots, data.new_pos, data.rope,
+                            first_layer=data.spec.first_layer)
         launch = launch_restore(plan, force_slow=slow)
         torch.cuda.synchronize()
-        c.record(f"{path}_launch", launch)
+        case.record(f"{path}_launch", launch)
         same = torch.equal(out, raw)
-        c.check(f"{path}_equals_torch_bytes", same, {"differing_bytes": int((out != raw).sum())})
+        case.check(f"{path}_equals_torch_bytes", same, {"differing_bytes": int((out != raw).sum())})
         if not slow:
-            check_case(c, d, out, prefix="kernel_")
+            check_case(case, data, out, prefix="kernel_")
     return err
 
 
@@ -269,7 +273,7 @@ def frequency_case(res: Result) -> None:
     shift of ~300 positions would already exceed their bound)."""
     used = {f"{name}-d{dim}": rope_for(name, dim) for name in ROPES for dim in sorted({HEAD_DIM, ROPE_DIM})}
     used.update({f"accuracy-{name}": _accuracy_rope(theta) for name, theta in ACCURACY_ROPES.items()})
-    with res.case("rope-reference-frequencies", {"variants": sorted(used)}) as c:
+    with res.case("rope-reference-frequencies", {"variants": sorted(used)}) as case:
         worst = 0
         for name, rope in used.items():
             ours = rotary_ref.frequencies(rope.rotary_dim, rope.theta, rope.scaling, rope.max_position)
@@ -277,12 +281,12 @@ def frequency_case(res: Result) -> None:
             ulp = rotary_ref.ulp_distance_f32(ours, theirs)
             factor = rotary_ref.attention_factor(rope.scaling)
             worst = max(worst, ulp)
-            c.check(f"omega_and_attention_factor_equal_{name}",
-                    torch.equal(ours, theirs) and factor == rope.attention_mscale(),
-                    {"max_ulp": ulp, "channels": ours.numel(), "theta": rope.theta, "style": rope.style,
-                     "scaling": rope.scaling_type, "attention_factor": factor,
-                     "kmesh_attention_factor": rope.attention_mscale()})
-        c.record("max_ulp", worst)
+            case.check(f"omega_and_attention_factor_equal_{name}",
+                       torch.equal(ours, theirs) and factor == rope.attention_mscale(),
+                       {"max_ulp": ulp, "channels": ours.numel(), "theta": rope.theta, "style": rope.style,
+                        "scaling": rope.scaling_type, "attention_factor": factor,
+                        "kmesh_attention_factor": rope.attention_mscale()})
+        case.record("max_ulp", worst)
 
 
 def _accuracy_rope(theta: float) -> RopeConfig:
@@ -296,32 +300,32 @@ def rope_accuracy_cases(res: Result, seed: int, device: str) -> None:
     from kmesh.rope import measure_accuracy
     from kmesh.vllm import available as vllm_available
 
-    for k, (name, theta) in enumerate(ACCURACY_ROPES.items()):
+    for index, (name, theta) in enumerate(ACCURACY_ROPES.items()):
         rope = _accuracy_rope(theta)
 
         def reference(xs: torch.Tensor, pos: torch.Tensor, rope: RopeConfig = rope) -> torch.Tensor:
             return rotary_ref.fresh_rotation(xs, pos, rope)
 
-        with res.case(f"rope-accuracy-{name}", {"theta": theta, "max_pos": ACCURACY_MAX_POS, "tokens": 1024}) as c:
-            r32 = measure_accuracy(rope, torch.float32, ACCURACY_MAX_POS, 1024, seed + 1000 + k, device=device,
+        with res.case(f"rope-accuracy-{name}", {"theta": theta, "max_pos": ACCURACY_MAX_POS, "tokens": 1024}) as case:
+            r32 = measure_accuracy(rope, torch.float32, ACCURACY_MAX_POS, 1024, seed + 1000 + index, device=device,
                                    reference=reference)
-            c.check("fp32_shift_max_rel_le_1e-5", r32["shift_exact_max_rel_l2"] <= 1e-5, r32)
+            case.check("fp32_shift_max_rel_le_1e-5", r32["shift_exact_max_rel_l2"] <= 1e-5, r32)
             if vllm_available() and device == "cpu":
                 from kmesh.vllm.rope_reference import vllm_fresh_rotation
 
                 comparator, fresh = "vllm", vllm_fresh_rotation(rope, torch.bfloat16)
             else:  # the GPU machine has no vLLM: compare with KMesh's own fresh rotation, and say so
                 comparator, fresh = "kmesh-rotate", None
-            r16 = measure_accuracy(rope, torch.bfloat16, ACCURACY_MAX_POS, 1024, seed + 2000 + k, device=device,
+            r16 = measure_accuracy(rope, torch.bfloat16, ACCURACY_MAX_POS, 1024, seed + 2000 + index, device=device,
                                    fresh=fresh, reference=reference)
-            c.record("bf16_comparator", comparator)
-            c.record("float64_reference", "kmesh.reference.rotary")
-            u = r16["unit_roundoff"]
-            c.check("bf16_shift_of_fresh_keys_no_worse_than_fresh_plus_1_rounding",
-                    r16["shift_fresh_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u, r16)
-            c.check("bf16_shift_of_exact_keys_no_worse_than_fresh_plus_1_rounding",
-                    r16["shift_exact_max_rel_l2"] <= r16["fresh_max_rel_l2"] + u,
-                    {k: r16[k] for k in ("shift_exact_max_rel_l2", "fresh_max_rel_l2", "unit_roundoff")})
+            case.record("bf16_comparator", comparator)
+            case.record("float64_reference", "kmesh.reference.rotary")
+            roundoff = r16["unit_roundoff"]
+            case.check("bf16_shift_of_fresh_keys_no_worse_than_fresh_plus_1_rounding",
+                       r16["shift_fresh_max_rel_l2"] <= r16["fresh_max_rel_l2"] + roundoff, r16)
+            case.check("bf16_shift_of_exact_keys_no_worse_than_fresh_plus_1_rounding",
+                       r16["shift_exact_max_rel_l2"] <= r16["fresh_max_rel_l2"] + roundoff,
+                       {k: r16[k] for k in ("shift_exact_max_rel_l2", "fresh_max_rel_l2", "unit_roundoff")})
 
 
 def run(cfg: Config) -> Result:
@@ -350,11 +354,11 @@ def run(cfg: Config) -> Result:
                               if check_kernel else ""))
     frequency_case(res)
     worst: dict[str, float] = {}
-    for i, spec in enumerate(specs):
-        with res.case(spec.id, asdict(spec)) as c:
-            d = build_case(spec, cfg.seed + i, device)
-            e = run_case(c, d, check_kernel=check_kernel)
-            worst[spec.dtype] = max(worst.get(spec.dtype, 0.0), e["max_rel_l2"] / e["bound"])
+    for index, spec in enumerate(specs):
+        with res.case(spec.id, asdict(spec)) as case:
+            data = build_case(spec, cfg.seed + index, device)
+            key_error = run_case(case, data, check_kernel=check_kernel)
+            worst[spec.dtype] = max(worst.get(spec.dtype, 0.0), key_error["max_rel_l2"] / key_error["bound"])
     res.extra["worst_key_error_over_bound"] = worst
     rope_accuracy_cases(res, cfg.seed, device)
     res.extra["arrangements"] = list(ARRANGEMENTS)

@@ -4,7 +4,7 @@ Writes results/mutation/report.md and report.json (with the code revision it ran
 killed (a test failed), survived (every selected test passed), no tests (no selected test reached the
 function), timeout, suspicious, skipped, segfault, not checked.
 
-    python scripts/mutation_report.py [--diffs]   # --diffs: add `mutmut show` for every survivor (slower)
+    python -m kmesh.tools.mutation_report [--diffs]   # --diffs: add `mutmut show` for every survivor (slower)
 """
 from __future__ import annotations
 
@@ -36,44 +36,44 @@ def split(name: str) -> tuple[str, str]:
     return module, func
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--diffs", action="store_true")
-    p.add_argument("--out", type=Path, default=Path("results/mutation"))
-    a = p.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kmesh.tools.mutation_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--diffs", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/mutation"))
+    args = parser.parse_args(argv)
     rows = [m.groupdict() for m in map(LINE.match, mutmut("results", "--all", "true").splitlines()) if m]
     if not rows:
         print("no mutmut results: run `make mutation` first", file=sys.stderr)
         return 1
     by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     survivors: dict[str, list[str]] = collections.defaultdict(list)
-    for r in rows:
-        module, func = split(r["name"])
-        by_module[module][r["status"]] += 1
-        if r["status"] == "survived":
-            survivors[f"{module}:{func}"].append(r["name"])
+    for row in rows:
+        module, func = split(row["name"])
+        by_module[module][row["status"]] += 1
+        if row["status"] == "survived":
+            survivors[f"{module}:{func}"].append(row["name"])
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
     total = collections.Counter(r["status"] for r in rows)
-    a.out.mkdir(parents=True, exist_ok=True)
-    diffs = {n: mutmut("show", n) for names in survivors.values() for n in names} if a.diffs else {}
-    (a.out / "report.json").write_text(json.dumps(
+    args.out.mkdir(parents=True, exist_ok=True)
+    diffs = {n: mutmut("show", n) for names in survivors.values() for n in names} if args.diffs else {}
+    (args.out / "report.json").write_text(json.dumps(
         {"revision": rev, "dirty": dirty, "total": total, "by_module": by_module,
          "survivors": survivors, "diffs": diffs}, indent=1, ensure_ascii=False))
     statuses = sorted(total)
     md = [f"# Mutation testing (mutmut) at {rev}{' (dirty)' if dirty else ''}", "",
           "| module | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
-    for module, c in sorted(by_module.items()):
-        md.append(f"| {module} | " + " | ".join(str(c[s]) for s in statuses) + " |")
-    md.append("| **all** | " + " | ".join(str(total[s]) for s in statuses) + " |")
+    for module, counts in sorted(by_module.items()):
+        md.append(f"| {module} | " + " | ".join(str(counts[status]) for status in statuses) + " |")
+    md.append("| **all** | " + " | ".join(str(total[status]) for status in statuses) + " |")
     md += ["", "## Survivors by function", ""]
     md += [f"- `{f}`: {len(ns)}" for f, ns in sorted(survivors.items(), key=lambda kv: -len(kv[1]))]
-    for n, d in diffs.items():
-        md += ["", f"### {n}", "```diff", d.strip(), "```"]
-    (a.out / "report.md").write_text("\n".join(md) + "\n")
+    for name, diff in diffs.items():
+        md += ["", f"### {name}", "```diff", diff.strip(), "```"]
+    (args.out / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[:len(by_module) + 8]))
-    print(f"-> {a.out / 'report.md'}")
+    print(f"-> {args.out / 'report.md'}")
     return 0
 
 
