@@ -1,6 +1,6 @@
 """The equivalence stage's parts on a tiny CPU model: segment export, staging checks, the drained private copy,
 a child's run with its full-recompute fallback, the cache service path, quality helpers and the failure
-controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence_*).
+controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence).
 
 Model: a tiny random float32 LlamaForCausalLM (4 layers, 2 KV heads of 16 channels), built as in
 tests/test_model_runner.py. Workload: ByteTokenizer(300), seed 0, 3 segments of 80 tokens (one fact sentence
@@ -35,7 +35,7 @@ from kmesh.sources.digest import sha256_tensor
 from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
                             SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
                             export_segments, stage_segments)
-from kmesh.stages import equivalence_controls as controls
+from kmesh.stages.equivalence import controls
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError

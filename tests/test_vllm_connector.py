@@ -59,7 +59,7 @@ def test_parse_spans():
 
 
 def test_unknown_arrangements_refused_at_registration():
-    from kmesh.stages.vllm_refusals import CASES, accepted, refusals
+    from kmesh.stages.vllm.refusals import CASES, accepted, refusals
 
     why = refusals()
     assert set(why) == set(CASES) and all(why.values()), why
@@ -147,7 +147,7 @@ def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
 def test_loaded_kv_is_really_used(rig):
     """Negative control: a record + payload of the right size and digest but WRONG content (finite random K/V
     filed under this prompt's key) is loaded and changes the output — so the equality above is not vacuous."""
-    from kmesh.stages.vllm_faults import store_bad_prefix
+    from kmesh.stages.vllm.faults import store_bad_prefix
 
     st = rig["kmesh"].stats()
     p = _prompt(rig, 3, 260)
@@ -161,7 +161,7 @@ def test_loaded_kv_is_really_used(rig):
 @pytest.mark.vllm
 def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.model.blend import RepairConfig
-    from kmesh.stages import vllm_prompts as vp
+    from kmesh.stages.vllm import prompts as vp
     from kmesh.vllm.repair import load_runner
     from kmesh.workload import HFTokenizer, WorkloadSpec, build
 
@@ -187,7 +187,7 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
 
 @pytest.mark.vllm
 def test_corrupt_and_missing_objects_are_not_loaded(rig):
-    from kmesh.stages.vllm_faults import store_bad_prefix
+    from kmesh.stages.vllm.faults import store_bad_prefix
 
     st = rig["kmesh"].stats()
     a = _prompt(rig, 4, 300)

@@ -16,29 +16,28 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equ
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
-# (and what depends on it) and nothing else.
+# (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
+# What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
+CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
+              "restore_errors.py", "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "sources/__init__.py",
+              "sources/digest.py"]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],
     "model": ["model/*.py", "sources/__init__.py", "sources/digest.py"],
-    "synthetic": ["layout.py", "rope.py", "restore.py", "reference/*.py", "cuda/*.py", "vllm/*.py"],
+    "synthetic": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "reference/*.py", "cuda/*.py",
+                  "vllm/*.py"],
     "drain": ["transfer/*.py", "shm.py", "stages/drain_client.py"],
     "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
-    "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
-                    "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
-                    "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "integrity": ["integrity/*.py", "stages/integrity_*.py", "cuda/*.py"],
-    "group": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py",
-              "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence*.py",
-              "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "storage": ["storage/*.py", "stages/storage_*.py", "stages/equivalence*.py", "model/*.py", "workload.py",
                 "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py", "transfer/*.py",
                 "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
                 "sources/__init__.py", "sources/digest.py"],
     "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
-    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
-             "cuda/*.py", "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
-             "sources/__init__.py", "sources/digest.py"],
+    "vllm": [*CHILD_CODE, "vllm/*.py"],
     "report": ["report/*.py"],
 }
 
@@ -52,7 +51,7 @@ SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/pro
 
 
 def stage_code(stage):
-    patterns = [f"stages/{stage}.py", *STAGE_CODE[stage], *SHARED_CODE]
+    patterns = [f"stages/{stage}.py", f"stages/{stage}/*.py", *STAGE_CODE[stage], *SHARED_CODE]
     code = sorted({f for p in patterns for f in glob.glob(f"src/kmesh/{p}")})
     missing = [p for p in SHARED_CODE if not glob.glob(f"src/kmesh/{p}")]
     if missing:  # a renamed shared module must not silently drop out of every stage's inputs

@@ -45,9 +45,9 @@ from kmesh.result import Case, Result
 from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.segments import Export, InProcessSegments, ServiceSegments, restore_child
 from kmesh.service.harness import Harness
-from kmesh.stages import group_bench
+from kmesh.stages.group import bench as group_bench
 from kmesh.service_side import ServiceSide
-from kmesh.stages.group_load import GroupLoad
+from kmesh.stages.group.load import GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.faults import ChunkGate, FaultPlan
 from kmesh.workload import Child, Workload, WorkloadSpec, build

@@ -36,8 +36,8 @@ from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import first_divergence
 from kmesh.result import Result
 from kmesh.service import process
-from kmesh.stages import vllm_prompts as vp
-from kmesh.stages.vllm_faults import store_bad_prefix
+from kmesh.stages.vllm import prompts as vp
+from kmesh.stages.vllm.faults import store_bad_prefix
 from kmesh.vllm.engine import EngineProcess
 from kmesh.workload import HFTokenizer, WorkloadSpec, answer_matches, build
 
@@ -67,7 +67,7 @@ def run(cfg: Config) -> Result:
     res = Result.begin("vllm", cfg)
     sec = cfg.section("vllm")
     with res.case("arrangement-refusals", {}) as c:
-        from kmesh.stages.vllm_refusals import accepted, refusals
+        from kmesh.stages.vllm.refusals import accepted, refusals
 
         why = refusals()
         c.record("messages", why)

@@ -39,7 +39,7 @@ from kmesh.result import Result
 from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service.harness import Harness
-from kmesh.stages import equivalence_controls as controls
+from kmesh.stages.equivalence import controls
 from kmesh.service_side import ServiceSide
 from kmesh.workload import answer_matches
 
@@ -180,7 +180,7 @@ def run(cfg: Config) -> Result:
                      tokens_equal=agg["tokens_equal"], identical_children=agg["identical_children"],
                      failure_controls_passed=agg["failure_controls_passed"])
     res.extra["quality"] = _quality_case(res, s, refs)
-    from kmesh.stages.equivalence_ttft import ttft_cases
+    from kmesh.stages.equivalence.ttft import ttft_cases
 
     res.extra["ttft"] = ttft_cases(res, s)
     gc.collect()
