@@ -36,6 +36,7 @@ from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError
                             SegmentMissingError, SegmentTruncatedError, ServiceSegments, copy_private,
                             export_segments, stage_segments)
 from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
@@ -72,13 +73,13 @@ def env():
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
     refs = {}
     for child in workload.children:
-        refs[f"full:{child.name}"] = full_reference(ctx, child)
+        refs[RefKey(FULL, child.name)] = full_reference(ctx, child)
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
     private = torch.empty_like(staging)
     inproc = InProcessSegments(export)
     for child in workload.children:
-        refs[f"kmesh:{child.name}"] = run_child(ctx, child, inproc, staging, private)
-    # what kmesh.stages.equivalence.Setup offers the controls (no config, model files or transformers check)
+        refs[RefKey(KMESH, child.name)] = run_child(ctx, child, inproc, staging, private)
+    # what kmesh.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
     s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
                         device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
     yield SimpleNamespace(model=model, runner=runner, workload=workload, leader_cache=leader_cache, export=export,
@@ -258,7 +259,7 @@ def test_copy_private_plain(env):
 
 def test_run_child_in_process_uses_segments(env):
     for child in env.workload.children:
-        out = env.refs[f"kmesh:{child.name}"]
+        out = env.refs[RefKey(KMESH, child.name)]
         T = len(child.ids)
         assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
         assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
@@ -272,14 +273,14 @@ def test_run_child_in_process_uses_segments(env):
         assert out.masks.sum(1).tolist() == [352, 148, 148, 148]
         assert bool(out.masks[:, child.private_positions()].all())
         # restored (RoPE-shifted) K/V stay at the 204 positions not recomputed: not the full-recompute state
-        ref = env.refs[f"full:{child.name}"]
+        ref = env.refs[RefKey(FULL, child.name)]
         cmp = compare_states(out, ref)
         assert not identical(cmp) and cmp["k_equal_layers"] < L and cmp["mask_equal_layers"] == 1
     # deterministic: the same child again is bit-identical
     child = env.workload.children[0]
     staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
     again = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
-    assert identical(compare_states(again, env.refs["kmesh:A"]))
+    assert identical(compare_states(again, env.refs[RefKey(KMESH, "A")]))
 
 
 def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
@@ -290,7 +291,7 @@ def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
         objs[bad.key][123] ^= 0x40
         staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
         out = run_child(env.ctx, child, InProcessSegments(ex, objs), staging, torch.empty_like(staging))
-        ref = env.refs[f"full:{child.name}"]
+        ref = env.refs[RefKey(FULL, child.name)]
         assert out.fallback.startswith("SegmentCorruptError"), out.fallback
         assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
         assert out.events[:1 + idx] == [f"staged:{i}" for i in range(1 + idx)]
@@ -312,7 +313,7 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         assert out.events == ["staged:0", "staged:1", "staged:2", "failed:SubmitError",
                               "pending-before-recompute:0", "recompute"]
         assert engine.pending() == [] and engine.live_holds() == 0
-        assert identical(compare_states(out, env.refs[f"full:{child.name}"]))
+        assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
     finally:
         engine.close()
 
@@ -360,7 +361,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 assert len(src.requests) == 3
                 assert torch.equal(st.tensor, ex.raw)        # staged bytes are the export
             assert b.fallback is None and b.source == "service"
-            cmp = compare_states(env.refs[f"kmesh:{child.name}"], b)
+            cmp = compare_states(env.refs[RefKey(KMESH, child.name)], b)
             assert identical(cmp), cmp
             assert cmp["k_equal_layers"] == cmp["v_equal_layers"] == cmp["mask_equal_layers"] == L
             assert svc.no_leaks(), svc.leaks()
@@ -381,7 +382,7 @@ def test_service_children_bit_identical_to_in_process(env):
             out = run_child(ctx, child, ServiceSegments(svc.client, st.reg, svc.after_accept), st.tensor, private)
         assert out.fallback.startswith("SegmentMissingError"), out.fallback
         assert out.events[0] == "staged:0" and out.events[-1] == "recompute"
-        assert identical(compare_states(out, env.refs["full:A"]))
+        assert identical(compare_states(out, env.refs[RefKey(FULL, "A")]))
         assert svc.no_leaks(), svc.leaks()
 
         # failure: a staging buffer registered under another geometry -> SegmentLayoutError
@@ -392,7 +393,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 src.load(cat.entries[0], st.tensor)
             out = run_child(env.ctx, child, src, st.tensor, private)
         assert out.fallback.startswith("SegmentLayoutError") and "pending-before-recompute:0" in out.events
-        assert out.tokens == env.refs["full:A"].tokens
+        assert out.tokens == env.refs[RefKey(FULL, "A")].tokens
         assert svc.no_leaks(), svc.leaks()
         # the originals are still intact after the failures
         now = svc.store_digests(verify=True)
@@ -402,8 +403,8 @@ def test_service_children_bit_identical_to_in_process(env):
 # --- 6. quality helpers and negative controls -------------------------------------------------------------------
 
 def test_quality_helpers(env):
-    x = env.refs["full:A"].logits
-    y = env.refs["kmesh:A"].logits
+    x = env.refs[RefKey(FULL, "A")].logits
+    y = env.refs[RefKey(KMESH, "A")].logits
     assert kl_divergence(x, x) == 0.0
     assert kl_divergence(x, y) > 0.0
     assert kl_divergence(x, x + 3.0) == pytest.approx(0.0, abs=1e-12)   # shift-invariant
@@ -428,7 +429,7 @@ def _flip_bit(t, index):
 
 
 def test_compare_states_catches_single_bit_flips(env):
-    base = env.refs["kmesh:A"]
+    base = env.refs[RefKey(KMESH, "A")]
     assert identical(compare_states(base, dataclasses.replace(base)))
     for field_name, layer in (("k", 2), ("v", 0)):
         t = getattr(base, field_name).clone()

@@ -37,7 +37,7 @@ STAGE_CODE = {
                 "integrity/*.py", "service/*.py", "shm.py", "stages/model.py",
                 "sources/__init__.py", "sources/digest.py"],
     "restore_bench": ["stages/restore_bench_cases.py", "layout.py", "rope.py", "restore.py", "cuda/*.py"],
-    "vllm": [*CHILD_CODE, "vllm/*.py"],
+    "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
     "report": ["report/*.py"],
 }
 

@@ -25,94 +25,96 @@ from kmesh.workload import build
 
 
 def _speedup(timing: dict[str, Any]) -> dict[str, Any]:
-    s = timing["summary"]["ttft"]
-    return {"arm_a": timing["arms"]["A"], "arm_b": timing["arms"]["B"], "median_a_ms": s["median_a"] * 1e3,
-            "median_b_ms": s["median_b"] * 1e3, "median_ratio_b_over_a": s["median_ratio"],
-            "median_speedup_a_over_b": statistics.median(1 / r for r in s["ratios"]),
-            "b_faster_pairs": s["b_faster"], "pairs": s["pairs"]}
+    stats = timing["summary"]["ttft"]
+    return {"arm_a": timing["arms"]["A"], "arm_b": timing["arms"]["B"], "median_a_ms": stats["median_a"] * 1e3,
+            "median_b_ms": stats["median_b"] * 1e3, "median_ratio_b_over_a": stats["median_ratio"],
+            "median_speedup_a_over_b": statistics.median(1 / r for r in stats["ratios"]),
+            "b_faster_pairs": stats["b_faster"], "pairs": stats["pairs"]}
 
 
-def ttft_cases(res: Result, s: ModelSetup) -> dict[str, Any]:
-    sec = s.sec["ttft"]
-    tcfg = s.cfg.section("timing")
-    pairs, warmup = int(sec.get("pairs", tcfg["pairs"])), int(sec.get("warmup", tcfg["warmup"]))
+def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
+    sec = setup.sec["ttft"]
+    timing_cfg = setup.cfg.section("timing")
+    pairs, warmup = int(sec.get("pairs", timing_cfg["pairs"])), int(sec.get("warmup", timing_cfg["warmup"]))
     use_graphs = bool(sec.get("graphs", False))
     compare_tf = bool(sec.get("compare_transformers", True))
-    dev = "cuda" if s.device.type == "cuda" else "cpu"
+    dev = "cuda" if setup.device.type == "cuda" else "cpu"
+    runner, repair, backend = setup.runner, setup.ctx.repair, setup.ctx.restore_backend
     out: dict[str, Any] = {}
-    for T in sec["prompt_tokens"]:
-        with res.case(f"ttft-{T}", {"prompt_tokens": T, "pairs": pairs, "warmup": warmup, "graphs": use_graphs,
-                                    "repair": s.sec["repair"]}) as c:
-            if T == s.workload.spec.prompt_tokens:
-                wl, export = s.workload, s.export
+    for prompt_tokens in sec["prompt_tokens"]:
+        with res.case(f"ttft-{prompt_tokens}", {"prompt_tokens": prompt_tokens, "pairs": pairs, "warmup": warmup,
+                                                "graphs": use_graphs, "repair": setup.sec["repair"]}) as case:
+            if prompt_tokens == setup.workload.spec.prompt_tokens:
+                workload, export = setup.workload, setup.export
             else:
-                wl = build(s.tok, s.cfg.seed, s.workload.spec.scaled(T))
-                export = leader_prefill(s.runner, wl, f"kmesh-eq/ttft-{T}".encode())
-            bs = wl.spec.block_size
+                workload = build(setup.tok, setup.cfg.seed, setup.workload.spec.scaled(prompt_tokens))
+                export = leader_prefill(runner, workload, f"kmesh-eq/ttft-{prompt_tokens}".encode())
+            block_size = workload.spec.block_size
             runs: dict[tuple[str, str], Any] = {}
             checks: dict[str, Any] = {}
-            for child in wl.children:
-                ids = torch.tensor(child.ids, device=s.device)
-                full_cache = s.runner.new_cache(T, bs)
-                kcache = s.runner.new_cache(T, bs)
-                restored = restore_child(kcache, export.catalog, export.raw, child, s.runner,
-                                         s.ctx.restore_backend)
-                none = torch.zeros(T, dtype=torch.bool)
+            for child in workload.children:
+                ids = torch.tensor(child.ids, device=setup.device)
+                full_cache = runner.new_cache(prompt_tokens, block_size)
+                kmesh_cache = runner.new_cache(prompt_tokens, block_size)
+                restored = restore_child(kmesh_cache, export.catalog, export.raw, child, runner, backend)
+                none = torch.zeros(prompt_tokens, dtype=torch.bool)
                 if use_graphs:
                     from kmesh.model.graphs import GraphedBlend
 
-                    gf = GraphedBlend(s.runner, ids, full_cache, none, s.ctx.repair, "full")
-                    gk = GraphedBlend(s.runner, ids, kcache, restored, s.ctx.repair, "kmesh")
-                    checks[child.name] = {"full": gf.verify_against_eager(), "kmesh": gk.verify_against_eager()}
-                    runs[("full", child.name)] = lambda gf=gf: gf.replay().logits
-                    runs[("kmesh", child.name)] = lambda gk=gk: gk.replay().logits
+                    graphed_full = GraphedBlend(runner, ids, full_cache, none, repair, "full")
+                    graphed_kmesh = GraphedBlend(runner, ids, kmesh_cache, restored, repair, "kmesh")
+                    checks[child.name] = {"full": graphed_full.verify_against_eager(),
+                                          "kmesh": graphed_kmesh.verify_against_eager()}
+                    runs[("full", child.name)] = lambda g=graphed_full: g.replay().logits
+                    runs[("kmesh", child.name)] = lambda g=graphed_kmesh: g.replay().logits
                 else:
                     runs[("full", child.name)] = (lambda ids=ids, fc=full_cache, none=none:
-                                                  blend(s.runner, ids, fc, none, s.ctx.repair, "full").logits)
-                    runs[("kmesh", child.name)] = (lambda ids=ids, kc=kcache, r=restored:
-                                                   blend(s.runner, ids, kc, r, s.ctx.repair, "kmesh").logits)
-                runs[("restore", child.name)] = (lambda kc=kcache, ch=child, ex=export:
-                                                 restore_child(kc, ex.catalog, ex.raw, ch, s.runner,
-                                                               s.ctx.restore_backend))
-                runs[("transformers", child.name)] = (lambda ids=ids: s.model(ids[None], logits_to_keep=1)
+                                                  blend(runner, ids, fc, none, repair, "full").logits)
+                    runs[("kmesh", child.name)] = (lambda ids=ids, kc=kmesh_cache, r=restored:
+                                                   blend(runner, ids, kc, r, repair, "kmesh").logits)
+                runs[("restore", child.name)] = (lambda kc=kmesh_cache, ch=child, ex=export:
+                                                 restore_child(kc, ex.catalog, ex.raw, ch, runner, backend))
+                runs[("transformers", child.name)] = (lambda ids=ids: setup.model(ids[None], logits_to_keep=1)
                                                       .logits[0, -1])
+
             @torch.no_grad()
-            def fn(arm: str, child: Any, iv: Intervals) -> None:
-                with iv.part("ttft"):
+            def run_arm(arm: str, child: Any, intervals: Intervals) -> None:
+                with intervals.part("ttft"):
                     if arm == "kmesh":
                         runs[("restore", child.name)]()
                     int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
-            t1 = run_pairs(fn, ("full", "kmesh"), wl.children, pairs=pairs, warmup=warmup, device=dev, progress=False)
+            kmesh_timing = run_pairs(run_arm, ("full", "kmesh"), workload.children, pairs=pairs, warmup=warmup,
+                                     device=dev, progress=False)
             # transformers' own forward as a third reference arm (the issue's bar for the full arm); the cpu
             # profile leaves it out for its time budget (ttft.compare_transformers)
-            t2 = (run_pairs(fn, ("transformers", "full"), wl.children, pairs=pairs, warmup=warmup, device=dev,
-                            progress=False) if compare_tf else None)
+            tf_timing = (run_pairs(run_arm, ("transformers", "full"), workload.children, pairs=pairs, warmup=warmup,
+                                   device=dev, progress=False) if compare_tf else None)
             # The restore alone, timed the same way after the pairs (a part of the kmesh arm, not a third arm).
             restore_s: list[float] = []
-            for child in wl.children:
-                iv = Intervals(dev)
-                with iv.part("restore"):
+            for child in workload.children:
+                intervals = Intervals(dev)
+                with intervals.part("restore"):
                     runs[("restore", child.name)]()
-                restore_s.append(iv.seconds()["restore"])
-            res.timings[f"ttft_{T}_full_vs_kmesh"] = t1.to_dict()
-            a = _speedup(t1.to_dict())
-            row = {"kmesh_vs_full": a, "restore_ms_median": statistics.median(restore_s) * 1e3}
+                restore_s.append(intervals.seconds()["restore"])
+            res.timings[f"ttft_{prompt_tokens}_full_vs_kmesh"] = kmesh_timing.to_dict()
+            kmesh_vs_full = _speedup(kmesh_timing.to_dict())
+            row = {"kmesh_vs_full": kmesh_vs_full, "restore_ms_median": statistics.median(restore_s) * 1e3}
             if use_graphs:
-                c.check("graphs_equal_eager", all(all(v.values()) for d in checks.values() for v in d.values()),
-                        value=checks)
-            c.check("pairs_recorded", a["pairs"] == pairs, value=a["pairs"])
-            c.record("kmesh_vs_full", a)
-            c.record("goal_repair_3x", {"goal": 3.0, "measured_speedup": a["median_speedup_a_over_b"],
-                                        "met": a["median_speedup_a_over_b"] >= 3.0})
-            if t2 is not None:
-                res.timings[f"ttft_{T}_transformers_vs_full"] = t2.to_dict()
-                b = _speedup(t2.to_dict())
-                row["full_vs_transformers"] = b
-                c.check("pairs_recorded_transformers", b["pairs"] == pairs, value=b["pairs"])
-                c.record("full_vs_transformers", b)
-                c.record("goal_full_not_slower_than_transformers",
-                         {"measured_ratio_full_over_transformers": b["median_ratio_b_over_a"],
-                          "met": b["median_ratio_b_over_a"] <= 1.0})
-            out[str(T)] = row
+                case.check("graphs_equal_eager",
+                           all(all(v.values()) for d in checks.values() for v in d.values()), value=checks)
+            case.check("pairs_recorded", kmesh_vs_full["pairs"] == pairs, value=kmesh_vs_full["pairs"])
+            case.record("kmesh_vs_full", kmesh_vs_full)
+            case.record("goal_repair_3x", {"goal": 3.0, "measured_speedup": kmesh_vs_full["median_speedup_a_over_b"],
+                                           "met": kmesh_vs_full["median_speedup_a_over_b"] >= 3.0})
+            if tf_timing is not None:
+                res.timings[f"ttft_{prompt_tokens}_transformers_vs_full"] = tf_timing.to_dict()
+                full_vs_tf = _speedup(tf_timing.to_dict())
+                row["full_vs_transformers"] = full_vs_tf
+                case.check("pairs_recorded_transformers", full_vs_tf["pairs"] == pairs, value=full_vs_tf["pairs"])
+                case.record("full_vs_transformers", full_vs_tf)
+                case.record("goal_full_not_slower_than_transformers",
+                            {"measured_ratio_full_over_transformers": full_vs_tf["median_ratio_b_over_a"],
+                             "met": full_vs_tf["median_ratio_b_over_a"] <= 1.0})
+            out[str(prompt_tokens)] = row
     return out
