@@ -27,7 +27,8 @@ import torch
 
 from kmesh.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import compare_states, first_divergence, identical, kl_divergence, max_abs_diff
+from kmesh.model.quality import (compare_states, first_divergence, flip_bit, identical, kl_divergence,
+                                 max_abs_diff)
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture
 from kmesh.result import Result
@@ -426,6 +427,16 @@ def _flip_bit(t, index):
     out = t.clone()
     out.view(-1).view(torch.uint8)[index] ^= 0x01
     return out
+
+
+def test_flip_bit_changes_exactly_one_bit():
+    x = torch.arange(8, dtype=torch.bfloat16)
+    y = flip_bit(x, 5)
+    diff = x.view(torch.uint8) ^ y.view(torch.uint8)
+    assert diff.nonzero().flatten().tolist() == [5] and int(diff[5]) == 1
+    assert torch.equal(x, torch.arange(8, dtype=torch.bfloat16))          # the original is left alone
+    mask = torch.zeros(6, dtype=torch.bool)
+    assert flip_bit(mask, 2).nonzero().flatten().tolist() == [2]          # a bool tensor: that element
 
 
 def test_compare_states_catches_single_bit_flips(env):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
-from kmesh.model.quality import compare_states, identical
+from kmesh.model.quality import compare_states, flip_bit, identical
 from kmesh.modelsetup import ModelSetup
 from kmesh.result import Case, Result
 from kmesh.segments import (InProcessSegments, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
@@ -32,16 +32,6 @@ from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import FaultPlan
 from kmesh.workload import Child
-
-
-def _flip(t: torch.Tensor, index: int = 0) -> torch.Tensor:
-    """A copy of t with one bit flipped: element `index` of a bool tensor, else the low bit of byte `index`."""
-    out = t.clone()
-    if out.dtype == torch.bool:
-        out.view(-1)[index] = ~out.view(-1)[index]
-    else:
-        out.view(-1).view(torch.uint8)[index] ^= 0x01
-    return out
 
 
 def _wait_gpu_context_gone(pid: int, timeout_s: float = 20.0) -> dict[str, Any]:
@@ -75,19 +65,19 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
         base = refs[RefKey(KMESH, name)]
         layers = base.k.shape[0]
         case.check("identical_to_itself", identical(compare_states(base, dataclasses.replace(base))))
-        k = base.k.clone()
-        k[layer] = _flip(k[layer], 7)
-        cmp = compare_states(base, dataclasses.replace(base, k=k))
+        flipped_k = base.k.clone()
+        flipped_k[layer] = flip_bit(flipped_k[layer], 7)
+        cmp = compare_states(base, dataclasses.replace(base, k=flipped_k))
         case.check("k_bit_flip_caught", not identical(cmp) and cmp["k_equal_layers"] == layers - 1
                    and cmp["first_unequal_layer"] == layer, value=cmp["k_equal_layers"])
-        v = base.v.clone()
-        v[layer] = _flip(v[layer], 11)
+        flipped_v = base.v.clone()
+        flipped_v[layer] = flip_bit(flipped_v[layer], 11)
         case.check("v_bit_flip_caught",
-                   compare_states(base, dataclasses.replace(base, v=v))["v_equal_layers"] == layers - 1)
-        cmp = compare_states(base, dataclasses.replace(base, logits=_flip(base.logits, 5)))
+                   compare_states(base, dataclasses.replace(base, v=flipped_v))["v_equal_layers"] == layers - 1)
+        cmp = compare_states(base, dataclasses.replace(base, logits=flip_bit(base.logits, 5)))
         case.check("logits_bit_flip_caught", not cmp["logits_equal"] and not identical(cmp))
         masks = base.masks.clone()
-        masks[layer] = _flip(masks[layer], 0)
+        masks[layer] = flip_bit(masks[layer], 0)
         case.check("mask_flip_caught",
                    compare_states(base, dataclasses.replace(base, masks=masks))["mask_equal_layers"] == layers - 1)
         tokens = list(base.tokens)

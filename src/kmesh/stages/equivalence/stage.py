@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, ServiceSegments
-from kmesh.service.harness import Harness
 from kmesh.service_side import ServiceSide
 from kmesh.stages.equivalence import controls
 from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey, Refs
@@ -168,11 +166,8 @@ def run(cfg: Config) -> Result:
     _workload_case(res, setup)
     refs: Refs = {RefKey(FULL, child.name): full_reference(setup.ctx, child) for child in setup.workload.children}
     catalog = setup.export.catalog
-    with ExitStack() as stack:
-        harness = stack.enter_context(Harness(
-            device=str(setup.device), heartbeat_timeout_s=float(setup.sec["heartbeat_timeout_s"]),
-            chunk_bytes=int(setup.sec["chunk_bytes"]), store_bytes=1 << 31))
-        svc = stack.enter_context(ServiceSide(harness, setup.export, setup.device))
+    with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
+                           int(setup.sec["chunk_bytes"])) as svc:
         with res.case("leader-save", {"objects": len(catalog.entries), "bytes": catalog.nbytes}) as case:
             saved = svc.save_leader()
             case.record("catalog", catalog.describe())

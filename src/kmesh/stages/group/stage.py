@@ -27,7 +27,6 @@ Cases:
 from __future__ import annotations
 
 import dataclasses
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +35,10 @@ import torch
 from kmesh.child import ChildOutcome, full_reference, run_child
 from kmesh.config import Config
 from kmesh.errors import KMeshError
-from kmesh.model.quality import compare_states, identical
+from kmesh.model.quality import compare_states, flip_bit, identical
 from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.result import Case, Result
 from kmesh.segments import InProcessSegments, ServiceSegments
-from kmesh.service.harness import Harness
 from kmesh.service_side import ServiceSide
 from kmesh.stages.group import bench
 from kmesh.stages.group.path import GroupRun, run_group
@@ -146,22 +144,14 @@ def _group_case(res: Result, setup: GroupSetup, svc: ServiceSide, inproc: dict[s
     return agg, group_run
 
 
-def _flipped(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t with one bit flipped (a bool tensor's first element, else the low bit of byte 3)."""
-    out = t.clone()
-    if out.dtype == torch.bool:
-        out.view(-1)[0] = ~out.view(-1)[0]
-    else:
-        out.view(-1).view(torch.uint8)[3] ^= 0x01
-    return out
-
-
 def _negative(res: Result, group_run: GroupRun, inproc: dict[str, ChildOutcome]) -> None:
     with res.case("comparisons-can-fail", {}) as case:
         name = next(iter(group_run.outcomes))
         base = group_run.outcomes[name]
         for field_ in ("k", "masks", "logits"):
-            cmp = compare_states(inproc[name], dataclasses.replace(base, **{field_: _flipped(getattr(base, field_))}))
+            tensor = getattr(base, field_)
+            flipped = flip_bit(tensor, 0 if tensor.dtype == torch.bool else 3)   # a mask's first element, byte 3
+            cmp = compare_states(inproc[name], dataclasses.replace(base, **{field_: flipped}))
             case.check(f"{field_}_bit_flip_caught", not identical(cmp))
 
 
@@ -220,15 +210,12 @@ def run(cfg: Config) -> Result:
                      layers=setup.runner.num_layers)
     fulls = {child.name: full_reference(setup.ctx, child) for child in setup.group}
     catalog = setup.export.catalog
-    with ExitStack() as stack:
-        harness = stack.enter_context(Harness(
-            device=str(setup.device), heartbeat_timeout_s=float(setup.sec["heartbeat_timeout_s"]),
-            chunk_bytes=int(setup.sec["chunk_bytes"]), store_bytes=1 << 31))
-        svc = stack.enter_context(ServiceSide(harness, setup.export, setup.device))
+    with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
+                           int(setup.sec["chunk_bytes"])) as svc:
         with res.case("leader-save", {"objects": len(catalog.entries)}) as case:
             saved = svc.save_leader()
             case.check("store_digests_equal_catalog", all(saved[e.key] == e.sha256 for e in catalog.entries))
-        store_bytes = int(harness.status()["store"]["used_bytes"])
+        store_bytes = int(svc.h.status()["store"]["used_bytes"])
         inproc, service = _serial(res, setup, svc)
         agg, group_run = _group_case(res, setup, svc, inproc, service)
         if group_run is not None:
