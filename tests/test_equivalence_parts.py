@@ -1,6 +1,6 @@
 """The equivalence stage's parts on a tiny CPU model: segment export, staging checks, the drained private copy,
 a child's run with its full-recompute fallback, the cache service path, quality helpers and the failure
-controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence_*).
+controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence).
 
 Model: a tiny random float32 LlamaForCausalLM (4 layers, 2 KV heads of 16 channels), built as in
 tests/test_model_runner.py. Workload: ByteTokenizer(300), seed 0, 3 segments of 80 tokens (one fact sentence
@@ -27,7 +27,8 @@ import torch
 
 from kmesh.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import compare_states, first_divergence, identical, kl_divergence, max_abs_diff
+from kmesh.model.quality import (compare_states, first_divergence, flip_bit, identical, kl_divergence,
+                                 max_abs_diff)
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture
 from kmesh.result import Result
@@ -35,7 +36,8 @@ from kmesh.sources.digest import sha256_tensor
 from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
                             SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
                             copy_private, export_segments, stage_segments)
-from kmesh.stages import equivalence_controls as controls
+from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
@@ -72,13 +74,13 @@ def env():
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
     refs = {}
     for child in workload.children:
-        refs[f"full:{child.name}"] = full_reference(ctx, child)
+        refs[RefKey(FULL, child.name)] = full_reference(ctx, child)
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
     private = torch.empty_like(staging)
     inproc = InProcessSegments(export)
     for child in workload.children:
-        refs[f"kmesh:{child.name}"] = run_child(ctx, child, inproc, staging, private)
-    # what kmesh.stages.equivalence.Setup offers the controls (no config, model files or transformers check)
+        refs[RefKey(KMESH, child.name)] = run_child(ctx, child, inproc, staging, private)
+    # what kmesh.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
     s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
                         device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
     yield SimpleNamespace(model=model, runner=runner, workload=workload, leader_cache=leader_cache, export=export,
@@ -258,7 +260,7 @@ def test_copy_private_plain(env):
 
 def test_run_child_in_process_uses_segments(env):
     for child in env.workload.children:
-        out = env.refs[f"kmesh:{child.name}"]
+        out = env.refs[RefKey(KMESH, child.name)]
         T = len(child.ids)
         assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
         assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
@@ -272,14 +274,14 @@ def test_run_child_in_process_uses_segments(env):
         assert out.masks.sum(1).tolist() == [352, 148, 148, 148]
         assert bool(out.masks[:, child.private_positions()].all())
         # restored (RoPE-shifted) K/V stay at the 204 positions not recomputed: not the full-recompute state
-        ref = env.refs[f"full:{child.name}"]
+        ref = env.refs[RefKey(FULL, child.name)]
         cmp = compare_states(out, ref)
         assert not identical(cmp) and cmp["k_equal_layers"] < L and cmp["mask_equal_layers"] == 1
     # deterministic: the same child again is bit-identical
     child = env.workload.children[0]
     staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
     again = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
-    assert identical(compare_states(again, env.refs["kmesh:A"]))
+    assert identical(compare_states(again, env.refs[RefKey(KMESH, "A")]))
 
 
 def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
@@ -290,7 +292,7 @@ def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
         objs[bad.key][123] ^= 0x40
         staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
         out = run_child(env.ctx, child, InProcessSegments(ex, objs), staging, torch.empty_like(staging))
-        ref = env.refs[f"full:{child.name}"]
+        ref = env.refs[RefKey(FULL, child.name)]
         assert out.fallback.startswith("SegmentCorruptError"), out.fallback
         assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
         assert out.events[:1 + idx] == [f"staged:{i}" for i in range(1 + idx)]
@@ -312,7 +314,7 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         assert out.events == ["staged:0", "staged:1", "staged:2", "failed:SubmitError",
                               "pending-before-recompute:0", "recompute"]
         assert engine.pending() == [] and engine.live_holds() == 0
-        assert identical(compare_states(out, env.refs[f"full:{child.name}"]))
+        assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
     finally:
         engine.close()
 
@@ -360,7 +362,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 assert len(src.requests) == 3
                 assert torch.equal(st.tensor, ex.raw)        # staged bytes are the export
             assert b.fallback is None and b.source == "service"
-            cmp = compare_states(env.refs[f"kmesh:{child.name}"], b)
+            cmp = compare_states(env.refs[RefKey(KMESH, child.name)], b)
             assert identical(cmp), cmp
             assert cmp["k_equal_layers"] == cmp["v_equal_layers"] == cmp["mask_equal_layers"] == L
             assert svc.no_leaks(), svc.leaks()
@@ -381,7 +383,7 @@ def test_service_children_bit_identical_to_in_process(env):
             out = run_child(ctx, child, ServiceSegments(svc.client, st.reg, svc.after_accept), st.tensor, private)
         assert out.fallback.startswith("SegmentMissingError"), out.fallback
         assert out.events[0] == "staged:0" and out.events[-1] == "recompute"
-        assert identical(compare_states(out, env.refs["full:A"]))
+        assert identical(compare_states(out, env.refs[RefKey(FULL, "A")]))
         assert svc.no_leaks(), svc.leaks()
 
         # failure: a staging buffer registered under another geometry -> SegmentLayoutError
@@ -392,7 +394,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 src.load(cat.entries[0], st.tensor)
             out = run_child(env.ctx, child, src, st.tensor, private)
         assert out.fallback.startswith("SegmentLayoutError") and "pending-before-recompute:0" in out.events
-        assert out.tokens == env.refs["full:A"].tokens
+        assert out.tokens == env.refs[RefKey(FULL, "A")].tokens
         assert svc.no_leaks(), svc.leaks()
         # the originals are still intact after the failures
         now = svc.store_digests(verify=True)
@@ -402,8 +404,8 @@ def test_service_children_bit_identical_to_in_process(env):
 # --- 6. quality helpers and negative controls -------------------------------------------------------------------
 
 def test_quality_helpers(env):
-    x = env.refs["full:A"].logits
-    y = env.refs["kmesh:A"].logits
+    x = env.refs[RefKey(FULL, "A")].logits
+    y = env.refs[RefKey(KMESH, "A")].logits
     assert kl_divergence(x, x) == 0.0
     assert kl_divergence(x, y) > 0.0
     assert kl_divergence(x, x + 3.0) == pytest.approx(0.0, abs=1e-12)   # shift-invariant
@@ -427,8 +429,18 @@ def _flip_bit(t, index):
     return out
 
 
+def test_flip_bit_changes_exactly_one_bit():
+    x = torch.arange(8, dtype=torch.bfloat16)
+    y = flip_bit(x, 5)
+    diff = x.view(torch.uint8) ^ y.view(torch.uint8)
+    assert diff.nonzero().flatten().tolist() == [5] and int(diff[5]) == 1
+    assert torch.equal(x, torch.arange(8, dtype=torch.bfloat16))          # the original is left alone
+    mask = torch.zeros(6, dtype=torch.bool)
+    assert flip_bit(mask, 2).nonzero().flatten().tolist() == [2]          # a bool tensor: that element
+
+
 def test_compare_states_catches_single_bit_flips(env):
-    base = env.refs["kmesh:A"]
+    base = env.refs[RefKey(KMESH, "A")]
     assert identical(compare_states(base, dataclasses.replace(base)))
     for field_name, layer in (("k", 2), ("v", 0)):
         t = getattr(base, field_name).clone()

@@ -1,6 +1,7 @@
 """The group stage's parts against a real cache service process, on a tiny CPU model: the group load and its
-barrier (kmesh.stages.group_load), the whole group path with its layer write-back, the failure case (member B
-failing after layer 0 with a write-back still pending), the measurements' helpers (kmesh.stages.group_bench).
+barrier (kmesh.stages.group.load), the whole group path with its layer write-back (kmesh.stages.group.path), the
+failure case (member B failing after layer 0 with a write-back still pending), the measurements' helpers
+(kmesh.stages.group.bench).
 
 Model and workload as tests/test_equivalence_parts.py (4 layers; 3 segments of 80 tokens; blocks of 16), here
 with 3 children A, B, C. The service copies in 64 KiB chunks (a segment = 2 chunks). ~15 s on CPU.
@@ -19,10 +20,10 @@ from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import LayerRunner
 from kmesh.segments import InProcessSegments, SegmentCorruptError, export_segments
 from kmesh.service.harness import Harness
-from kmesh.stages import group_bench
+from kmesh.stages.group import bench as group_bench
 from kmesh.service_side import ServiceSide
-from kmesh.stages.group import run_group
-from kmesh.stages.group_load import GroupAdmissionError, GroupLoad
+from kmesh.stages.group.path import run_group
+from kmesh.stages.group.load import GroupAdmissionError, GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import ByteTokenizer, WorkloadSpec, build
 from tiny_llama import tiny_llama

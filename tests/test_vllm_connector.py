@@ -173,7 +173,7 @@ def test_scheduler_saved_keys_default_capacity():
 
 
 def test_unknown_arrangements_refused_at_registration():
-    from kmesh.stages.vllm_refusals import CASES, accepted, refusals
+    from kmesh.stages.vllm.refusals import CASES, accepted, refusals
 
     why = refusals()
     assert set(why) == set(CASES) and all(why.values()), why
@@ -261,7 +261,7 @@ def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
 def test_loaded_kv_is_really_used(rig):
     """Negative control: a record + payload of the right size and digest but WRONG content (finite random K/V
     filed under this prompt's key) is loaded and changes the output — so the equality above is not vacuous."""
-    from kmesh.stages.vllm_faults import store_bad_prefix
+    from kmesh.stages.vllm.faults import store_bad_prefix
 
     st = rig["kmesh"].stats()
     p = _prompt(rig, 3, 260)
@@ -275,7 +275,7 @@ def test_loaded_kv_is_really_used(rig):
 @pytest.mark.vllm
 def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.model.blend import RepairConfig
-    from kmesh.stages import vllm_prompts as vp
+    from kmesh.stages.vllm import prompts as vp
     from kmesh.vllm.repair import load_runner
     from kmesh.workload import HFTokenizer, WorkloadSpec, build
 
@@ -301,7 +301,7 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
 
 @pytest.mark.vllm
 def test_corrupt_and_missing_objects_are_not_loaded(rig):
-    from kmesh.stages.vllm_faults import store_bad_prefix
+    from kmesh.stages.vllm.faults import store_bad_prefix
 
     st = rig["kmesh"].stats()
     a = _prompt(rig, 4, 300)

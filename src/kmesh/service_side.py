@@ -117,6 +117,16 @@ class ServiceSide:
     def no_leaks(self) -> bool:
         return self.h.no_leaks()
 
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, export: Export, device: torch.device, heartbeat_timeout_s: float,
+              chunk_bytes: int) -> Iterator["ServiceSide"]:
+        """A real cache service started for this process (a Harness: its store 2 GiB, copies paced in chunk_bytes)
+        with this process connected as its client; both closed on exit, the client first."""
+        with Harness(device=str(device), heartbeat_timeout_s=heartbeat_timeout_s, chunk_bytes=chunk_bytes,
+                     store_bytes=1 << 31) as harness, cls(harness, export, device) as side:
+            yield side
+
     def __enter__(self) -> "ServiceSide":
         return self
 

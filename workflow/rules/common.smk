@@ -16,28 +16,25 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equ
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
-# (and what depends on it) and nothing else.
+# (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
+# What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
+CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
+              "restore_errors.py", "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "sources/__init__.py",
+              "sources/digest.py"]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],
     "model": ["model/*.py", "sources/__init__.py", "sources/digest.py"],
-    "synthetic": ["layout.py", "rope.py", "restore.py", "reference/*.py", "cuda/*.py", "vllm/*.py"],
+    "synthetic": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "reference/*.py", "cuda/*.py",
+                  "vllm/*.py"],
     "drain": ["transfer/*.py", "shm.py"],
     "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
-    "equivalence": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
-                    "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "stages/equivalence_*.py",
-                    "stages/model.py", "sources/__init__.py", "sources/digest.py"],
+    "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "integrity": ["integrity/*.py", "cuda/*.py"],
-    "group": ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py", "cuda/*.py",
-              "service/*.py", "transfer/*.py", "shm.py", "stages/group_*.py", "stages/equivalence*.py",
-              "stages/model.py", "sources/__init__.py", "sources/digest.py"],
-    "storage": ["storage/*.py", "model/*.py", "workload.py", "segments.py", "child.py", "modelsetup.py",
-                "service_side.py", "layout.py", "rope.py", "restore.py", "restore_errors.py", "cuda/*.py",
-                "transfer/*.py", "integrity/*.py", "service/*.py", "shm.py", "sources/__init__.py", "sources/digest.py"],
+    "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
+    "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py", "integrity/*.py"],
     "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "cuda/*.py"],
-    "vllm": ["vllm/*.py", "stages/vllm_*.py", "stages/model.py", "model/*.py", "workload.py", "segments.py",
-             "cuda/*.py", "child.py", "layout.py", "rope.py", "restore.py", "service/*.py", "transfer/*.py", "shm.py",
-             "sources/__init__.py", "sources/digest.py"],
+    "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
     "report": ["report/*.py"],
 }
 

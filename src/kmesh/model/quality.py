@@ -46,6 +46,17 @@ def identical(cmp: dict[str, Any]) -> bool:
             and cmp["logits_equal"] and cmp["tokens_equal"] and cmp["restored_equal"] and cmp["max_abs_diff"] == 0.0)
 
 
+def flip_bit(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """A copy with one bit flipped, for negative controls (a comparison must catch it): element `index` of a bool
+    tensor, else the lowest bit of byte `index` of its storage."""
+    out = tensor.clone()
+    if out.dtype == torch.bool:
+        out.view(-1)[index] = ~out.view(-1)[index]
+    else:
+        out.view(-1).view(torch.uint8)[index] ^= 0x01
+    return out
+
+
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     p = torch.log_softmax(ref_logits.double(), -1)
     q = torch.log_softmax(logits.double(), -1)

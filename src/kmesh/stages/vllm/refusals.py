@@ -51,5 +51,5 @@ def refusals() -> dict[str, str | None]:
 
 def accepted() -> tuple[str, str]:
     """The CPU backend's arrangement on well-formed views: (packing, order)."""
-    e = detect(_views(), _layers("CPU_ATTN"), H, D, L)
-    return e.layout.packing, e.layout.order
+    arrangement = detect(_views(), _layers("CPU_ATTN"), H, D, L)
+    return arrangement.layout.packing, arrangement.layout.order

@@ -22,29 +22,31 @@ from kmesh.vllm.objects import KIND_PREFIX, RECORD_BYTES, Record, prefix_keys, r
 def store_bad_prefix(socket_path: str, engine_stats: dict[str, Any], prompt: Sequence[int],
                      blocks: dict[int, str], seed: int = 0) -> list[bytes]:
     """Store prefix block i of `prompt` as blocks[i] in {"corrupt", "missing", "wrong"}; returns the payload keys."""
-    bs = int(engine_stats["block_size"])
-    lay = staging_layout(KVLayout.from_dict(engine_stats["layout"]), 1)
-    keys = prefix_keys(engine_stats["namespace"].encode(), list(prompt), bs, max(blocks) + 1)
+    block_size = int(engine_stats["block_size"])
+    layout = staging_layout(KVLayout.from_dict(engine_stats["layout"]), 1)
+    keys = prefix_keys(engine_stats["namespace"].encode(), list(prompt), block_size, max(blocks) + 1)
     link = ServiceLink(socket_path, "kmesh-faults")
     if not link.connect():
         raise RuntimeError(f"no service at {socket_path}: {link.down_reason}")
     try:
-        w = link.window("payload", lay, alloc_id=1)
-        r = link.window("records", record_layout(1), alloc_id=2)
+        payload = link.window("payload", layout, alloc_id=1)
+        records = link.window("records", record_layout(1), alloc_id=2)
         for i, kind in sorted(blocks.items()):
             gen = torch.Generator().manual_seed(seed + i)
-            vals = torch.randn(lay.nbytes // lay.element_size, generator=gen).to(lay.storage_dtype)   # finite K/V
-            w.tensor.copy_(vals.view(torch.uint8))
-            sha = bytes.fromhex(sha256_tensor(w.tensor))
+            values = torch.randn(layout.nbytes // layout.element_size, generator=gen).to(layout.storage_dtype)
+            payload.tensor.copy_(values.view(torch.uint8))   # finite K/V
+            sha = bytes.fromhex(sha256_tensor(payload.tensor))
             if kind == "corrupt":
-                w.tensor[lay.nbytes // 3] ^= 0x01          # one bit: the record's digest no longer matches
+                payload.tensor[layout.nbytes // 3] ^= 0x01          # one bit: the record's digest no longer matches
             elif kind not in ("missing", "wrong"):
                 raise ValueError(f"block kind must be 'corrupt', 'missing' or 'wrong', got {kind!r}")
             if kind != "missing":
-                link.save(w, keys[i], 0, lay.nbytes)
-            rec = Record(KIND_PREFIX, bs, i * bs, lay.nbytes, sha, token_digest(prompt[i * bs:(i + 1) * bs]))
-            r.tensor[:RECORD_BYTES].copy_(torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8))
-            link.save(r, record_key(keys[i]), 0, RECORD_BYTES)
+                link.save(payload, keys[i], 0, layout.nbytes)
+            start = i * block_size
+            record = Record(KIND_PREFIX, block_size, start, layout.nbytes, sha,
+                            token_digest(prompt[start:start + block_size]))
+            records.tensor[:RECORD_BYTES].copy_(torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8))
+            link.save(records, record_key(keys[i]), 0, RECORD_BYTES)
     finally:
         link.close()
     return [keys[i] for i in sorted(blocks)]

@@ -1,10 +1,10 @@
 """The group stage's load path: every member's segments from the service's shared originals, checked as a group
 before any restored input reaches the model.
 
-    with GroupLoad(svc, catalog, names) as g:      # one registered staging buffer per member (memfd / CUDA IPC)
-        g.load_all()                                # members × segments loads (16 placements for 4 × 4)
-        report = g.admit()                          # handles, layouts, generations, digests of EVERY member
-        g.copy_private(engine, privates)            # each member's private copy, drained
+    with GroupLoad(svc, catalog, names) as load:   # one registered staging buffer per member (memfd / CUDA IPC)
+        load.load_all()                             # members × segments loads (16 placements for 4 × 4)
+        report = load.admit()                       # handles, layouts, generations, digests of EVERY member
+        load.copy_private(engine, privates)         # each member's private copy, drained
     # stagings closed and released here: the group holds no service handle while it computes
 
 `admit()` is the group's barrier: it raises GroupAdmissionError unless, as the service itself lists them,
@@ -40,8 +40,8 @@ def _staging(svc: ServiceSide, name: str) -> Iterator[Staging]:
     """A member's staging (ServiceSide.staging); one whose registration is already released (closed from
     elsewhere, e.g. a member dropped before admission) has nothing left to close: its buffer is still unmapped."""
     try:
-        with svc.staging(name) as st:
-            yield st
+        with svc.staging(name) as staging:
+            yield staging
     except RegistrationClosedError:
         pass
 
@@ -56,8 +56,8 @@ class GroupLoad:
     _stack: ExitStack = field(default_factory=ExitStack)
 
     def __enter__(self) -> "GroupLoad":
-        for n in self.names:
-            self.stagings[n] = self._stack.enter_context(_staging(self.svc, f"group-{n}"))
+        for name in self.names:
+            self.stagings[name] = self._stack.enter_context(_staging(self.svc, f"group-{name}"))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -65,42 +65,43 @@ class GroupLoad:
 
     def load_all(self) -> None:
         """Every catalog segment into every member's staging (size + digest checked per segment)."""
-        for n in self.names:
-            st = self.stagings[n]
-            src = ServiceSegments(self.svc.client, st.reg, self.svc.after_accept)
-            stage_segments(src, st.tensor, self.catalog)
-            self.loads += len(src.requests)
+        for name in self.names:
+            staging = self.stagings[name]
+            source = ServiceSegments(self.svc.client, staging.reg, self.svc.after_accept)
+            stage_segments(source, staging.tensor, self.catalog)
+            self.loads += len(source.requests)
 
     def admit(self) -> dict[str, Any]:
         """The group barrier (module doc); returns what was checked, raises GroupAdmissionError otherwise."""
-        st = self.svc.h.status()
-        regs = {r["reg"]: r for r in st["registrations"]}
+        status = self.svc.h.status()
+        regs = {listed["reg"]: listed for listed in status["registrations"]}
         want_layout = descriptor.digest(self.catalog.layout.to_dict())
         kind = "cuda_ipc" if self.svc.device.type == "cuda" else "memfd"
         problems: list[str] = []
         members: dict[str, Any] = {}
-        for n in self.names:
-            ref = self.stagings[n].reg
-            r = regs.get(ref.reg)
-            seen = None if r is None else {k: r[k] for k in ("state", "gen", "kind", "nbytes", "mapped",
-                                                             "in_flight_count")}
-            members[n] = {"reg": ref.reg, "service": seen}
-            if r is None:
-                problems.append(f"{n}: registration {ref.reg} not listed by the service")
+        for name in self.names:
+            ref = self.stagings[name].reg
+            listed = regs.get(ref.reg)
+            seen = None if listed is None else {k: listed[k] for k in ("state", "gen", "kind", "nbytes", "mapped",
+                                                                       "in_flight_count")}
+            members[name] = {"reg": ref.reg, "service": seen}
+            if listed is None:
+                problems.append(f"{name}: registration {ref.reg} not listed by the service")
                 continue
             expect = {"state": "active", "gen": ref.gen, "kind": kind, "nbytes": self.catalog.nbytes, "mapped": True,
                       "in_flight_count": 0}
-            problems += [f"{n}: {k} {seen[k]!r}, expected {v!r}" for k, v in expect.items() if seen[k] != v]
+            problems += [f"{name}: {k} {seen[k]!r}, expected {v!r}" for k, v in expect.items() if seen[k] != v]
             if ref.layout_digest != want_layout:
-                problems.append(f"{n}: registered layout digest differs from the catalog layout's")
-        objects = {o["key"]: o for o in st["store"]["objects"]}
+                problems.append(f"{name}: registered layout digest differs from the catalog layout's")
+        objects = {obj["key"]: obj for obj in status["store"]["objects"]}
         digests = {}
-        for e in self.catalog.entries:
-            o = objects.get(e.key)
-            digests[e.key.decode(errors="replace")] = None if o is None else o["sha256"][:16]
-            if o is None or o["state"] != "committed" or o["sha256"] != e.sha256 or o["nbytes"] != e.nbytes:
-                problems.append(f"original {e.key!r}: {o and {k: o[k] for k in ('state', 'nbytes', 'sha256')}} "
-                                f"differs from the catalog ({e.nbytes} B, {e.sha256[:16]}…)")
+        for entry in self.catalog.entries:
+            obj = objects.get(entry.key)
+            digests[entry.key.decode(errors="replace")] = None if obj is None else obj["sha256"][:16]
+            if obj is None or obj["state"] != "committed" or obj["sha256"] != entry.sha256 \
+                    or obj["nbytes"] != entry.nbytes:
+                problems.append(f"original {entry.key!r}: {obj and {k: obj[k] for k in ('state', 'nbytes', 'sha256')}} "
+                                f"differs from the catalog ({entry.nbytes} B, {entry.sha256[:16]}…)")
         expected_loads = len(self.names) * len(self.catalog.entries)
         if self.loads != expected_loads:
             problems.append(f"{self.loads} loads accepted, expected {expected_loads}")
@@ -110,5 +111,5 @@ class GroupLoad:
 
     def copy_private(self, engine: TransferEngine, privates: dict[str, torch.Tensor]) -> None:
         """Each member's private copy of its staged segments, drained before returning."""
-        for n in self.names:
-            copy_private(engine, self.stagings[n].tensor, privates[n], f"group-{n}")
+        for name in self.names:
+            copy_private(engine, self.stagings[name].tensor, privates[name], f"group-{name}")

@@ -16,7 +16,8 @@ import torch
 from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.model.blend import RepairConfig
 from kmesh.model.runner import LayerRunner
-from kmesh.segments import InProcessSegments, export_segments
+from kmesh.modelsetup import leader_prefill
+from kmesh.segments import InProcessSegments
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import Child, Workload
 
@@ -27,26 +28,25 @@ class RunnerRefs:
     kmesh: dict[str, ChildOutcome]
 
 
-def save_spans(w: Workload) -> list[list[int]]:
-    return [[s.leader_start, s.leader_start + s.tokens] for s in w.segments]
+def save_spans(workload: Workload) -> list[list[int]]:
+    """The leader's segments as [start, end) token spans (the request's kmesh_save_segments)."""
+    return [[seg.leader_start, seg.leader_start + seg.tokens] for seg in workload.segments]
 
 
-def child_spans(c: Child) -> list[list[int]]:
-    return [[a, b] for _, a, b in c.segment_slices()]
+def child_spans(child: Child) -> list[list[int]]:
+    """Where the child placed each segment, as [start, end) token spans (the request's kmesh_segments)."""
+    return [[a, b] for _, a, b in child.segment_slices()]
 
 
-def runner_refs(runner: LayerRunner, w: Workload, repair: RepairConfig, max_new_tokens: int,
+def runner_refs(runner: LayerRunner, workload: Workload, repair: RepairConfig, max_new_tokens: int,
                 full: bool = True) -> RunnerRefs:
-    ids = torch.tensor(w.leader_ids)
-    cache = runner.new_cache(len(ids), w.spec.block_size)
-    runner.prefill(ids, cache)
-    export = export_segments(runner, cache, w, b"kmesh-vllm/runner-leader")
+    export = leader_prefill(runner, workload, b"kmesh-vllm/runner-leader")
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), repair, max_new_tokens)
-    src = InProcessSegments(export)
+    source = InProcessSegments(export)
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
     private = torch.empty_like(staging)
-    fulls = {c.name: full_reference(ctx, c) for c in w.children} if full else {}
-    kmesh = {c.name: run_child(ctx, c, src, staging, private) for c in w.children}
+    fulls = {ch.name: full_reference(ctx, ch) for ch in workload.children} if full else {}
+    kmesh = {ch.name: run_child(ctx, ch, source, staging, private) for ch in workload.children}
     return RunnerRefs(fulls, kmesh)
 
 
@@ -56,8 +56,8 @@ def logprob_gap(engine_top: dict[str, float] | None, ref: Any) -> float:
     if not engine_top:
         return math.inf
     if isinstance(ref, torch.Tensor):
-        lp = torch.log_softmax(ref.double(), -1)
-        return max(abs(v - float(lp[int(k)])) for k, v in engine_top.items())
+        logprobs = torch.log_softmax(ref.double(), -1)
+        return max(abs(v - float(logprobs[int(k)])) for k, v in engine_top.items())
     shared = [k for k in engine_top if k in ref]
     return max(abs(engine_top[k] - ref[k]) for k in shared) if shared else math.inf
 

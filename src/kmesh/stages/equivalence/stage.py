@@ -1,0 +1,180 @@
+"""Stage `equivalence` (write-up §24, first half): children restore shared segments saved by a leader, repair
+them with KMesh's CacheBlend repair, and must get exactly the same state whether the segments came from
+inside the model process or through the separate cache service.
+
+Cases:
+  runner-matches-transformers  a plain full forward through the layer-wise runner vs transformers' own forward
+                               (bound recorded) and the same greedy tokens
+  workload                     4 segments totalling 416 tokens, 4 children of 512 tokens, placements differ
+  leader-save                  leader prefill → export (one object per segment) → saved through the service;
+                               the store's digests equal the leader's catalog
+  child-<A..D>                 (a) in-process source vs (b) the service (memfd on CPU, CUDA IPC on GPU): K and V of
+                               every layer, next-token logits, generated tokens, recompute masks at every layer —
+                               bit for bit; registration released, nothing leaked
+  originals-unchanged          after every child: each original still hashes to its committed digest
+  negative-controls            one flipped bit in K, V, logits, a mask or a staged byte is caught
+  control-<name> (7)           missing, corrupt, truncated object, wrong layout descriptor, service killed
+                               mid-load, failure after device work was submitted, cancelled child: each falls
+                               back safely (kmesh.child), tokens equal the full-recompute reference, no leak
+  quality                      arms full / naive / stock / kmesh on the same prompts (kmesh.model.quality)
+  ttft-<T>                     time to first token, matched pairs (kmesh.bench): kmesh repair vs full
+                               recompute, and full recompute vs transformers' own forward
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+import torch
+
+from kmesh.child import full_reference, run_child
+from kmesh.config import Config
+from kmesh.model.blend import RepairConfig
+from kmesh.model.quality import arm_quality, compare_states, identical, summarize
+from kmesh.model.runner import transformers_sdpa_policy
+from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
+from kmesh.result import Result
+from kmesh.segments import InProcessSegments, ServiceSegments
+from kmesh.service_side import ServiceSide
+from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey, Refs
+from kmesh.stages.equivalence.ttft import ttft_cases
+from kmesh.workload import answer_matches
+
+
+def _runner_case(res: Result, setup: ModelSetup) -> None:
+    child = setup.workload.children[0]
+    with res.case("runner-matches-transformers", {"model": setup.what, "tokens": len(child.ids)}) as case:
+        ids = torch.tensor(child.ids, device=setup.device)
+        model = setup.model
+        with torch.no_grad(), transformers_sdpa_policy(model):
+            hf_logits = model(ids[None]).logits[0, -1]
+            hf_tokens = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
+                                       max_new_tokens=setup.ctx.max_new_tokens, do_sample=False,
+                                       pad_token_id=model.config.eos_token_id or 0)[0, len(ids):].tolist()
+        ref = full_reference(setup.ctx, child)
+        diff = float((ref.logits.double() - hf_logits.double()).abs().max())
+        scale = float(hf_logits.double().abs().max())
+        bound = float(setup.sec["runner_logits_bound"])
+        case.record("logits_max_abs_diff", diff)
+        case.record("logits_max_abs", scale)
+        # the kernel the recomputed rows' masked attention ran
+        case.record("attention_backend", setup.runner.attention)
+        case.record("sdpa_rule", "both sides: cuDNN only for a causal prefill without mask (kmesh.model.runner)")
+        case.check("logits_within_bound", diff <= bound * max(scale, 1.0), value={"diff": diff, "bound_rel": bound})
+        case.check("argmax_equal", int(ref.logits.argmax()) == int(hf_logits.argmax()))
+        case.check("greedy_tokens_equal", ref.tokens[:len(hf_tokens)] == hf_tokens,
+                   value={"runner": ref.tokens, "transformers": hf_tokens})
+
+
+def _workload_case(res: Result, setup: ModelSetup) -> None:
+    workload = setup.workload
+    with res.case("workload", {"seed": workload.seed, "spec": workload.spec.__dict__}) as case:
+        case.record("describe", workload.describe())
+        case.check("four_segments_416_tokens",
+                   sum(seg.tokens for seg in workload.segments) == sum(workload.spec.segment_tokens),
+                   value=[seg.tokens for seg in workload.segments])
+        case.check("children_prompt_tokens",
+                   all(len(ch.ids) == workload.spec.prompt_tokens for ch in workload.children),
+                   value=[len(ch.ids) for ch in workload.children])
+        starts = [tuple(sl[1] for sl in ch.segment_slices()) for ch in workload.children]
+        case.check("placements_differ", len(set(starts)) == len(starts), value=starts)
+        case.check("segment_ids_in_children", all(
+            list(ch.ids[a:b]) == list(workload.segments[i].ids)
+            for ch in workload.children for i, a, b in ch.segment_slices()))
+
+
+def _child_cases(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Refs) -> dict[str, Any]:
+    """Each child twice, (a) in-process and (b) through the service; (a) becomes the child's KMESH reference."""
+    agg = {"mask_comparisons": 0, "max_abs_diff": 0.0, "tokens_equal": True, "identical_children": 0}
+    inproc = InProcessSegments(setup.export)
+    staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+    private = torch.empty_like(staging)
+    for child in setup.workload.children:
+        with res.case(f"child-{child.name}", {"placements": [p.__dict__ for p in child.placements]}) as case:
+            in_process = run_child(setup.ctx, child, inproc, staging, private)
+            with svc.staging(f"child-{child.name}") as service_staging:
+                service = run_child(setup.ctx, child,
+                                    ServiceSegments(svc.client, service_staging.reg, svc.after_accept),
+                                    service_staging.tensor, private)
+            case.check("in_process_used_segments", in_process.fallback is None, value=in_process.fallback)
+            case.check("service_used_segments", service.fallback is None, value=service.fallback)
+            cmp = compare_states(in_process, service)
+            case.record("comparison", cmp)
+            case.check("bit_identical", identical(cmp), value=cmp["first_unequal_layer"])
+            case.check("masks_equal_every_layer", cmp["mask_equal_layers"] == cmp["layers"],
+                       value=cmp["mask_equal_layers"])
+            case.record("outcome", service.describe())
+            case.record("answer", {"expected": child.answer, "text": setup.decode(service.tokens)})
+            case.check("staging_released_no_leaks", svc.no_leaks(), value=svc.leaks())
+            agg["mask_comparisons"] += cmp["mask_equal_layers"]
+            agg["max_abs_diff"] = max(agg["max_abs_diff"], cmp["max_abs_diff"])
+            agg["tokens_equal"] &= cmp["tokens_equal"]
+            agg["identical_children"] += identical(cmp)
+            refs[RefKey(KMESH, child.name)] = in_process
+    return agg
+
+
+def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> dict[str, Any]:
+    arms = ("full", "naive", "stock", "kmesh")
+    out: dict[str, Any] = {}
+    with res.case("quality", {"arms": arms, "repair": setup.sec["repair"], "stock": setup.sec["stock"]}) as case:
+        inproc = InProcessSegments(setup.export)
+        staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+        private = torch.empty_like(staging)
+        stock_ctx = dataclasses.replace(setup.ctx, repair=RepairConfig.from_dict(setup.sec["stock"]))
+        per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        for child in setup.workload.children:
+            ref = refs[RefKey(FULL, child.name)]
+            for arm in arms:
+                if arm == "full":
+                    outcome = ref
+                elif arm == "kmesh":
+                    outcome = refs[RefKey(KMESH, child.name)]
+                else:
+                    outcome = run_child(stock_ctx if arm == "stock" else setup.ctx, child, inproc, staging, private,
+                                        arm=arm)
+                per_arm[arm].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
+                                                                         answer_matches)})
+        out = {arm: summarize(rows) for arm, rows in per_arm.items()}
+        case.record("per_child", per_arm)
+        case.record("summary", out)
+        case.check("full_agrees_with_itself", out["full"]["top1_agreement"] == 1.0 and out["full"]["kl_mean"] == 0.0)
+        case.check("kmesh_closer_than_naive", out["kmesh"]["kl_mean"] <= out["naive"]["kl_mean"],
+                   value={"kmesh": out["kmesh"]["kl_mean"], "naive": out["naive"]["kl_mean"]})
+    return out
+
+
+def run(cfg: Config) -> Result:
+    res, setup = begin_with_setup("equivalence", cfg, equivalence_setup)
+    if setup is None:
+        return res
+    res.extra.update(model=setup.what, device=str(setup.device), children=len(setup.workload.children),
+                     layers=setup.runner.num_layers)
+    _runner_case(res, setup)
+    _workload_case(res, setup)
+    refs: Refs = {RefKey(FULL, child.name): full_reference(setup.ctx, child) for child in setup.workload.children}
+    catalog = setup.export.catalog
+    with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
+                           int(setup.sec["chunk_bytes"])) as svc:
+        with res.case("leader-save", {"objects": len(catalog.entries), "bytes": catalog.nbytes}) as case:
+            saved = svc.save_leader()
+            case.record("catalog", catalog.describe())
+            case.check("store_digests_equal_catalog", all(saved[e.key] == e.sha256 for e in catalog.entries),
+                       value={k.decode(): v[:16] for k, v in saved.items()})
+            case.check("leader_registrations_released", svc.no_leaks(), value=svc.leaks())
+        agg = _child_cases(res, setup, svc, refs)
+        with res.case("originals-unchanged", {}) as case:
+            now = svc.store_digests(verify=True)
+            case.check("every_original_hashes_as_committed",
+                       all(now[e.key] == (e.sha256, e.sha256) for e in catalog.entries), value=len(now))
+        controls.negative_controls(res, setup, refs)
+        agg["failure_controls_passed"] = controls.failure_controls(res, setup, svc, refs)
+    res.extra.update(mask_comparisons=agg["mask_comparisons"], max_abs_diff=agg["max_abs_diff"],
+                     tokens_equal=agg["tokens_equal"], identical_children=agg["identical_children"],
+                     failure_controls_passed=agg["failure_controls_passed"])
+    res.extra["quality"] = _quality_case(res, setup, refs)
+    res.extra["ttft"] = ttft_cases(res, setup)
+    gc.collect()
+    return res

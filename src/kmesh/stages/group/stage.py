@@ -1,0 +1,232 @@
+"""Stage `group` (write-up §25): a request group executed layer-major, bit-identical to serial, with failure
+isolation, batched group math, scaling pairs and the bytes a group holds.
+
+Cases:
+  setup                 model + workload (the equivalence stage's: same leader, 4 shared segments), leader saved
+                        through a real cache service (the shared originals in its host-RAM tier)
+  serial-in-process     each child alone (kmesh.child.run_child), segments from inside the model process
+  serial-service        each child alone, segments through the service (cross-process: memfd / CUDA IPC)
+  group-layer-major     all children as one group: members × segments loads from the shared originals (16 for
+                        4 × 4), every member checked by the group barrier (kmesh.stages.group.load) before any
+                        restored input is released, private copies, layer-major blend_group (each finished
+                        layer written back to the member's private destination blocks by an async copy), then
+                        decode. K/V, logits, tokens and the mask of every layer equal both serial paths bit for bit
+  comparisons-can-fail  one flipped bit of the group's K / mask / logits is caught by the same comparison
+  originals-unchanged   every original re-hashed in the store equals its committed digest, after the group runs
+  group-failure         the same group, child B fails after its first layer (injected), with its layer-0
+                        write-back still pending (a gated copy): B drains it, discards its restored and partial
+                        state, recomputes fully without reuse (tokens = full-recompute reference); A, C, D
+                        unaffected (bit-identical to serial); afterwards the service's own counters show no
+                        handle open and nothing pending
+  batched-agreement     batched group math (kmesh.model.group) vs the unbatched layer-major path: rotation and
+                        deviation bit-identical; K/V/logits bound measured; masks and tokens equal
+  scaling-<N>           matched pairs per group size (kmesh.stages.group.bench): serial vs layer-major,
+                        serial vs batched; peak memory per arm
+  bytes-held            store bytes once + private repaired copies per child vs N; what diffs would save
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kmesh.child import ChildOutcome, full_reference, run_child
+from kmesh.config import Config
+from kmesh.errors import KMeshError
+from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
+from kmesh.result import Case, Result
+from kmesh.segments import InProcessSegments, ServiceSegments
+from kmesh.service_side import ServiceSide
+from kmesh.stages.group import bench
+from kmesh.stages.group.path import GroupRun, run_group
+from kmesh.workload import Child
+
+
+class GroupConfigError(KMeshError):
+    """The group section names a failure the group cannot have (unknown member, no layer after it)."""
+
+
+@dataclass
+class GroupSetup(ModelSetup):
+    """workload.children[:group.children] are the group; the rest only widen the scaling runs."""
+
+    @property
+    def group(self) -> tuple[Child, ...]:
+        return self.workload.children[: int(self.sec["children"])]
+
+
+def make_setup(cfg: Config) -> GroupSetup:
+    """The equivalence section's model under the group section's workload (widened to the largest scaling size)."""
+    sec = cfg.section("group")
+    model_sec = {**cfg.section("equivalence"), "model": sec["model"]}
+    widest = max([int(sec["children"]), *[int(n) for n in sec["scaling"]["sizes"]]])
+    base = build_setup(cfg, SetupSpec(
+        section="group", key_prefix=b"kmesh-group/leader", model_sec=model_sec,
+        workload={**sec["workload"], "children": widest}, repair=sec["repair"],
+        max_new_tokens=int(sec["max_new_tokens"]), restore_backend=sec.get("restore_backend", "torch"),
+        device=sec["device"]))
+    setup = GroupSetup(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSetup)})
+    names = [child.name for child in setup.group]
+    fail = sec["failure"]
+    last = setup.runner.num_layers - 1
+    if fail["child"] not in names or not 0 <= int(fail["after_layer"]) < last:
+        raise GroupConfigError(f"group.failure: child {fail['child']!r} must be one of {names} and after_layer "
+                               f"{fail['after_layer']} a layer before the model's last ({last})")
+    return setup
+
+
+def _serial(res: Result, setup: GroupSetup,
+            svc: ServiceSide) -> tuple[dict[str, ChildOutcome], dict[str, ChildOutcome]]:
+    catalog = setup.export.catalog
+    staging = torch.empty(catalog.nbytes, dtype=torch.uint8, device=setup.device)
+    private = torch.empty_like(staging)
+    inproc: dict[str, ChildOutcome] = {}
+    service: dict[str, ChildOutcome] = {}
+    names = [child.name for child in setup.group]
+    with res.case("serial-in-process", {"children": names}) as case:
+        source = InProcessSegments(setup.export)
+        for child in setup.group:
+            inproc[child.name] = run_child(setup.ctx, child, source, staging, private)
+        case.check("segments_used", all(o.fallback is None for o in inproc.values()),
+                   value={n: o.fallback for n, o in inproc.items()})
+    with res.case("serial-service", {"children": names}) as case:
+        for child in setup.group:
+            with svc.staging(f"serial-{child.name}") as service_staging:
+                service[child.name] = run_child(
+                    setup.ctx, child, ServiceSegments(svc.client, service_staging.reg, svc.after_accept),
+                    service_staging.tensor, private)
+        case.check("segments_used", all(o.fallback is None for o in service.values()),
+                   value={n: o.fallback for n, o in service.items()})
+        cmps = {n: compare_states(inproc[n], service[n]) for n in service}
+        case.record("comparison", cmps)
+        case.check("bit_identical_to_in_process", all(identical(x) for x in cmps.values()))
+        case.check("no_service_leaks", svc.no_leaks(), value=svc.leaks())
+    return inproc, service
+
+
+def _compare_group(case: Case, group_run: GroupRun, refs: dict[str, dict[str, ChildOutcome]],
+                   names: list[str]) -> dict[str, Any]:
+    agg = {"mask_comparisons": 0, "kv_layer_comparisons": 0, "max_abs_diff": 0.0, "all_identical": True}
+    per: dict[str, Any] = {}
+    for ref_name, ref in refs.items():
+        for name in names:
+            cmp = compare_states(ref[name], group_run.outcomes[name])
+            per[f"{name}-vs-{ref_name}"] = cmp
+            agg["mask_comparisons"] += cmp["layers"]
+            agg["kv_layer_comparisons"] += 2 * cmp["layers"]
+            agg["max_abs_diff"] = max(agg["max_abs_diff"], cmp["max_abs_diff"])
+            agg["all_identical"] &= identical(cmp)
+    case.record("comparisons", per)
+    return agg
+
+
+def _group_case(res: Result, setup: GroupSetup, svc: ServiceSide, inproc: dict[str, ChildOutcome],
+                service: dict[str, ChildOutcome]) -> tuple[dict[str, Any], GroupRun | None]:
+    names = [child.name for child in setup.group]
+    segments = len(setup.export.catalog.entries)
+    agg: dict[str, Any] = {}
+    group_run: GroupRun | None = None
+    with res.case("group-layer-major", {"children": names, "segments": segments}) as case:
+        group_run = run_group(setup, svc, setup.group)
+        case.record("admission", group_run.admission)
+        case.check("placements_loaded", group_run.loads == len(names) * segments, value=group_run.loads)
+        case.check("executed_layer_major", group_run.order_layer_major)
+        case.check("writeback_equals_working_cache", all(group_run.writeback_equal.values()),
+                   value=group_run.writeback_equal)
+        case.check("segments_used", all(o.fallback is None for o in group_run.outcomes.values()))
+        agg = _compare_group(case, group_run, {"serial-in-process": inproc, "serial-service": service}, names)
+        case.check("bit_identical_to_both_serial_paths", agg["all_identical"], value=agg["max_abs_diff"])
+        case.check("no_service_leaks", svc.no_leaks(), value=svc.leaks())
+        agg["placements"] = group_run.loads
+    return agg, group_run
+
+
+def _negative(res: Result, group_run: GroupRun, inproc: dict[str, ChildOutcome]) -> None:
+    with res.case("comparisons-can-fail", {}) as case:
+        name = next(iter(group_run.outcomes))
+        base = group_run.outcomes[name]
+        for field_ in ("k", "masks", "logits"):
+            tensor = getattr(base, field_)
+            flipped = flip_bit(tensor, 0 if tensor.dtype == torch.bool else 3)   # a mask's first element, byte 3
+            cmp = compare_states(inproc[name], dataclasses.replace(base, **{field_: flipped}))
+            case.check(f"{field_}_bit_flip_caught", not identical(cmp))
+
+
+def _failure_case(res: Result, setup: GroupSetup, svc: ServiceSide, inproc: dict[str, ChildOutcome],
+                  fulls: dict[str, ChildOutcome]) -> dict[str, Any]:
+    sec = setup.sec["failure"]
+    who, after = sec["child"], int(sec["after_layer"])
+    out: dict[str, Any] = {"failure_case_passed": False}
+    with res.case("group-failure", {"fails": who, "after_layer": after}) as case:
+        group_run = run_group(setup, svc, setup.group, fail={who: after}, gated=who)
+        failure = group_run.failure.get(who, {})
+        case.record("failure", failure)
+        ok = [case.check("failed_member_left_after_its_layer", failure.get("layer") == after,
+                         value=failure.get("layer")),
+              case.check("work_was_pending_at_failure", failure.get("pending_at_failure", 0) >= 1,
+                         value=failure.get("pending_at_failure")),
+              case.check("drained_before_recompute", "pending-before-recompute:0" in failure.get("events", [])
+                         and failure.get("events", [""])[-1] == "recompute", value=failure.get("events")),
+              case.check("failed_member_tokens_equal_full_reference",
+                         group_run.outcomes[who].tokens == fulls[who].tokens),
+              case.check("failed_member_kv_equal_full_reference", torch.equal(group_run.outcomes[who].k, fulls[who].k)
+                         and torch.equal(group_run.outcomes[who].v, fulls[who].v))]
+        others = {n: compare_states(inproc[n], o) for n, o in group_run.outcomes.items() if n != who}
+        case.record("others_vs_serial", others)
+        ok.append(case.check("others_bit_identical_to_serial", all(identical(x) for x in others.values()),
+                             value={n: x["first_unequal_layer"] for n, x in others.items()}))
+        ok.append(case.check("executed_layer_major", group_run.order_layer_major))
+        leaks = svc.leaks()
+        status = svc.h.status()
+        handles = leaks["registrations"] + leaks["memfd_mappings"] + leaks["cuda_handles_open"]
+        pending = leaks["copies_running"] + leaks["reservations"] + len(status["requests_running"])
+        case.record("service_counters", leaks)
+        ok.append(case.check("handles_open_after_zero", handles == 0, value=handles))
+        ok.append(case.check("pending_after_zero", pending == 0, value=pending))
+        engine = setup.ctx.engine
+        ok.append(case.check("engine_nothing_pending", not engine.pending() and engine.live_holds() == 0))
+        out.update(failure_case_passed=all(ok), handles_open_after=handles, pending_after=pending,
+                   others_mask_comparisons=sum(x["mask_equal_layers"] for x in others.values()))
+    return out
+
+
+def _originals_case(res: Result, setup: GroupSetup, svc: ServiceSide) -> bool:
+    with res.case("originals-unchanged", {}) as case:
+        now = svc.store_digests(verify=True)
+        ok = case.check("every_original_hashes_as_committed",
+                        all(now.get(e.key) == (e.sha256, e.sha256) for e in setup.export.catalog.entries),
+                        value=len(now))
+    return ok
+
+
+def run(cfg: Config) -> Result:
+    res, setup = begin_with_setup("group", cfg, make_setup, model=cfg.section("group")["model"])
+    if setup is None:
+        return res
+    res.extra.update(model=setup.what, device=str(setup.device), children=len(setup.group),
+                     layers=setup.runner.num_layers)
+    fulls = {child.name: full_reference(setup.ctx, child) for child in setup.group}
+    catalog = setup.export.catalog
+    with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
+                           int(setup.sec["chunk_bytes"])) as svc:
+        with res.case("leader-save", {"objects": len(catalog.entries)}) as case:
+            saved = svc.save_leader()
+            case.check("store_digests_equal_catalog", all(saved[e.key] == e.sha256 for e in catalog.entries))
+        store_bytes = int(svc.h.status()["store"]["used_bytes"])
+        inproc, service = _serial(res, setup, svc)
+        agg, group_run = _group_case(res, setup, svc, inproc, service)
+        if group_run is not None:
+            _negative(res, group_run, inproc)
+        fail = _failure_case(res, setup, svc, inproc, fulls)
+        unchanged = _originals_case(res, setup, svc)
+    res.extra.update(placements=agg.get("placements"), mask_comparisons=agg.get("mask_comparisons"),
+                     kv_layer_comparisons=agg.get("kv_layer_comparisons"), max_abs_diff=agg.get("max_abs_diff"),
+                     originals_unchanged=unchanged, **fail)
+    res.extra["batched_bound"] = bench.batched_agreement(res, setup, inproc,
+                                                         group_run.outcomes if group_run else {})
+    res.extra["scaling"] = bench.scaling(res, setup)
+    res.extra["bytes_held"] = bench.bytes_held(res, setup, store_bytes)
+    return res
