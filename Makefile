@@ -6,7 +6,7 @@ export LMCACHE_TRACK_USAGE := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: env pipeline test doctor lock mutation slurm-cluster
+.PHONY: env pipeline test unit doctor lock mutation slurm-cluster
 
 env:
 	scripts/setup-env.sh
@@ -15,7 +15,15 @@ env:
 pipeline: env  ## run every stage on the CPU profile, then tables + plots
 	python -m kmesh pipeline --cores all $(SNAKEMAKE_ARGS)
 
-test: env  ## the test suite (CI runs exactly this)
+# Every stage runs before the suite (CI runs exactly this): the cpu pipeline redoes what the checked-out code and
+# config invalidate (nothing, after `make pipeline`), and tests/test_stage_results.py fails on a missing, stale or
+# failed stage result (the suite runs even when a stage failed, so CI shows both).
+test: env  ## every stage on the cpu profile (as make pipeline), then the test suite
+	python -m kmesh pipeline --cores all; stages=$$?; \
+	  KMESH_REQUIRE_VLLM=1 KMESH_REQUIRE_STAGES=cpu python -m pytest -q $(PYTEST_ARGS); tests=$$?; \
+	  exit $$(( stages || tests ))
+
+unit: env  ## only the test suite (stage-result tests skip unless the pipeline ran)
 	KMESH_REQUIRE_VLLM=1 python -m pytest -q $(PYTEST_ARGS)
 
 slurm-cluster:  ## a single-node SLURM cluster on this machine (root; apt-get) for the slurm profile and its test
