@@ -88,6 +88,11 @@ def env():
     ctx.engine.close()
 
 
+def _streamed(n):
+    """run_child's events for n segments that went their whole way: each staged, copied private, restored."""
+    return [f"{what}:{i}" for i in range(n) for what in ("staged", "private-copy-drained", "restored")]
+
+
 def _objects(export):
     return {e.key: export.raw[e.offset:e.offset + e.nbytes].clone() for e in export.catalog.entries}
 
@@ -263,7 +268,8 @@ def test_run_child_in_process_uses_segments(env):
         out = env.refs[RefKey(KMESH, child.name)]
         T = len(child.ids)
         assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
-        assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
+        assert out.events == _streamed(3)
+        assert out.written_before_recompute is None
         mask = torch.zeros(T, dtype=torch.bool)
         mask[child.restored_positions()] = True
         assert torch.equal(out.restored, mask) and int(out.restored.sum()) == 240
@@ -295,9 +301,13 @@ def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
         ref = env.refs[RefKey(FULL, child.name)]
         assert out.fallback.startswith("SegmentCorruptError"), out.fallback
         assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
-        assert out.events[:1 + idx] == [f"staged:{i}" for i in range(1 + idx)]
-        assert "private-copy-drained" not in out.events
+        # the segments before the corrupt one went their whole way (restored), the corrupt one only staged
+        assert out.events[:3 * (1 + idx)] == _streamed(1 + idx)
+        assert out.events[3 * (1 + idx)] == "failed:SegmentCorruptError"
         assert out.arm == "full" and not bool(out.restored.any())
+        # the recompute ran over those restored segments and still equals the reference
+        want = controls.expected_partial(child, out.written_before_recompute.numel(), 1 + idx)
+        assert bool(want.any()) and torch.equal(out.written_before_recompute, want)
         assert out.tokens == ref.tokens and len(out.tokens) == MAX_NEW
         assert torch.equal(out.logits, ref.logits)
         assert identical(compare_states(out, ref))
@@ -311,8 +321,9 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
         out = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
         assert out.fallback.startswith("SubmitError")
-        assert out.events == ["staged:0", "staged:1", "staged:2", "failed:SubmitError",
-                              "pending-before-recompute:0", "recompute"]
+        # the first segment's private copy fails after it was accepted: nothing restored yet
+        assert out.events == ["staged:0", "failed:SubmitError", "pending-before-recompute:0", "recompute"]
+        assert not bool(out.written_before_recompute.any())
         assert engine.pending() == [] and engine.live_holds() == 0
         assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
     finally:
