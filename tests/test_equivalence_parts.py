@@ -522,10 +522,12 @@ def test_failure_controls_all_seven_pass(env):
             assert c.checks[f"{name}_equal_pre_failure_reference"]["ok"]
     killed = res.cases[-1].checks
     assert killed["staging_unmapped_in_child"]["ok"] and killed["staging_fd_closed_in_child"]["ok"]
-    # what landed of segment 1 in staging: nothing when refused before its copy; all of it when its copy ended
+    # what landed of segment 1 in staging (bytes no longer the 0xA5 fill; a data byte may be 0xA5 too): nothing
+    # when refused before its copy, one chunk when the service died after it, about all of it otherwise (the
+    # service lets a cancelled copy run out)
     landed = {c.id[len("control-"):]: c.checks["failing_segment_bytes_landed_in_staging"]["value"] for c in res.cases}
     assert landed["missing-object"] == landed["wrong-layout-descriptor"] == 0
-    assert 0 < landed["cancelled-child"] < SEG_BYTES and 0 < landed["service-killed-mid-load"] < SEG_BYTES
+    assert 0 < landed["service-killed-mid-load"] <= CONTROL_CHUNK < SEG_BYTES * 0.9 < landed["cancelled-child"]
     assert env.ctx.engine.pending() == [] and env.ctx.engine.live_holds() == 0
 
 
