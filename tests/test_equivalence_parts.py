@@ -8,7 +8,9 @@ needs ~70 bytes, so 16/32-token segments cannot be built), 2 children of 352 tok
 Export geometry: a block of all 4 layers = 4·16·2·(16+16)·4 B = 16 KiB; a segment = 5 blocks = 80 KiB,
 which the service (chunk_bytes 64 KiB) copies in 2 chunks, so "mid-copy" is a real state.
 
-Regression (end of file): ServiceSegments once reported the catalog's size, not the accepted copy's, to
+Regressions (end of file): the fallback recomputes over the partial state a failure left (run_child once
+re-poisoned it); the controls compare with the reference made before the failure and the killed service's control
+checks our own staging mapping; ServiceSegments once reported the catalog's size, not the accepted copy's, to
 after_accept, so a truncated object left a surplus gate token; the seven failure controls run at 64 KiB chunks,
 where that surplus would let the cancelled / killed controls' copies run past the granted chunk.
 Whole file ~10 s on CPU (fixture build ~2 s, each real service ~1-2 s).
@@ -86,6 +88,11 @@ def env():
     yield SimpleNamespace(model=model, runner=runner, workload=workload, leader_cache=leader_cache, export=export,
                           ctx=ctx, refs=refs, setup=s)
     ctx.engine.close()
+
+
+def _streamed(n):
+    """run_child's events for n segments that went their whole way: each staged, copied private, restored."""
+    return [f"{what}:{i}" for i in range(n) for what in ("staged", "private-copy-drained", "restored")]
 
 
 def _objects(export):
@@ -263,7 +270,8 @@ def test_run_child_in_process_uses_segments(env):
         out = env.refs[RefKey(KMESH, child.name)]
         T = len(child.ids)
         assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
-        assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
+        assert out.events == _streamed(3)
+        assert out.written_before_recompute is None
         mask = torch.zeros(T, dtype=torch.bool)
         mask[child.restored_positions()] = True
         assert torch.equal(out.restored, mask) and int(out.restored.sum()) == 240
@@ -295,9 +303,13 @@ def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
         ref = env.refs[RefKey(FULL, child.name)]
         assert out.fallback.startswith("SegmentCorruptError"), out.fallback
         assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
-        assert out.events[:1 + idx] == [f"staged:{i}" for i in range(1 + idx)]
-        assert "private-copy-drained" not in out.events
+        # the segments before the corrupt one went their whole way (restored), the corrupt one only staged
+        assert out.events[:3 * (1 + idx)] == _streamed(1 + idx)
+        assert out.events[3 * (1 + idx)] == "failed:SegmentCorruptError"
         assert out.arm == "full" and not bool(out.restored.any())
+        # the recompute ran over those restored segments and still equals the reference
+        want = controls.expected_partial(child, out.written_before_recompute.numel(), 1 + idx)
+        assert bool(want.any()) and torch.equal(out.written_before_recompute, want)
         assert out.tokens == ref.tokens and len(out.tokens) == MAX_NEW
         assert torch.equal(out.logits, ref.logits)
         assert identical(compare_states(out, ref))
@@ -311,8 +323,9 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
         out = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
         assert out.fallback.startswith("SubmitError")
-        assert out.events == ["staged:0", "staged:1", "staged:2", "failed:SubmitError",
-                              "pending-before-recompute:0", "recompute"]
+        # the first segment's private copy fails after it was accepted: nothing restored yet
+        assert out.events == ["staged:0", "failed:SubmitError", "pending-before-recompute:0", "recompute"]
+        assert not bool(out.written_before_recompute.any())
         assert engine.pending() == [] and engine.live_holds() == 0
         assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
     finally:
@@ -501,7 +514,134 @@ def test_failure_controls_all_seven_pass(env):
     for c in res.cases:
         assert c.checks["failed_as_expected"]["ok"] and c.checks["recomputed_after_drain"]["ok"]
         assert ("no_service_leaks" in c.checks) == (c.id != "control-service-killed-mid-load")
+        # every control failed at segment 1 with segment 0 (80 tokens at one placement) restored in the model
+        # state: the recompute ran over it and equals the reference made before the service started
+        assert c.params["segment"] == controls.FAIL_AT == 1
+        assert c.checks["partial_data_in_destination"]["value"]["slots_written"] == 80
+        for name in ("kv", "logits", "tokens"):
+            assert c.checks[f"{name}_equal_pre_failure_reference"]["ok"]
+    killed = res.cases[-1].checks
+    assert killed["staging_unmapped_in_child"]["ok"] and killed["staging_fd_closed_in_child"]["ok"]
+    # what landed of segment 1 in staging (bytes no longer the 0xA5 fill; a data byte may be 0xA5 too): nothing
+    # when refused before its copy, one chunk when the service died after it, about all of it otherwise (the
+    # service lets a cancelled copy run out)
+    landed = {c.id[len("control-"):]: c.checks["failing_segment_bytes_landed_in_staging"]["value"] for c in res.cases}
+    assert landed["missing-object"] == landed["wrong-layout-descriptor"] == 0
+    assert 0 < landed["service-killed-mid-load"] <= CONTROL_CHUNK < SEG_BYTES * 0.9 < landed["cancelled-child"]
     assert env.ctx.engine.pending() == [] and env.ctx.engine.live_holds() == 0
+
+
+def test_fallback_recomputes_over_the_partial_state(env, monkeypatch):
+    """Regression: run_child re-poisoned the model state before its fallback recompute, so a failure control
+    compared a recompute in fresh memory with a recompute — it never showed a recompute overwriting partial
+    data. Now the recompute starts in the state the failure left: segment 0 restored."""
+    import kmesh.child as child_mod
+
+    seen = []
+    real = child_mod.prefill_and_decode
+
+    def spy(ctx, child, cache, restored, arm):
+        if arm == "full":     # the slots holding something other than the NaN poison, seen independently here
+            seen.append(torch.stack([~torch.isnan(k).all(2).all(1) | ~torch.isnan(v).all(2).all(1)
+                                     for k, v in zip(cache.k, cache.v)]).any(0))
+        return real(ctx, child, cache, restored, arm)
+
+    monkeypatch.setattr(child_mod, "prefill_and_decode", spy)
+    ex = env.export
+    objs = _objects(ex)
+    del objs[ex.catalog.entries[1].key]
+    child = env.workload.children[0]
+    staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
+    out = run_child(env.ctx, child, InProcessSegments(ex, objs), staging, torch.empty_like(staging))
+    assert out.fallback.startswith("SegmentMissingError")
+    (at_recompute,) = seen
+    want = torch.zeros(at_recompute.numel(), dtype=torch.bool)
+    (start,) = [a for seg, a, _ in child.segment_slices() if seg == 0]
+    want[start:start + 80] = True              # segment 0, restored before segment 1 went missing
+    assert torch.equal(at_recompute, want), int(at_recompute.sum())
+    assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
+    assert torch.equal(out.written_before_recompute, want)
+
+
+def _control_case(case_id="control-x"):
+    res = Result("equivalence", "test", provenance={})
+    return res, res.case(case_id, {})
+
+
+def test_settled_fails_a_destination_without_partial_data(env):
+    """A fallback whose destination was re-poisoned (or that failed before any byte landed) records no partial
+    data: partial_data_in_destination fails, as does a state the failure left anywhere but segment 0's slots."""
+    child = env.workload.children[0]
+    ref = env.refs[RefKey(FULL, child.name)]
+    cap = new_cache(env.ctx, child).capacity
+    want = controls.expected_partial(child, cap, controls.FAIL_AT)
+    base = dataclasses.replace(ref, fallback="SegmentMissingError: x", events=["pending-before-recompute:0",
+                                                                               "recompute"])
+    for written, ok in ((want, True), (torch.zeros(cap, dtype=torch.bool), False), (None, False),
+                        (want | (torch.arange(cap) == cap - 1), False)):
+        res, cm = _control_case()
+        with cm as case:
+            ran = controls.Ran(env.ctx, dataclasses.replace(base, written_before_recompute=written), None, 0)
+            passed = controls._settled(case, ran, ref, SegmentMissingError, None, child)
+        assert case.checks["partial_data_in_destination"]["ok"] is ok and passed is ok
+
+
+def test_references_in_self_sees_a_mapped_staging_buffer():
+    from kmesh.service.handles import HostBuffer, references_in_self
+
+    a, b = HostBuffer(1 << 16, name="kmesh-eq-same"), HostBuffer(1 << 16, name="kmesh-eq-same")
+    try:
+        left = references_in_self(a.tag)
+        assert len(left["maps"]) == 1 and "/memfd:kmesh-eq-same" in left["maps"][0]
+        assert left["fds"] == [str(a.fd)]
+        a.close()
+        assert references_in_self(a.tag) == {"maps": [], "fds": []}
+        assert len(references_in_self(b.tag)["maps"]) == 1      # same name, another inode: still there
+    finally:
+        a.close()
+        b.close()
+
+
+def test_failure_controls_catch_a_late_reference_and_a_leaked_staging_mapping(env, monkeypatch):
+    """Regressions: (1) the controls compared generated tokens with a full recompute made after the control,
+    so a fallback that differed from the reference computed before the failure passed; here B's pre-failure
+    reference gets another last token and every control of child B must fail on exactly that. (2) the killed
+    service's control asserted no leak check of its own: here our mapping of its staging memfd is left in
+    place (HostBuffer.close skipped once the service is dead) and the control must fail on it."""
+    from kmesh.service.handles import HostBuffer
+    from kmesh.service_side import ServiceSide
+
+    refs = dict(env.refs)
+    ref_b = refs[RefKey(FULL, "B")]
+    refs[RefKey(FULL, "B")] = dataclasses.replace(ref_b, tokens=ref_b.tokens[:-1] + [ref_b.tokens[-1] + 1])
+    kept = []
+    real_close = HostBuffer.close
+    res = Result("equivalence", "test", provenance={})
+    with _service(CONTROL_CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
+
+        def leaky_close(buf):
+            if h.service.alive():
+                return real_close(buf)
+            kept.append(buf)        # the killed control's staging: mapping and fd stay
+
+        monkeypatch.setattr(HostBuffer, "close", leaky_close)
+        svc.save_leader()
+        try:
+            passed = controls.failure_controls(res, env.setup, svc, refs)
+        finally:
+            monkeypatch.setattr(HostBuffer, "close", real_close)
+            for buf in kept:
+                buf.close()
+    failed = {c.id: sorted(k for k, v in c.checks.items() if v["ok"] is False) for c in res.cases}
+    assert failed == {
+        "control-missing-object": [], "control-corrupt-object": ["tokens_equal_pre_failure_reference"],
+        "control-truncated-object": [], "control-wrong-layout-descriptor": ["tokens_equal_pre_failure_reference"],
+        "control-failure-after-device-work-submitted": [],
+        "control-cancelled-child": ["tokens_equal_pre_failure_reference"],
+        "control-service-killed-mid-load": ["staging_fd_closed_in_child", "staging_unmapped_in_child"]}
+    assert passed == 3 and len(kept) == 1
+    # the comparison with a recompute made after the control is only recorded: it agrees, and does not save B
+    assert all(c.checks["tokens_equal_recompute_after_control"]["value"] for c in res.cases)
 
 
 def test_service_segments_after_accept_reports_the_accepted_copy_size(env):

@@ -113,6 +113,11 @@ def test_group_failure_case(env):
     assert f["layer"] == 0 and f["pending_at_failure"] >= 1
     assert f["events"][-2:] == ["pending-before-recompute:0", "recompute"]
     b = run.outcomes["B"]
+    # the recompute ran in B's working cache as the failure left it: its restored segments and its layer 0
+    # (every position) were there, nothing past the prompt (the canaries)
+    T = len(env.s.group[1].ids)
+    assert f["slots_written_before_recompute"] == T
+    assert bool(b.written_before_recompute[:T].all()) and not bool(b.written_before_recompute[T:].any())
     assert b.fallback and b.arm == "full"
     assert b.tokens == env.fulls["B"].tokens and torch.equal(b.k, env.fulls["B"].k)
     for n in ("A", "C"):

@@ -2,11 +2,16 @@
 
     out = run_child(ctx, child, source, staging, private)
 
-Any SegmentLoadError or transfer failure on the way ends in a full recompute of the prompt — but only once
-nothing is pending on the child's memory: the private copy's tickets are drained first (copy_private
-does so even when submit fails after accepting), and if a drain cannot finish the child fails instead of
-recomputing into memory a copy may still write. The model state is poisoned (NaN) before use, and the slots
-past the request are canaries that must still be NaN afterwards.
+Each segment goes its whole way before the next is loaded: loaded into staging and checked (size, digest),
+copied into the private buffer (drained), restored into the child's model state. Any SegmentLoadError or
+transfer failure on the way ends in a full recompute of the prompt — but only once nothing is pending on the
+child's memory: the private copy's tickets are drained first (copy_private does so even when submit fails
+after accepting), and if a drain cannot finish the child fails instead of recomputing into memory a copy may
+still write. The model state is poisoned (NaN) before use, and the slots past the request are canaries that
+must still be NaN afterwards. The recompute runs in the model state as the failure left it — the segments
+restored before the failure are still there (`ChildOutcome.written_before_recompute` says where) — and must
+overwrite every one of them: a full prefill writes every position of the prompt at every layer, so its result
+is the full-recompute reference's whatever the memory held, and a stale slot it missed would show.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import torch
 from kmesh.errors import KMeshError
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.segments import Catalog, SegmentLoadError, SegmentSource, copy_private, restore_child, stage_segments
+from kmesh.segments import (Catalog, CatalogEntry, SegmentLoadError, SegmentSource, copy_private, restore_child,
+                            stage_segments)
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import TransferError
 from kmesh.workload import Child
@@ -53,11 +59,16 @@ class ChildOutcome:
     restored: torch.Tensor       # bool [T]: positions whose K/V came from the segments
     fallback: str | None = None  # why the child recomputed fully (None: the segments were used)
     events: list[str] = field(default_factory=list)
+    # bool [cache slots]: where the model state held something other than poison when the fallback recompute
+    # began (what the failure left there); None when there was no fallback
+    written_before_recompute: torch.Tensor | None = None
 
     def describe(self) -> dict[str, Any]:
+        written = self.written_before_recompute
         return {"child": self.child, "source": self.source, "arm": self.arm, "fallback": self.fallback,
                 "events": self.events, "tokens": self.tokens, "restored": int(self.restored.sum()),
-                "recomputed_per_layer": [int(x) for x in self.masks.sum(1).tolist()]}
+                "recomputed_per_layer": [int(x) for x in self.masks.sum(1).tolist()],
+                "slots_written_before_recompute": None if written is None else int(written.sum())}
 
 
 def check_canaries(cache: KVCache, used: int) -> None:
@@ -69,6 +80,14 @@ def check_canaries(cache: KVCache, used: int) -> None:
             raise ChildStateError(f"layer {layer}: a canary slot past {used} was overwritten")
 
 
+def written_slots(cache: KVCache) -> torch.Tensor:
+    """bool [capacity]: the slots where some layer's K or V holds something other than the poison (NaN)."""
+    written = torch.zeros(cache.capacity, dtype=torch.bool, device=cache.raw.device)
+    for k, v in zip(cache.k, cache.v):
+        written |= ~torch.isnan(k).flatten(1).all(1) | ~torch.isnan(v).flatten(1).all(1)
+    return written.cpu()
+
+
 def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,
                        arm: str) -> tuple[BlendResult, list[int]]:
     ids = torch.tensor(child.ids, device=ctx.runner.device)
@@ -78,12 +97,13 @@ def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored
 
 
 def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
-             res: BlendResult, tokens: list[int], fallback: str | None, events: list[str]) -> ChildOutcome:
+               res: BlendResult, tokens: list[int], fallback: str | None, events: list[str],
+               written_before_recompute: torch.Tensor | None = None) -> ChildOutcome:
     T = len(child.ids)
     check_canaries(cache, T + ctx.max_new_tokens - 1)
     k, v = cache.stacked(T)
     return ChildOutcome(child.name, source, arm, k, v, res.logits.clone(), tokens, res.masks.clone(), restored,
-                        fallback, events)
+                        fallback, events, written_before_recompute)
 
 
 def new_cache(ctx: ChildContext, child: Child) -> KVCache:
@@ -104,16 +124,24 @@ def full_reference(ctx: ChildContext, child: Child) -> ChildOutcome:
 def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
               private: torch.Tensor, arm: str = "kmesh", owner: str | None = None) -> ChildOutcome:
     """Restore the child's segments from `source` and repair with `arm`; on any load or transfer failure,
-    drain, then recompute the whole prompt (see module doc)."""
+    drain, then recompute the whole prompt in the model state as the failure left it (see module doc)."""
     owner = owner or f"child-{child.name}"
     events: list[str] = []
     cache = new_cache(ctx, child)
+    restored = torch.zeros(len(child.ids), dtype=torch.bool)
+
+    def use_segment(entry: CatalogEntry) -> None:
+        """A verified segment: its private copy (drained), then its restore into the model state."""
+        events.append(f"staged:{entry.index}")
+        span = slice(entry.offset, entry.offset + entry.nbytes)
+        copy_private(ctx.engine, staging[span], private[span], owner)
+        events.append(f"private-copy-drained:{entry.index}")
+        restored.logical_or_(restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend,
+                                           segments=(entry.index,)))
+        events.append(f"restored:{entry.index}")
+
     try:
-        stage_segments(source, staging, ctx.catalog, on_staged=lambda e: events.append(f"staged:{e.index}"))
-        copy_private(ctx.engine, staging, private, owner)
-        events.append("private-copy-drained")
-        restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
-        events.append("restored")
+        stage_segments(source, staging, ctx.catalog, on_staged=use_segment)
         res, tokens = prefill_and_decode(ctx, child, cache, restored, arm)
         return outcome_of(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
     except (SegmentLoadError, TransferError) as e:
@@ -124,8 +152,9 @@ def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: t
         ctx.engine.drain(pending, timeout=60.0)   # raises (no recompute) if the copy cannot be finished
         events.append("drained-after-failure")
     events.append(f"pending-before-recompute:{len(ctx.engine.pending(owner))}")
-    cache = ctx.runner.cache_over(cache.raw, cache.layout, fill=POISON)   # a partial restore is discarded
-    restored = torch.zeros(len(child.ids), dtype=torch.bool)
-    res, tokens = prefill_and_decode(ctx, child, cache, restored, "full")
+    # No re-poisoning: the recompute overwrites whatever the failure left (recorded here, checked by the controls)
+    written = written_slots(cache)
+    none = torch.zeros(len(child.ids), dtype=torch.bool)
+    res, tokens = prefill_and_decode(ctx, child, cache, none, "full")
     events.append("recompute")
-    return outcome_of(ctx, child, source.name, "full", cache, restored, res, tokens, fallback, events)
+    return outcome_of(ctx, child, source.name, "full", cache, none, res, tokens, fallback, events, written)

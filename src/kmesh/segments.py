@@ -12,14 +12,16 @@ starts on a block boundary and its object is the whole blocks it spans (`segment
 its last token in a partial last block are zero padding, covered by the digest and never restored (a
 restore reads exactly the segment's slots). The leader records each object's size and sha256 in a
 Catalog; a child checks every entry against the layout (`check_catalog`: the size its tokens need, from
-a block start) and every object's size before its bytes are copied, and trusts staged bytes only after
-size and digest match, before a single byte reaches its model state. Every failure is a SegmentLoadError
-subclass the caller turns into a full recompute — never a partial restore.
+a block start) and every object's size before its bytes are copied, and trusts a staged segment only after
+its size and digest match, before a single byte of it reaches its model state. Every failure is a
+SegmentLoadError subclass the caller turns into a full recompute — never a partial reuse: kmesh.child
+restores each segment as soon as it is verified, so a failure at a later segment leaves the earlier ones in the
+model state, and the recompute overwrites them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 import torch
 
@@ -310,16 +312,18 @@ def copy_private(engine: TransferEngine, staging: torch.Tensor, private: torch.T
 
 
 def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child: Child, runner: LayerRunner,
-                  backend: str = "torch") -> torch.Tensor:
-    """Restore every segment of the child from the private copy into its cache at the child's positions
-    (keys rotated by the position change). Returns the bool [T] mask of restored positions."""
+                  backend: str = "torch", segments: Collection[int] | None = None) -> torch.Tensor:
+    """Restore the child's segments (every one, or only those whose index is in `segments`) from the private
+    copy into its cache at the child's positions (keys rotated by the position change). Returns the bool [T]
+    mask of the positions restored by this call. A token's slot and rotation depend only on its own old and
+    new position, so restoring the segments one call each writes the same bytes as one call for all."""
     T = len(child.ids)
     restored = torch.zeros(T, dtype=torch.bool)
     dev = cache.raw.device
-    slices = child.segment_slices()
+    slices = [s for s in child.segment_slices() if segments is None or s[0] in segments]
     if not slices:
         return restored
-    # All segments in one capture + one restore: one validation and one kernel launch per child.
+    # All the segments asked for in one capture + one restore: one validation and one kernel launch.
     src = torch.cat([catalog.entries[seg].slots(dev) for seg, _, _ in slices])
     old = torch.cat([catalog.entries[seg].leader_positions(dev) for seg, _, _ in slices])
     new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in slices])

@@ -24,6 +24,7 @@ from kmesh.service.harness import Harness
 class Staging:
     reg: RegRef
     tensor: torch.Tensor
+    host: HostBuffer | None = None   # the memfd behind `tensor` on CPU (None on GPU: our own device allocation)
 
 
 class ServiceSide:
@@ -35,15 +36,15 @@ class ServiceSide:
 
     # -- memory ----------------------------------------------------------------------------------------
     def _register(self, nbytes: int, layout: dict[str, Any],
-                  name: str = "kmesh-eq") -> tuple[RegRef, torch.Tensor, Callable[[], None]]:
-        """A fresh registered buffer of nbytes: (ref, tensor view, free)."""
+                  name: str = "kmesh-eq") -> tuple[RegRef, torch.Tensor, Callable[[], None], HostBuffer | None]:
+        """A fresh registered buffer of nbytes: (ref, tensor view, free, its memfd on CPU)."""
         if self.device.type == "cuda":
             t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ref = self.client.register_cuda(t, alloc_id=t.data_ptr(), generation=next(self._gen), layout=layout)
-            return ref, t, lambda: None
+            return ref, t, lambda: None, None
         buf = HostBuffer(nbytes, name=name)   # the memfd's name shows in /proc/<pid>/fd of both processes
         ref = self.client.register_host(buf, alloc_id=buf.address, generation=next(self._gen), layout=layout)
-        return ref, buf.as_tensor(), buf.close
+        return ref, buf.as_tensor(), buf.close, buf
 
     def _close(self, ref: RegRef, free: Callable[[], None]) -> None:
         self.client.close(ref)
@@ -53,10 +54,10 @@ class ServiceSide:
     @contextlib.contextmanager
     def staging(self, name: str, layout: dict[str, Any] | None = None) -> Iterator[Staging]:
         """A child's registered staging buffer; closed and released (then unmapped) on exit."""
-        ref, t, free = self._register(self.export.catalog.nbytes, layout or self.export.catalog.layout.to_dict(),
-                                      f"kmesh-eq-{name}")
+        ref, t, free, host = self._register(self.export.catalog.nbytes,
+                                            layout or self.export.catalog.layout.to_dict(), f"kmesh-eq-{name}")
         try:
-            yield Staging(ref, t)
+            yield Staging(ref, t, host)
         finally:
             try:
                 self._close(ref, free)
@@ -80,7 +81,7 @@ class ServiceSide:
     def save_leader(self, extra: list[tuple[bytes, int, int, torch.Tensor | None]] = ()) -> dict[bytes, str]:
         """Save every catalog segment (+ extra objects: (key, offset, nbytes, replacement bytes or None)) from
         a registered copy of the export buffer; returns the store's committed sha256 per key."""
-        ref, t, free = self._register(self.export.catalog.nbytes, self.export.catalog.layout.to_dict())
+        ref, t, free, _ = self._register(self.export.catalog.nbytes, self.export.catalog.layout.to_dict())
         try:
             t.copy_(self.export.raw)
             for e in self.export.catalog.entries:
@@ -94,12 +95,13 @@ class ServiceSide:
         return {k: v[0] for k, v in self.store_digests().items()}
 
     def save_variant(self, entry: CatalogEntry, key: bytes, nbytes: int | None = None,
-                     flip_byte: int | None = None) -> None:
-        """A deliberately bad object for a failure control: segment bytes, cut to nbytes or with one bit flipped."""
+                     flip_byte: int | None = None, layout: dict[str, Any] | None = None) -> None:
+        """A deliberately bad object for a failure control: segment bytes, cut to nbytes, with one bit flipped,
+        or saved from a registration that declares another KV geometry (`layout`)."""
         data = self.export.raw.clone()
         if flip_byte is not None:
             data[entry.offset + flip_byte] ^= 0x01
-        ref, t, free = self._register(self.export.catalog.nbytes, self.export.catalog.layout.to_dict())
+        ref, t, free, _ = self._register(self.export.catalog.nbytes, layout or self.export.catalog.layout.to_dict())
         try:
             t.copy_(data)
             self._save(ref, key, entry.offset, entry.nbytes if nbytes is None else nbytes)

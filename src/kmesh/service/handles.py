@@ -125,6 +125,31 @@ class HostBuffer:
             self.fd = -1
 
 
+def references_in_self(tag: tuple[int, int]) -> dict[str, list[str]]:
+    """What of this process still refers to the memory file `tag` ((st_dev, st_ino), a HostBuffer's tag): its
+    lines in /proc/self/maps (a mapping: the memory is still reachable here) and its open fds. Both empty once a
+    HostBuffer was closed; the file's name is no identity (every staging of a child shares one), its inode is."""
+    dev, ino = tag
+    maps: list[str] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[4] != str(ino):
+                continue
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            if (major, minor) == (os.major(dev), os.minor(dev)):
+                maps.append(line.rstrip("\n"))
+    fds: list[str] = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:   # the fd listdir itself used, closed by now
+            continue
+        if (st.st_dev, st.st_ino) == tag:
+            fds.append(name)
+    return {"maps": maps, "fds": fds}
+
+
 def check_memfd(fd: int, nbytes: int) -> tuple[int, int]:
     """Service side: the fd must be a memfd sealed against shrink and grow, at least nbytes long.
     Returns its (st_dev, st_ino): the identity of that memory whatever address it is mapped at."""

@@ -3,18 +3,26 @@
 Negative controls: the comparisons can fail — one flipped bit in K, V, logits, a recompute mask, one changed
 token, or one flipped byte of a staged segment is caught.
 
-Failure controls (seven): each child run is made to fail at a chosen point and must end safely — the failure
-is the expected SegmentLoadError/TransferError, nothing is pending on the child's memory when it recomputes,
-its tokens and logits equal the full-recompute reference bit for bit, and the service holds no registration,
-mapping, pin, reservation or copy of it afterwards (for the killed service: it is gone, our mapping closed).
+Failure controls (seven): each child run is made to fail at its second segment (FAIL_AT) and must end safely.
+kmesh.child restores each segment as soon as it is verified, so when the failure comes the child's model state
+(poisoned beforehand) already holds the first segment, restored: the fallback recomputes in that partially
+written state, not in fresh memory. Each control checks that the failure is the expected
+SegmentLoadError/TransferError; that the model state held exactly the slots of the segments before FAIL_AT when the
+recompute began (the partial data was there); that nothing was pending on the child's memory then; that K/V of every
+layer, the next-token logits and the generated tokens equal the full-recompute reference computed before the
+service started, bit for bit; and that the service holds no registration, mapping, pin, reservation or copy of the
+child afterwards — for the killed service, which holds nothing any more, that this process no longer maps (or holds
+an fd of) the child's staging memory and that nothing is pending or held in its transfer engine.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,7 +34,8 @@ from kmesh.result import Case, Result
 from kmesh.segments import (InProcessSegments, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
                             SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError, ServiceSegments,
                             stage_segments)
-from kmesh.service_side import ServiceSide
+from kmesh.service.handles import references_in_self
+from kmesh.service_side import ServiceSide, Staging
 from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey, Refs
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
@@ -96,127 +105,192 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
             case.check("staged_byte_flip_caught", True, value=str(e)[:120])
 
 
-def _settled(case: Case, ctx: ChildContext, out: ChildOutcome, ref: ChildOutcome, now: ChildOutcome,
-             expect: type, svc: ServiceSide | None) -> bool:
+FAIL_AT = 1          # the catalog entry each control fails at: entry 0 is restored in the model state by then
+STAGING_FILL = 0xA5  # kmesh.segments.stage_segments fills staging with it before the loads
+
+
+class ControlSetupError(ValueError):
+    """The workload cannot host the failure controls (a catalog of fewer than FAIL_AT + 1 segments)."""
+
+
+@dataclass
+class Ran:
+    """One control's run: the context it ran in, its outcome, and what it left in its staging buffer."""
+
+    ctx: ChildContext
+    out: ChildOutcome
+    staging: Staging
+    failing_segment_bytes_landed: int   # bytes of entry FAIL_AT's staging range no longer the fill when it ended
+
+
+def expected_partial(child: Child, capacity: int, before: int) -> torch.Tensor:
+    """bool [capacity]: the slots (= positions) of the child's placements of the segments before `before`,
+    what its model state must hold when a failure at segment `before` starts the recompute."""
+    want = torch.zeros(capacity, dtype=torch.bool)
+    for seg, start, end in child.segment_slices():
+        if seg < before:
+            want[start:end] = True
+    return want
+
+
+def _settled(case: Case, ran: Ran, ref: ChildOutcome, expect: type, svc: ServiceSide | None,
+             child: Child) -> bool:
     """The checks every failure control ends with; True when all pass.
 
-    The prefill state (K/V of every layer, next-token logits) must equal the reference computed before the
-    service started, bit for bit. Generated tokens are compared with a full recompute made right after the
-    control (`now`), under the same GPU conditions: on the H200, a decode run while another process creates
-    or tears down its CUDA context (the service starting, or killed) once produced a different 22nd greedy
-    token of the random-weight model than the same decode on a quiet GPU — so whether the tokens also equal
-    the early reference is recorded, not asserted."""
+    `ref` is the child's full-recompute reference computed before the service started, before any control:
+    the recompute in the partially written model state must equal it bit for bit — K/V of every layer,
+    next-token logits and greedy tokens. (A full recompute made after the control is recorded beside it: it
+    tells an environment that changed the decode apart from a fallback that went wrong.)"""
+    out, ctx = ran.out, ran.ctx
+    written = out.written_before_recompute
+    want = None if written is None else expected_partial(child, written.numel(), FAIL_AT)
     ok = [case.check("failed_as_expected", (out.fallback or "").startswith(expect.__name__), value=out.fallback),
           case.check("recomputed_after_drain", "pending-before-recompute:0" in out.events
                      and out.events[-1] == "recompute", value=out.events),
-          case.check("kv_equal_full_reference", torch.equal(out.k, ref.k) and torch.equal(out.v, ref.v)),
-          case.check("logits_equal_full_reference", torch.equal(out.logits, ref.logits)),
-          case.check("tokens_equal_full_recompute", out.tokens == now.tokens, value=out.tokens),
+          case.check("partial_data_in_destination", want is not None and bool(want.any())
+                     and torch.equal(written, want),
+                     value={"slots_written": None if written is None else int(written.sum()),
+                            "slots_expected": None if want is None else int(want.sum()),
+                            "segments_restored_before_failure": list(range(FAIL_AT))}),
+          case.check("kv_equal_pre_failure_reference", torch.equal(out.k, ref.k) and torch.equal(out.v, ref.v)),
+          case.check("logits_equal_pre_failure_reference", torch.equal(out.logits, ref.logits)),
+          case.check("tokens_equal_pre_failure_reference", out.tokens == ref.tokens,
+                     value={"fallback": out.tokens, "reference": ref.tokens}),
           case.check("no_engine_holds", ctx.engine.live_holds() == 0 and not ctx.engine.pending(),
                      value=ctx.engine.live_holds())]
     if svc is not None:
         ok.append(case.check("no_service_leaks", svc.no_leaks(), value=svc.leaks()))
-    case.record("tokens_equal_reference_before_service", out.tokens == ref.tokens)
+    case.record("failing_segment_bytes_landed_in_staging", ran.failing_segment_bytes_landed)
     case.record("outcome", out.describe())
     return all(ok)
 
 
-Make = Callable[[Child], tuple[ChildContext, ChildOutcome]]   # one control: the context it ran in, its outcome
+def _own_staging_released(case: Case, staging: Staging) -> bool:
+    """The killed service cannot report leaks: this process's own hold on the staging memory must be gone."""
+    if staging.host is None:   # CUDA: the staging is this process's own device allocation, no mapping of a file
+        case.record("staging_mapping", "cuda: the staging is our own device allocation; the service's IPC "
+                                       "mapping of it went with the service's process")
+        return True
+    left = references_in_self(staging.host.tag)
+    return all([case.check("staging_unmapped_in_child", not left["maps"], value=left["maps"]),
+                case.check("staging_fd_closed_in_child", not left["fds"], value=left["fds"])])
+
+
+Make = Callable[[Child], Ran]   # one control: how it ran
 
 
 def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Refs) -> int:
     """Run the seven controls (the killed service last); returns how many passed."""
     catalog = setup.export.catalog
+    if len(catalog.entries) <= FAIL_AT:
+        raise ControlSetupError(f"the failure controls fail at segment {FAIL_AT} with segment {FAIL_AT - 1} "
+                                f"restored; this catalog has {len(catalog.entries)} segment(s)")
     children = setup.workload.children
     harness = svc.h
     private = torch.empty(catalog.nbytes, dtype=torch.uint8, device=setup.device)
     block_bytes = catalog.layout.byte_strides["B"]
+    target = catalog.entries[FAIL_AT]
     gpu_teardown: dict[int, Any] = {}
     passed = 0
 
-    def with_key(index: int, key: bytes) -> ChildContext:
-        entries = tuple(dataclasses.replace(e, key=key) if e.index == index else e for e in catalog.entries)
+    def with_key(key: bytes) -> ChildContext:
+        entries = tuple(dataclasses.replace(e, key=key) if e.index == FAIL_AT else e for e in catalog.entries)
         return dataclasses.replace(setup.ctx, catalog=dataclasses.replace(catalog, entries=entries))
 
-    def service_child(ctx: ChildContext, child: Child, after: Callable[[int, int], None] | None = None,
-                      layout: dict[str, Any] | None = None) -> ChildOutcome:
-        with svc.staging(f"control-{child.name}", layout) as staging:
-            return run_child(ctx, child, ServiceSegments(svc.client, staging.reg, after or svc.after_accept),
-                             staging.tensor, private)
+    def at_target(action: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        """after_accept: the earlier segments' loads run to their end, `action` takes the target's load."""
+        loads = itertools.count()
+
+        def after(req: int, nbytes: int) -> None:
+            (action if next(loads) == FAIL_AT else svc.after_accept)(req, nbytes)
+        return after
+
+    def service_child(ctx: ChildContext, child: Child, after: Callable[[int, int], None] | None = None) -> Ran:
+        with svc.staging(f"control-{child.name}") as staging:
+            out = run_child(ctx, child, ServiceSegments(svc.client, staging.reg, after or svc.after_accept),
+                            staging.tensor, private)
+            landed = staging.tensor[target.offset:target.offset + target.nbytes] != STAGING_FILL
+            return Ran(ctx, out, staging, int(landed.sum()))
 
     def control(name: str, child_index: int, expect: type, make: Make, service_alive: bool = True,
                 params: dict[str, Any] | None = None) -> None:
         nonlocal passed
         child = children[child_index % len(children)]
-        with res.case(f"control-{name}", {"child": child.name, "expect": expect.__name__, **(params or {})}) as case:
-            ctx, out = make(child)
+        with res.case(f"control-{name}", {"child": child.name, "expect": expect.__name__, "segment": FAIL_AT,
+                                          **(params or {})}) as case:
+            ran = make(child)
+            ok = []
             if not service_alive:
                 case.record("gpu_context_teardown", gpu_teardown)
+                ok.append(_own_staging_released(case, ran.staging))
             now = full_reference(setup.ctx, child)
-            if _settled(case, ctx, out, refs[RefKey(FULL, child.name)], now, expect, svc if service_alive else None):
+            case.record("tokens_equal_recompute_after_control", ran.out.tokens == now.tokens)
+            ok.append(_settled(case, ran, refs[RefKey(FULL, child.name)], expect, svc if service_alive else None,
+                               child))
+            if all(ok):
                 passed += 1
 
-    first, second = catalog.entries[0], catalog.entries[1]
-
-    def missing(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        key = second.key + b"-evicted"
-        svc.save_variant(second, key)
+    def missing(child: Child) -> Ran:
+        key = target.key + b"-evicted"
+        svc.save_variant(target, key)
         harness.admin.evict(key)
-        ctx = with_key(1, key)
-        return ctx, service_child(ctx, child)
+        return service_child(with_key(key), child)
 
-    def corrupt(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        key = first.key + b"-corrupt"
-        svc.save_variant(first, key, flip_byte=first.nbytes // 3)
-        ctx = with_key(0, key)
-        return ctx, service_child(ctx, child)
+    def corrupt(child: Child) -> Ran:
+        key = target.key + b"-corrupt"
+        svc.save_variant(target, key, flip_byte=target.nbytes // 3)
+        return service_child(with_key(key), child)
 
-    def truncated(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        key = first.key + b"-truncated"
-        svc.save_variant(first, key, nbytes=first.nbytes - block_bytes)
-        ctx = with_key(0, key)
-        return ctx, service_child(ctx, child)
+    def truncated(child: Child) -> Ran:
+        key = target.key + b"-truncated"
+        svc.save_variant(target, key, nbytes=target.nbytes - block_bytes)
+        return service_child(with_key(key), child)
 
-    def wrong_layout(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        bad = {**catalog.layout.to_dict(), "order": "BLHNC"}   # same bytes, another per-block geometry
-        return setup.ctx, service_child(setup.ctx, child, layout=bad)
+    def wrong_layout(child: Child) -> Ran:
+        # the object was saved from a registration that declared another per-block geometry (same bytes)
+        key = target.key + b"-wrong-layout"
+        svc.save_variant(target, key, layout={**catalog.layout.to_dict(), "order": "BLHNC"})
+        return service_child(with_key(key), child)
 
-    def after_submit(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        engine = TransferEngine(str(setup.device), FaultPlan(fail_after_submit=1, chunk_bytes=1 << 20))
+    def after_submit(child: Child) -> Ran:
+        engine = TransferEngine(str(setup.device), FaultPlan(chunk_bytes=1 << 20))
         ctx = dataclasses.replace(setup.ctx, engine=engine)
+
+        def arm(req: int, nbytes: int) -> None:
+            # the next submit is the target's private copy: it is accepted, started, then fails
+            engine.faults.fail_after_submit = 1
+            svc.after_accept(req, nbytes)
         try:
-            return ctx, service_child(ctx, child)
+            return service_child(ctx, child, at_target(arm))
         finally:
             engine.close()
 
-    def cancelled(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        def cancel_mid_copy(req: int, nbytes: int) -> None:
-            harness.accepted(nbytes)
-            harness.grant(1)
-            harness.wait_chunks(req, 1, timeout=60.0)   # provably mid-copy
-            svc.client.cancel(req)
-            harness.finish()
-        return setup.ctx, service_child(setup.ctx, child, cancel_mid_copy)
+    def cancel_mid_copy(req: int, nbytes: int) -> None:
+        harness.accepted(nbytes)
+        harness.grant(1)
+        harness.wait_chunks(req, 1, timeout=60.0)   # provably mid-copy
+        svc.client.cancel(req)
+        harness.finish()
 
-    def killed(child: Child) -> tuple[ChildContext, ChildOutcome]:
-        def kill_mid_copy(req: int, nbytes: int) -> None:
-            harness.accepted(nbytes)
-            harness.grant(1)
-            harness.wait_chunks(req, 1, timeout=60.0)
-            pid = harness.service.pid
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while harness.service.alive() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if setup.device.type == "cuda":
-                gpu_teardown[pid] = _wait_gpu_context_gone(pid)
-        return setup.ctx, service_child(setup.ctx, child, kill_mid_copy)
+    def kill_mid_copy(req: int, nbytes: int) -> None:
+        harness.accepted(nbytes)
+        harness.grant(1)
+        harness.wait_chunks(req, 1, timeout=60.0)
+        pid = harness.service.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while harness.service.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if setup.device.type == "cuda":
+            gpu_teardown[pid] = _wait_gpu_context_gone(pid)
 
-    control("missing-object", 0, SegmentMissingError, missing, params={"segment": 1})
-    control("corrupt-object", 1, SegmentCorruptError, corrupt, params={"segment": 0})
-    control("truncated-object", 2, SegmentTruncatedError, truncated, params={"segment": 0, "short_by": block_bytes})
+    control("missing-object", 0, SegmentMissingError, missing)
+    control("corrupt-object", 1, SegmentCorruptError, corrupt)
+    control("truncated-object", 2, SegmentTruncatedError, truncated, params={"short_by": block_bytes})
     control("wrong-layout-descriptor", 3, SegmentLayoutError, wrong_layout, params={"order": "BLHNC"})
     control("failure-after-device-work-submitted", 0, SubmitError, after_submit)
-    control("cancelled-child", 1, SegmentCancelledError, cancelled)
-    control("service-killed-mid-load", 2, SegmentSourceLostError, killed, service_alive=False)
+    control("cancelled-child", 1, SegmentCancelledError, lambda child: service_child(setup.ctx, child,
+                                                                                    at_target(cancel_mid_copy)))
+    control("service-killed-mid-load", 2, SegmentSourceLostError,
+            lambda child: service_child(setup.ctx, child, at_target(kill_mid_copy)), service_alive=False)
     return passed

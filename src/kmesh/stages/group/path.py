@@ -2,8 +2,9 @@
 group (kmesh.stages.group.load), private copies, restore, one layer-major blend_group over all members with each
 finished layer written back to the member's private destination blocks by an async copy, then decode.
 
-A member that fails (an injected fault after a chosen layer) drains what is still pending on its memory, discards
-its restored and partial state and recomputes fully without reuse; the other members go on unaffected.
+A member that fails (an injected fault after a chosen layer) drains what is still pending on its memory and
+recomputes fully without reuse, in its working cache as the failure left it (restored segments and the layers it
+repaired, which the recompute overwrites: kmesh.child); the other members go on unaffected.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kmesh.child import POISON, ChildOutcome, new_cache, outcome_of, prefill_and_decode
+from kmesh.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, written_slots
 from kmesh.model.group import InjectedMemberFault, Member, blend_group
 from kmesh.model.runner import KVCache
 from kmesh.modelsetup import ModelSetup
@@ -96,15 +97,20 @@ def run_group(setup: ModelSetup, svc: ServiceSide, children: tuple[Child, ...], 
                     gate.open()          # the held copy may finish now; the member waits for it
                 engines[name].drain(pending, timeout=60.0)
                 events.append(f"pending-before-recompute:{len(engines[name].pending(owner))}")
-                # the restored and partial state is discarded: the member recomputes over poisoned memory
-                cache = runner.cache_over(caches[name].raw, caches[name].layout, fill=POISON)
+                # as kmesh.child.run_child: the member recomputes in its working cache as the failure left it
+                # (restored segments, the layers it repaired), which the full prefill must overwrite; its
+                # write-back destination is not the recompute's and is invalidated
+                cache = caches[name]
+                written = written_slots(cache)
                 dests[name].fill_(0xA5)
                 none = torch.zeros(len(child.ids), dtype=torch.bool)
                 result, tokens = prefill_and_decode(ctx, child, cache, none, "full")
                 events.append("recompute")
-                outcomes[name] = outcome_of(ctx, child, "service", "full", cache, none, result, tokens, reason, events)
+                outcomes[name] = outcome_of(ctx, child, "service", "full", cache, none, result, tokens, reason, events,
+                                            written)
                 failure[name] = {"layer": failed_layer, "reason": reason, "events": events,
-                                 "pending_at_failure": len(pending)}
+                                 "pending_at_failure": len(pending),
+                                 "slots_written_before_recompute": int(written.sum())}
                 continue
             engines[name].drain(owner=owner, timeout=60.0)
             writeback_equal[name] = bool(torch.equal(dests[name], caches[name].raw))   # every layer's write-back landed

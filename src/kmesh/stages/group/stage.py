@@ -14,8 +14,10 @@ Cases:
   comparisons-can-fail  one flipped bit of the group's K / mask / logits is caught by the same comparison
   originals-unchanged   every original re-hashed in the store equals its committed digest, after the group runs
   group-failure         the same group, child B fails after its first layer (injected), with its layer-0
-                        write-back still pending (a gated copy): B drains it, discards its restored and partial
-                        state, recomputes fully without reuse (tokens = full-recompute reference); A, C, D
+                        write-back still pending (a gated copy): B drains it and recomputes fully without reuse
+                        in its working cache as the failure left it (restored segments, its repaired layer:
+                        recorded, and the recompute must overwrite them: tokens and K/V = the full-recompute
+                        reference made before the group ran); A, C, D
                         unaffected (bit-identical to serial); afterwards the service's own counters show no
                         handle open and nothing pending
   batched-agreement     batched group math (kmesh.model.group) vs the unbatched layer-major path: rotation and
@@ -170,6 +172,9 @@ def _failure_case(res: Result, setup: GroupSetup, svc: ServiceSide, inproc: dict
                          value=failure.get("pending_at_failure")),
               case.check("drained_before_recompute", "pending-before-recompute:0" in failure.get("events", [])
                          and failure.get("events", [""])[-1] == "recompute", value=failure.get("events")),
+              # its working cache held its restored segments and repaired layers: the recompute ran over them
+              case.check("recomputed_over_partial_state", failure.get("slots_written_before_recompute", 0) > 0,
+                         value=failure.get("slots_written_before_recompute")),
               case.check("failed_member_tokens_equal_full_reference",
                          group_run.outcomes[who].tokens == fulls[who].tokens),
               case.check("failed_member_kv_equal_full_reference", torch.equal(group_run.outcomes[who].k, fulls[who].k)
