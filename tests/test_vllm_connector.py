@@ -338,7 +338,8 @@ def test_interior_checks_match_repairs_by_request_id_and_fail_on_a_lying_connect
     workload, refs, lp = _interior_fixture()
     got = [_out(refs["A"].tokens, lp("A"), 30, req_id="7"), _out(refs["B"].tokens, lp("B"), 45, req_id="8")]
     # the engine filed them in another order, with an older request's repair among them
-    repairs = [{"req_id": "8", "segments": 2, "segments_not_loaded": 0}, {"req_id": "3", "segments": 1, "segments_not_loaded": 1},
+    repairs = [{"req_id": "8", "segments": 2, "segments_not_loaded": 0},
+               {"req_id": "3", "segments": 1, "segments_not_loaded": 1},
                {"req_id": "7", "segments": 2, "segments_not_loaded": 0}]
     matched = repairs_by_request(got, repairs)
     assert [[r["req_id"] for r in m] for m in matched] == [["7"], ["8"]]
@@ -487,7 +488,7 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     ours = vp.runner_repair(load_runner(model_dir), ch.ids, placed, end, RepairConfig(), MAX_NEW)
     agree = vp.agreement(got, ours)
     assert agree.tokens_equal and agree.steps_compared == len(got["tokens"]), (got["tokens"], ours.tokens)
-    assert agree.within(0.01), agree          # KV not written (garbage/zeros) gives > 1 nat
+    assert agree.within(1e-3), agree          # measured ~2e-5; KV not written (skip_write) gives > 1 nat
 
 
 @pytest.mark.vllm

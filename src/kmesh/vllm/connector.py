@@ -10,7 +10,8 @@ Scheduler side (engine-core process): for each new request, how many leading pro
   interior  the request names shared segments (kv_transfer_params {"kmesh_segments": [[a, b], ...]}); the span
             up to the end of the last one found is claimed and repaired (kmesh.vllm.repair).
   Lookups read only the 256-byte records. The count and what was loaded come back to the caller in the
-  request output's kv_transfer_params["kmesh"]. Prefix blocks already stored or planned are not saved again
+  request output's kv_transfer_params["kmesh"], with the engine's request id (req_id: what the worker's repair
+  records carry, so a caller matches them to its outputs). Prefix blocks already stored or planned are not saved again
   (kmesh.vllm.recent: an LRU of `saved_keys` keys, default 16384; a key whose record a lookup misses is
   forgotten, so an evicted block is saved again).
 Worker side: detects the engine's arrangement from the caches vLLM registers (kmesh.vllm.arrangement; a clear
