@@ -172,6 +172,193 @@ def test_scheduler_saved_keys_default_capacity():
     assert conn._saved_keys.capacity == 16384
 
 
+def test_negative_control_knob_refuses_unknown_faults_and_is_off_by_default():
+    pytest.importorskip("vllm")
+    from kmesh.errors import ConfigError
+    from kmesh.vllm.connector import NEGATIVE_CONTROL, negative_control_of
+
+    assert negative_control_of({}) is None and negative_control_of({"socket": "x"}) is None
+    assert negative_control_of({NEGATIVE_CONTROL: "skip_write"}) == "skip_write"
+    for bad in ("skip-write", "zero_write", True, 1, ""):
+        with pytest.raises(ConfigError, match=NEGATIVE_CONTROL):
+            negative_control_of({NEGATIVE_CONTROL: bad})
+    conn, _ = _scheduler({})
+    assert conn.negative_control is None and conn.save_prefix
+
+
+def test_negative_control_scheduler_saves_nothing_and_names_the_fault():
+    """A control engine's blocks hold wrong K/V: nothing of it is stored; every report says it lies."""
+    conn, store = _scheduler({"negative_control": "skip_write"})
+    prompt = [3] * (2 * BS_SCHED + 1)
+    assert _step(conn, store, {"c": prompt}) == ({"c": 0}, [])
+    honest, hstore = _scheduler({})
+    _step(honest, hstore, {"h": prompt})                       # an honest engine stores the prefix
+    conn._read_record = hstore.get
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(request_id="c2", prompt_token_ids=prompt, kv_transfer_params=None)
+    assert conn.get_num_new_matched_tokens(req, 0) == (2 * BS_SCHED, False)    # it claims the stored blocks
+    _, report = conn.request_finished(req, [])
+    assert report["kmesh"]["negative_control"] == "skip_write" and report["kmesh"]["req_id"] == "c2"
+
+
+def _worker(extra: dict):
+    """The connector's worker side over a small paged engine cache (random contents) and a load window holding
+    the payload of one verified block (no service)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kmesh.layout import KVLayout
+    from kmesh.rope import RopeConfig
+    from kmesh.vllm.arrangement import EngineCache, staging_layout
+    from kmesh.vllm.connector import KMeshConnector
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                          model_config=SimpleNamespace(model="m", dtype="float32"),
+                          cache_config=SimpleNamespace(block_size=BS_SCHED, cache_dtype="auto"))
+    conn = KMeshConnector(cfg, KVConnectorRole.WORKER)
+    layout = KVLayout.paged("LBNHC", 2, 6, BS_SCHED, 2, 8, "float32")
+    raw = torch.randn(layout.nbytes // 4, generator=torch.Generator().manual_seed(0)).view(torch.uint8)
+    conn.engine = EngineCache(raw, layout, ("l.0.a", "l.1.a"), "TEST")
+    conn.rope = RopeConfig(8, 8, 10000.0, "neox", None, 4096)
+    window = SimpleNamespace(layout=staging_layout(layout, conn.staging_blocks))
+    window.tensor = torch.randn(window.layout.nbytes // 4, generator=torch.Generator().manual_seed(1)).view(
+        torch.uint8)
+    conn._window = lambda name: window
+    conn._fetch = lambda item, offset_blocks=0: window.tensor           # every block verified
+    return conn, raw
+
+
+def test_negative_control_skip_write_leaves_the_engine_blocks_untouched():
+    """The honest worker writes a loaded prefix block into the request's engine block; the control's does
+    everything else but not that write (so the engine reads whatever its blocks held)."""
+    from kmesh.vllm.plans import Item, LoadPlan
+
+    def load(extra):
+        conn, raw = _worker(extra)
+        before = raw.clone()
+        plan = LoadPlan("r", "prefix", BS_SCHED, 0, [Item(b"k", None, 0, tuple(range(BS_SCHED)))], block_ids=[3, 1])
+        conn._load_prefix(plan)
+        return conn, before, raw
+
+    honest, before, raw = load({})
+    assert not raw.equal(before) and honest.stats["loaded_blocks"] == 1
+    liar, before, raw = load({"negative_control": "skip_write"})
+    assert raw.equal(before) and liar.stats["loaded_blocks"] == 1 and liar.stats["writes_skipped"] == 1
+    assert liar.describe()["negative_control"] == "skip_write" and honest.describe()["negative_control"] is None
+
+
+# -- the stage's agreement checks (engine-free): they must fail on a connector that lies ------------------
+
+def _out(tokens, logprobs, supplied, req_id="0", **kmesh):
+    return {"tokens": list(tokens), "logprobs": [{str(t): lp} for t, lp in zip(tokens, logprobs)],
+            "kmesh": {"req_id": req_id, "tokens_supplied": supplied, **kmesh}}
+
+
+def test_agreement_tokens_and_every_tokens_logprob():
+    from kmesh.stages.vllm.prompts import agreement
+
+    ref = _out([5, 6, 7], [-0.1, -0.2, -0.3], 0)
+    assert agreement(ref, ref).within(1e-9)
+    near = agreement(_out([5, 6, 7], [-0.1, -0.2, -0.305], 0), ref)
+    assert near.tokens_equal and near.within(0.01) and not near.within(0.001)
+    assert abs(near.max_logprob_diff - 0.005) < 1e-12 and near.steps_compared == 3
+    off = agreement(_out([5, 6, 9], [-0.1, -0.2, -0.3], 0), ref)
+    assert not off.tokens_equal and off.first_divergence == 2 and not off.within(1.0)
+    assert not agreement(_out([], [], 0), ref).within(1.0)                 # nothing compared: no agreement
+
+
+def test_agreement_with_the_runner_reference():
+    import torch
+
+    from kmesh.stages.vllm.prompts import RunnerDecode, agreement
+
+    logits = [torch.tensor([0.0, 2.0, 1.0]), torch.tensor([3.0, 0.0, 0.0])]
+    ref = RunnerDecode([1, 0], logits)
+    lps = [float(torch.log_softmax(x.double(), -1)[t]) for x, t in zip(logits, [1, 0])]
+    assert agreement(_out([1, 0], lps, 0), ref).within(1e-12)
+    # the engine stopped early (EOS) on the same tokens: agreement over what it generated
+    assert agreement(_out([1], lps[:1], 0), ref).within(1e-12)
+    skewed = agreement(_out([1, 0], [lps[0], lps[1] - 0.5], 0), ref)
+    assert skewed.tokens_equal and abs(skewed.max_logprob_diff - 0.5) < 1e-9 and not skewed.within(0.01)
+
+
+def test_exact_reuse_checks_fail_on_a_connector_that_reports_supplied_without_writing():
+    """The stage's exact-reuse checks run on a lying connector's outputs (it reports the full blocks supplied,
+    its tokens are those of wrong K/V): they fail, and the negative control's verdict is 'detected'. On an
+    honest connector's outputs the checks pass and the control's verdict is 'not detected' (the stage fails)."""
+    from kmesh.result import Case
+    from kmesh.stages.vllm.stage import control_verdict, warm_checks
+
+    ref = [_out([11, 12, 13], [-0.5, -0.4, -0.3], 0), _out([21, 22], [-0.2, -0.1], 0)]
+    expect = [256, 128]
+    honest = [_out(o["tokens"], [lp.get(str(t)) for lp, t in zip(o["logprobs"], o["tokens"])], n)
+              for o, n in zip(ref, expect)]
+    lying = [_out([11, 99, 13], [-0.5, -3.0, -0.3], 256), _out([21, 22], [-0.2, -2.1], 128)]
+    for outs, passes in ((honest, True), (lying, False)):
+        case = Case("exact-reuse")
+        warm_checks(case, ref, outs, expect, 0.01)
+        assert case.passed is passes
+        assert control_verdict(case, "warm_supplied_full_blocks", "warm_tokens_equal_plain_vllm")[0] is not passes
+    # a connector that supplies nothing at all is no lie: the control is not 'detected' either
+    case = Case("exact-reuse")
+    warm_checks(case, ref, [_out(o["tokens"], [-9, -9, -9], 0) for o in ref], expect, 0.01)
+    assert not control_verdict(case, "warm_supplied_full_blocks", "warm_tokens_equal_plain_vllm")[0]
+
+
+def _interior_fixture():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kmesh.stages.vllm.prompts import RunnerDecode
+
+    def child(name, n, end):
+        return SimpleNamespace(name=name, ids=tuple(range(n)), placements=(SimpleNamespace(end=end),) * 2)
+
+    workload = SimpleNamespace(children=(child("A", 40, 30), child("B", 50, 45)))
+    refs = {"A": RunnerDecode([1, 2], [torch.tensor([0.0, 5.0, 0.0]), torch.tensor([0.0, 0.0, 5.0])]),
+            "B": RunnerDecode([0, 0], [torch.tensor([5.0, 0.0, 0.0])] * 2)}
+
+    def lp(name):
+        r = refs[name]
+        return [float(torch.log_softmax(x.double(), -1)[t]) for x, t in zip(r.logits, r.tokens)]
+    return workload, refs, lp
+
+
+def test_interior_checks_match_repairs_by_request_id_and_fail_on_a_lying_connector():
+    """Repairs are matched to children by the request id the output reports, not by list position (the old
+    stage zipped the last repairs with the children); the runner-repair agreement fails on a lying connector."""
+    from kmesh.result import Case
+    from kmesh.stages.vllm.stage import control_verdict, interior_checks, repairs_by_request
+
+    workload, refs, lp = _interior_fixture()
+    got = [_out(refs["A"].tokens, lp("A"), 30, req_id="7"), _out(refs["B"].tokens, lp("B"), 45, req_id="8")]
+    # the engine filed them in another order, with an older request's repair among them
+    repairs = [{"req_id": "8", "segments": 2, "segments_not_loaded": 0},
+               {"req_id": "3", "segments": 1, "segments_not_loaded": 1},
+               {"req_id": "7", "segments": 2, "segments_not_loaded": 0}]
+    matched = repairs_by_request(got, repairs)
+    assert [[r["req_id"] for r in m] for m in matched] == [["7"], ["8"]]
+    case = Case("interior")
+    interior_checks(case, workload, got, matched, refs, 0.01)
+    assert case.passed, case.checks
+    # the positional matching of the old stage (stats["repairs"][-2:] zipped with the children) gets it wrong
+    case = Case("interior")
+    interior_checks(case, workload, got, [[r] for r in repairs[-2:]], refs, 0.01)
+    assert case.checks["segments_loaded_and_repaired"]["ok"] is False
+    # a connector that reports the span handed over without writing it: its tokens are not the repair's
+    lying = [_out([1, 0], [lp("A")[0], -4.0], 30, req_id="7"), _out([0, 0], [lp("B")[0], lp("B")[1] - 0.2], 45,
+                                                                    req_id="8")]
+    case = Case("interior")
+    interior_checks(case, workload, lying, repairs_by_request(lying, repairs), refs, 0.01)
+    assert case.passed is False and case.checks["span_handed_over"]["ok"]
+    assert control_verdict(case, "span_handed_over", "tokens_equal_runner_repair")[0]
+
+
 def test_unknown_arrangements_refused_at_registration():
     from kmesh.stages.vllm.refusals import CASES, accepted, refusals
 
@@ -291,12 +478,17 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     repair = rig["kmesh"].stats()["repairs"][-1]
     assert repair["segments"] == 2 and repair["segments_not_loaded"] == 0
     assert repair["recomputed"][0] == end and repair["recomputed"][-1] < end       # selective after layer 1
-    # the engine's output over the handed-over span vs KMesh's own runner end to end (its leader K/V, repair)
-    refs = vp.runner_refs(load_runner(model_dir), wl, RepairConfig(), MAX_NEW, full=False)
-    ours = refs.kmesh[ch.name]
-    gap = vp.logprob_gap(got["logprobs"][0], ours.logits)
-    assert got["tokens"][0] == ours.tokens[0], (got["tokens"], ours.tokens)
-    assert gap < 0.25, gap          # measured ~0.01-0.04 nats; KV not written (garbage/zeros) gives > 1
+    assert rep["req_id"] == repair["req_id"]
+    # true by construction: the engine's output over the handed-over span = KMesh's runner repair over the same
+    # stored segments, then the rest of the prompt and the greedy continuation through the runner
+    from kmesh.stages.vllm.stored import stored_segments
+
+    st = rig["kmesh"].stats()
+    placed = stored_segments(str(rig["sp"].socket_path), st, ch.ids, vp.child_spans(ch), end)
+    ours = vp.runner_repair(load_runner(model_dir), ch.ids, placed, end, RepairConfig(), MAX_NEW)
+    agree = vp.agreement(got, ours)
+    assert agree.tokens_equal and agree.steps_compared == len(got["tokens"]), (got["tokens"], ours.tokens)
+    assert agree.within(1e-3), agree          # measured ~2e-5; KV not written (skip_write) gives > 1 nat
 
 
 @pytest.mark.vllm

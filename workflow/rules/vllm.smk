@@ -1,5 +1,6 @@
-# The pinned vLLM engine with KMeshConnector: exact reuse, interior segments repaired by KMesh, fallbacks (corrupt
-# object, service down and back, engine exit drains), engine TTFT pairs with vs without KMesh.
+# The pinned vLLM engine with KMeshConnector: exact reuse, interior segments repaired by KMesh, negative controls
+# (a connector that does not write what it reports supplied), fallbacks (corrupt object, service down and back,
+# engine exit drains), engine TTFT pairs with vs without KMesh.
 rule vllm:
     input:
         code=stage_code("vllm"),
@@ -12,6 +13,6 @@ rule vllm:
         logfile("vllm"),
     resources:
         gpu=None,   # the pinned vLLM is the CPU engine; a 0 would still ask Kubernetes for a GPU
-        mem_mb=8000,
+        mem_mb=12000,   # three engines at once (~2.6 GB RSS each, 3.2 with a repair runner) + the stage's runner
     shell:
         kmesh_run("vllm")

@@ -304,14 +304,30 @@ def vllm_frame(summary: dict[str, Any]) -> pd.DataFrame:
     t = summary.get("ttft") or {}
     inter = summary.get("interior_tokens_equal_full") or {}
     agree = summary.get("interior_vs_runner") or {}
+    exact = summary.get("exact_vs_plain") or {}
+    controls = summary.get("negative_controls") or {}
+
+    def detected(kind: str) -> Any:
+        c = controls.get(kind)
+        if c is None:
+            return None
+        return f"{'detected' if c.get('detected') else 'NOT detected'} ({controls.get('fault')})"
+
     rows = [
         ("exact reuse: greedy tokens equal plain vLLM", summary.get("exact_reuse_tokens_equal")),
         ("exact reuse: tokens supplied by KMesh", summary.get("tokens_supplied")),
-        ("interior: tokens equal the engine's full recompute", inter.get("equal")),
-        ("interior: first divergence per child", inter.get("first_divergence")),
-        ("interior: engine+KMesh vs KMesh runner, max first-token logprob gap (nats)",
-         agree.get("kmesh_logprob_gap_max")),
-        ("engine full vs KMesh runner full, max first-token logprob gap (nats)", agree.get("full_logprob_gap_max")),
+        (f"exact reuse vs plain vLLM, max logprob difference per token (nats, bound {exact.get('bound')})",
+         exact.get("logprob_diff_max")),
+        ("interior: greedy tokens equal KMesh's runner repair (children)",
+         f"{agree.get('tokens_equal')} of {agree.get('children')}" if agree else None),
+        (f"interior vs KMesh's runner repair, max logprob difference per token (nats, bound {agree.get('bound')})",
+         agree.get("logprob_diff_max")),
+        ("interior: tokens equal the engine's full recompute (recorded)", inter.get("equal")),
+        ("interior: first divergence from the engine's full recompute per child", inter.get("first_divergence")),
+        ("engine full vs KMesh runner full, max logprob difference per token (nats)",
+         agree.get("full_logprob_diff_max")),
+        ("negative control, exact reuse: wrong KV in the engine's blocks", detected("exact")),
+        ("negative control, interior: wrong KV in the engine's blocks", detected("interior")),
         ("corrupt/missing object: tokens equal plain vLLM", summary.get("corrupt_fallback_tokens_equal")),
         ("service down: engine computes everything", summary.get("fallback_service_down")),
         ("service back: tokens supplied again", summary.get("service_back_supplied")),

