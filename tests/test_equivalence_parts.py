@@ -473,7 +473,7 @@ def test_negative_controls_case_passes(env):
     controls.negative_controls(res, env.setup, env.refs)
     (case,) = res.cases
     assert case.id == "negative-controls" and case.error is None and case.passed, case.checks
-    assert set(case.checks) == {"identical_to_itself", "k_bit_flip_caught", "v_bit_flip_caught",
+    assert set(case.checks) == {"identical_to_a_rerun", "k_bit_flip_caught", "v_bit_flip_caught",
                                 "logits_bit_flip_caught", "mask_flip_caught", "token_change_caught",
                                 "staged_byte_flip_caught"}
 
