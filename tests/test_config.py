@@ -106,6 +106,12 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
         return {(stage, a["case"]) for stage, sec in cfg.data.items() if isinstance(sec, dict)
                 for a in sec.get("allow_skips", [])}
 
-    assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests")}
+    from kmesh.stages.vllm.stage import ENGINE_CASES
+
+    assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests"),
+                              ("integrity", "bench-big-gpu-sha256"), ("model", "qwen2-checkpoint")}
+    # a switch the profile turns off (model.smollm2.enabled, vllm.enabled) skips its cases: allowed here, with why
     assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*"),
-                               ("storage", "arrival-direct")}   # only when cuFile cannot run there
+                               ("storage", "arrival-direct"),   # only when cuFile cannot run there
+                               ("model", "smollm2-*"), ("model", "qwen2-checkpoint"),
+                               *(("vllm", case_id) for case_id in ENGINE_CASES)}

@@ -486,7 +486,7 @@ def test_negative_controls_case_passes(env):
     controls.negative_controls(res, env.setup, env.refs)
     (case,) = res.cases
     assert case.id == "negative-controls" and case.error is None and case.passed, case.checks
-    assert set(case.checks) == {"identical_to_itself", "k_bit_flip_caught", "v_bit_flip_caught",
+    assert set(case.checks) == {"identical_to_a_rerun", "k_bit_flip_caught", "v_bit_flip_caught",
                                 "logits_bit_flip_caught", "mask_flip_caught", "token_change_caught",
                                 "staged_byte_flip_caught"}
 
@@ -676,3 +676,32 @@ def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
     assert n == SEG_BYTES - BLOCK_BYTES
     assert (mid["state"], mid["chunks_done"], mid["chunks_total"]) == ("running", 1, 2), mid
     assert seen == [SEG_BYTES - BLOCK_BYTES]
+
+
+# --- issue 21 item 6: the quality case's full arm is recomputed, not the reference scored against itself -------
+
+def _quality_setup(env):
+    sec = {"repair": dataclasses.asdict(env.ctx.repair), "stock": dataclasses.asdict(env.ctx.repair)}
+    return SimpleNamespace(**{**vars(env.setup), "sec": sec})
+
+
+def test_quality_full_arm_is_a_recompute_that_must_equal_the_reference(env, monkeypatch):
+    from kmesh.stages.equivalence import stage as eq_stage
+
+    res = Result("equivalence", "test", provenance={})
+    eq_stage._quality_case(res, _quality_setup(env), env.refs)
+    (case,) = res.cases
+    assert case.error is None and "full_agrees_with_itself" not in case.checks
+    assert case.checks["full_recompute_bit_identical"]["ok"] is True
+
+    real = eq_stage.full_reference
+
+    def drifting(ctx, child):       # a full recompute that is not reproducible: one logit one ulp off
+        out = real(ctx, child)
+        return dataclasses.replace(out, logits=torch.nextafter(out.logits, torch.full_like(out.logits, math.inf)))
+
+    monkeypatch.setattr(eq_stage, "full_reference", drifting)
+    res = Result("equivalence", "test", provenance={})
+    eq_stage._quality_case(res, _quality_setup(env), env.refs)
+    (case,) = res.cases
+    assert case.checks["full_recompute_bit_identical"]["ok"] is False and case.passed is False

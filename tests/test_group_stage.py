@@ -150,3 +150,26 @@ def test_peak_memory_sees_a_large_allocation():
     small = group_bench.peak_memory(torch.device("cpu"), lambda: torch.ones(16, dtype=torch.uint8).sum())
     assert big["bytes"] >= 60 << 20 and small["bytes"] < 8 << 20, (big, small)
     assert "not device memory" in big["what"]
+
+
+def test_rotation_check_fails_on_any_backend_when_a_byte_differs(env, monkeypatch):
+    """Issue 21 item 6: `rotation_recorded` passed whenever restore_backend was not torch (`... or backend !=
+    "torch"`). Now the per-member restore of any backend must write the layer-wise restore's bytes exactly."""
+    from kmesh.result import Result
+
+    real = group_bench.restore_child
+
+    def one_byte_off(cache, catalog, private, child, runner, backend="torch"):
+        restored = real(cache, catalog, private, child, runner, "torch")    # the CPU has no CUDA kernel
+        cache.raw.view(torch.uint8)[0] ^= 0x01
+        return restored
+
+    monkeypatch.setattr(group_bench, "restore_child", one_byte_off)
+    s = SimpleNamespace(**{**vars(env.s), "ctx": dataclasses.replace(env.s.ctx, restore_backend="cuda")})
+    res = Result("group", "cuda", {}, [])
+    unbatched = run_group(env.s, env.svc, env.s.group).outcomes
+    bound = group_bench.batched_agreement(res, s, env.serial, unbatched)
+    (case,) = res.cases
+    assert case.checks["rotation_bit_identical"]["ok"] is False and "rotation_recorded" not in case.checks
+    assert case.checks["rotation_bit_identical"]["value"] == {ch.name: 1 for ch in env.s.group}
+    assert bound["rotation_checked"] is False and case.passed is False

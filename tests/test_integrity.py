@@ -178,7 +178,9 @@ def test_stage_runs_and_renders(tmp_path):
     assert s["digests_match"] is True and s["trials"] == 3 and s["best_chunk_bytes"] in (256, 4096)
     assert set(s["arms"]) == {"cpu-sha256", "cpu-sha256-tree", "cpu-blake3"}
     assert all(set(v) == {"set", "big"} and v["set"]["gbps"] > 0 for v in s["arms"].values())
-    assert [c.id for c in res.cases if c.skipped] == ["gpu-digests"]
+    # the GPU-only cases are skips the cpu profile allows, with why (never left out)
+    assert [c.id for c in res.cases if c.skipped] == ["gpu-digests", "bench-big-gpu-sha256"]
+    assert {a["case"] for a in s["skips_allowed"]} == {"gpu-digests", "bench-big-gpu-sha256"}
     t = res.timings["arms_set"]
     assert len(t["orders"]) == 3 and len({o[0] for o in t["orders"]}) == 3     # order rotates
     out = tmp_path / "cpu" / "integrity" / "result.json"

@@ -193,8 +193,23 @@ def test_stage_qwen2_cases_on_a_small_shape(tmp_path):
     res = stage.run(cfg)
     by_id = {c.id: c for c in res.cases}
     assert sorted(by_id) == ["qwen2-checkpoint", "qwen2-checkpoint-missing", "qwen2-random-other-seed",
-                             "qwen2-random-same-seed"]
-    assert all(c.passed for c in res.cases), {c.id: (c.error, c.checks) for c in res.cases if not c.passed}
+                             "qwen2-random-same-seed", *sorted(stage.SMOLLM2_CASES)]
+    ran = [c for c in res.cases if c.skipped is None]
+    assert len(ran) == 4 and all(c.passed for c in ran), {c.id: (c.error, c.checks) for c in ran if not c.passed}
+    # smollm2 switched off: its cases are skips naming the switch, which the cpu profile does not allow
+    assert all(by_id[i].skipped == "model.smollm2.enabled: false (disabled by config)" for i in stage.SMOLLM2_CASES)
+    assert not res.ok and len(res.summary()["skips_unallowed"]) == 4
     same = by_id["qwen2-random-same-seed"].checks
     assert same["first_build"]["value"]["digest"] == same["second_build"]["value"]["digest"]
     assert by_id["qwen2-checkpoint"].checks["digest"]["value"] == qwen2_random.weights_digest(built)
+
+
+def test_stage_without_checkpoint_skips_its_case_as_the_profiles_allow(tmp_path):
+    cfg = load_config(profile="cuda", overrides={"results_dir": str(tmp_path), "model": {
+        "qwen2_random": {**TINY, "device": "cpu", "checkpoint": None}}})
+    res = stage.run(cfg)
+    by_id = {c.id: c for c in res.cases}
+    assert by_id["qwen2-checkpoint"].skipped == "model.qwen2_random.checkpoint: null (disabled by config)"
+    s = res.summary()
+    assert s["ok"], [(c.id, c.error, c.skipped) for c in res.cases if not c.passed]
+    assert {a["case"] for a in s["skips_allowed"]} == {"qwen2-checkpoint", *stage.SMOLLM2_CASES}

@@ -23,8 +23,19 @@ def test_cpu_stage_times_pairs_and_checks_bytes(tmp_path):
     assert t["kind"] == "paired" and t["design"]["pairs"] == 2 and t["arms"] == {"A": "copy", "B": "torch"}
     orders = [p["order"] for p in t["raw"]]
     assert orders[0] != orders[1]   # alternating arm order
+    assert [c.id for c in res.cases] == ["qwen05b-512-fp8"]      # no device case on cpu: its check was constant
     case = next(c for c in res.cases if c.id == "qwen05b-512-fp8")
     assert case.checks["torch_values_byte_identical"]["ok"] and case.checks["torch_outside_cells_untouched"]["ok"]
+
+
+def test_device_case_is_a_real_check_of_the_gpu(tmp_path, monkeypatch):
+    """Issue 21 item 6: `device_usable` was the literal True. The cuda profile's device case now fails where torch
+    sees no GPU (and on one, checks a round trip of bytes); the cpu profile has no such case."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = restore_bench.run(load_config(profile="cuda", overrides={"results_dir": str(tmp_path)}))
+    (case,) = res.cases
+    assert case.id == "device" and case.checks["cuda_available"]["ok"] is False and not res.ok
+    assert "device_usable" not in case.checks
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,18 @@
 A case passes iff every check passed and nothing raised. A skipped case (c.skip(reason)) is
 neither passed nor failed and says why; a stage with skips is not "all passed".
 
+A case that does not run here is never just left out: a stage records it with res.skip_case(id, params, reason),
+and a config switch that turns cases off records them with res.disabled(switch, value, ids): skipped, their
+reason naming the switch ("storage.read_once_service: false (disabled by config)"). So a profile cannot make a
+stage ok by configuring its cases away: each such skip needs that profile's allowance like any other.
+
 The stage is ok iff no case failed, at least one passed, and every skip is allowed: its case id matches
 an entry of `<stage>.allow_skips` in the profile's config (Result.begin picks them up). The summary names
 each skip as allowed (with the pattern and reason) or unallowed, and carries the allowance it applied.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import traceback
@@ -23,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from kmesh.config import Config, SkipAllowance
 from kmesh.errors import ResultError
@@ -47,6 +53,11 @@ def to_jsonable(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return repr(v)
+
+
+def disabled_reason(switch: str, value: Any) -> str:
+    """The skip reason of cases turned off by a config switch: its dotted path and its value, as JSON."""
+    return f"{switch}: {json.dumps(to_jsonable(value))} (disabled by config)"
 
 
 class _Skip(Exception):
@@ -131,6 +142,21 @@ class Result:
             c.error = f"{type(e).__name__}: {e}\n" + "".join(tb[-3:])
         finally:
             c.seconds = time.perf_counter() - t0
+
+    def skip_case(self, case_id: str, params: dict[str, Any] | None, reason: str) -> Case:
+        """Record a case that does not run here as skipped with `reason`, under the id it has when it runs."""
+        if not reason:
+            raise ValueError(f"case {case_id!r}: a skip needs a reason")
+        with self.case(case_id, params) as c:
+            c.skip(reason)
+        return c
+
+    def disabled(self, switch: str, value: Any, case_ids: Iterable[str],
+                 params: dict[str, Any] | None = None) -> list[Case]:
+        """The cases that config switch `switch` (its dotted path) turns off with `value`, each recorded as
+        skipped with a reason naming the switch and its value."""
+        reason = disabled_reason(switch, value)
+        return [self.skip_case(case_id, {**(params or {}), "disabled_by": switch}, reason) for case_id in case_ids]
 
     def skip_verdicts(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(allowed, unallowed) skips: each allowed one with the first allowance whose glob matches its id."""

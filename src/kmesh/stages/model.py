@@ -13,6 +13,8 @@ Qwen2 of the Qwen2.5-0.5B shape, built on model.qwen2_random.device:
   qwen2-random-other-seed  seed + 1: a different digest
   qwen2-checkpoint-missing a missing checkpoint path (or a hub id) is a ModelError naming it, no download
   qwen2-checkpoint         only when model.qwen2_random.checkpoint is set: it loads and runs
+A switch that turns cases off (smollm2.enabled: false, no checkpoint) makes them skips naming it, allowed only
+where the profile says why.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from kmesh.model.errors import ModelError
 from kmesh.model.manifest import NAME as MANIFEST, manifest_problem
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_file, sha256_tensor
+
+
+SMOLLM2_CASES = ("smollm2-gguf", "smollm2-convert", "smollm2-reload-logits", "smollm2-answer")
 
 
 def _peak_rss_mib() -> float:
@@ -155,14 +160,17 @@ def _qwen2_cases(res: Result, cfg: Config) -> None:
         missing = cfg.results_dir / "no-such-checkpoint"
         # A hub id is just a relative path that is not there: it must fail the same way, never download.
         for label, path in (("missing_path", str(missing)), ("hub_id", "Qwen/Qwen2.5-0.5B-Instruct")):
+            error: ModelError | None = None
             try:
                 qwen2_random.load({**sec, "checkpoint": path}, cfg.seed, "cpu", root=cfg.root)
             except ModelError as e:
-                case.check(f"{label}_is_model_error_naming_it", path in str(e), value=str(e))
-            else:
-                case.check(f"{label}_is_model_error_naming_it", False, value="loaded without error")
+                error = e
+            case.check(f"{label}_is_model_error_naming_it", error is not None and path in str(error),
+                       value=str(error) if error is not None else "loaded without error")
 
-    if sec.get("checkpoint"):
+    if not sec.get("checkpoint"):
+        res.disabled("model.qwen2_random.checkpoint", sec.get("checkpoint"), ["qwen2-checkpoint"])
+    else:
         with res.case("qwen2-checkpoint", {"checkpoint": sec["checkpoint"], "device": str(device)}) as case:
             model, what = qwen2_random.load(sec, cfg.seed, device, root=cfg.root)
             case.record("source", what)
@@ -177,5 +185,7 @@ def run(cfg: Config) -> Result:
     res = Result.begin("model", cfg)
     if cfg.section("model")["smollm2"].get("enabled", True):
         _smollm2_cases(res, cfg)
+    else:
+        res.disabled("model.smollm2.enabled", False, SMOLLM2_CASES)
     _qwen2_cases(res, cfg)
     return res

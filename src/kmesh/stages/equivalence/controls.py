@@ -73,7 +73,11 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
             case.skip(f"child {name} has no repaired outcome to perturb (see child-{name})")
         base = refs[RefKey(KMESH, name)]
         layers = base.k.shape[0]
-        case.check("identical_to_itself", identical(compare_states(base, dataclasses.replace(base))))
+        # the comparator's equal side on a second, independent run of the same child (not base with itself)
+        staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+        again = run_child(setup.ctx, setup.workload.children[0], InProcessSegments(setup.export), staging,
+                          torch.empty_like(staging))
+        case.check("identical_to_a_rerun", identical(compare_states(base, again)))
         flipped_k = base.k.clone()
         flipped_k[layer] = flip_bit(flipped_k[layer], 7)
         cmp = compare_states(base, dataclasses.replace(base, k=flipped_k))
@@ -98,11 +102,13 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
         first = export.catalog.entries[0].key
         objects[first][objects[first].numel() // 2] ^= 0x10
         staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+        caught: SegmentCorruptError | None = None
         try:
             stage_segments(InProcessSegments(export, objects), staging, export.catalog)
-            case.check("staged_byte_flip_caught", False, value="no error")
         except SegmentCorruptError as e:
-            case.check("staged_byte_flip_caught", True, value=str(e)[:120])
+            caught = e
+        case.check("staged_byte_flip_caught", caught is not None,
+                   value=str(caught)[:120] if caught is not None else "no error")
 
 
 FAIL_AT = 1          # the catalog entry each control fails at: entry 0 is restored in the model state by then

@@ -125,11 +125,14 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> dict[str, Any]:
         private = torch.empty_like(staging)
         stock_ctx = dataclasses.replace(setup.ctx, repair=RepairConfig.from_dict(setup.sec["stock"]))
         per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        rerun_identical: dict[str, bool] = {}
         for child in setup.workload.children:
             ref = refs[RefKey(FULL, child.name)]
             for arm in arms:
                 if arm == "full":
-                    outcome = ref
+                    # recomputed, not the reference itself: the full arm's row measures the full recompute again
+                    outcome = full_reference(setup.ctx, child)
+                    rerun_identical[child.name] = identical(compare_states(ref, outcome))
                 elif arm == "kmesh":
                     outcome = refs[RefKey(KMESH, child.name)]
                 else:
@@ -140,7 +143,8 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> dict[str, Any]:
         out = {arm: summarize(rows) for arm, rows in per_arm.items()}
         case.record("per_child", per_arm)
         case.record("summary", out)
-        case.check("full_agrees_with_itself", out["full"]["top1_agreement"] == 1.0 and out["full"]["kl_mean"] == 0.0)
+        # what the table's KL and agreement are measured against is reproducible, bit for bit
+        case.check("full_recompute_bit_identical", all(rerun_identical.values()), value=rerun_identical)
         case.check("kmesh_closer_than_naive", out["kmesh"]["kl_mean"] <= out["naive"]["kl_mean"],
                    value={"kmesh": out["kmesh"]["kl_mean"], "naive": out["naive"]["kl_mean"]})
     return out

@@ -7,6 +7,11 @@
   checksum-overlap              the non-overlapped arm vs the same check overlapped with the reads
   checksum-corrupt              every arm refuses an object with one flipped byte; nothing left pending or held
 
+Switched off by config, these cases are skips naming the switch (kmesh.result.Result.disabled), allowed only
+where the profile says why: `storage.checksums: null` skips checksum-objects, checksums-compare (the family of
+compared arms), checksum-overlap and checksum-corrupt; `compare: []` skips checksums-compare; no `overlap`
+skips checksum-overlap. After checksum-objects failed, the cases that need its objects are skips saying so.
+
 The arms are kmesh.stages.storage.checksums'. The cpu profile runs fewer pairs on fewer children here (the
 stage's 60 s budget); the cuda profile decodes fewer tokens after the repair (`max_new_tokens`, with its own
 in-process references) so that the GPU call stays within its time; the result records pairs, children and
@@ -38,6 +43,10 @@ def _paired(timing: PairedTiming) -> dict[str, Any]:
 
 
 NESTING = {"outer": None, "restore": "outer", "read": "restore", "verify": "restore"}
+# The compared arms' pairs (checksums-<baseline>-vs-<arm>, one per arm) when no arm is configured
+COMPARE_FAMILY = "checksums-compare"
+# What `storage.checksums: null` turns off: every case of this module (the warm-up is no case of its own)
+DISABLED_IDS = ("checksum-objects", COMPARE_FAMILY, "checksum-overlap", "checksum-corrupt")
 
 
 def _pairs_case(res: Result, case_id: str, timing_key: str, pair_run: sc.PairRun, arms: tuple[str, str],
@@ -57,11 +66,17 @@ def _pairs_case(res: Result, case_id: str, timing_key: str, pair_run: sc.PairRun
 
 
 def run_cases(res: Result, setup: Setup, refs: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
-    conf = dict(setup.sec.get("checksums") or {})
-    if not conf:
+    conf = setup.sec.get("checksums")
+    if conf is None:
+        res.disabled("storage.checksums", None, DISABLED_IDS)
         return
+    conf = dict(conf)
     baseline, compare = conf["baseline"], list(conf.get("compare", []))
     overlap = list(conf.get("overlap", []))
+    if not compare:
+        res.disabled("storage.checksums.compare", [], [COMPARE_FAMILY])
+    if len(overlap) != 2:
+        res.disabled("storage.checksums.overlap", conf.get("overlap"), ["checksum-overlap"])
     pairs, warmup = int(conf.get("pairs", pairs)), int(conf.get("warmup", warmup))
     children = setup.workload.children[:int(conf.get("children", len(setup.workload.children)))]
     names = list(dict.fromkeys([baseline, *compare, *overlap]))
@@ -101,6 +116,11 @@ def run_cases(res: Result, setup: Setup, refs: dict[str, ChildOutcome], pairs: i
                 ok &= read_header == header
         case.check("read_back_verified", ok)
     if res.cases[-1].passed is not True:
+        later = ((["checksum-warmup"] if conf.get("warm_arms") else [])
+                 + [f"checksums-{baseline}-vs-{arm_b}" for arm_b in compare]
+                 + (["checksum-overlap"] if len(overlap) == 2 else []) + ["checksum-corrupt"])
+        for case_id in later:
+            res.skip_case(case_id, {}, "not run: its objects failed (see case checksum-objects)")
         return
     route = routes.build(setup.sec.get("checksum_route", "staging" if setup.device.type == "cuda" else "odirect"),
                          setup.device)

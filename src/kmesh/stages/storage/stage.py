@@ -24,6 +24,9 @@ Cases:
   read-once-service     the same through the cache service process: its disk tier, group retention, four
                         client connections loading at once; disk reads counted by the service
                         (kmesh.stages.storage.service)
+
+A case that cannot run here, or that a switch turns off (read_once_service: false, checksums: null), is a skip
+with the reason (kmesh.result: Result.skip_case / Result.disabled), allowed only by the profile's allow_skips.
 """
 from __future__ import annotations
 
@@ -200,9 +203,17 @@ def run(cfg: Config) -> Result:
     if built:
         res.extra["failure_controls_passed"] = controls.control_cases(res, setup, next(iter(built.values())))
 
-    identical_runs, compared = _pairs_case(res, setup, objs, built, refs, pairs, warmup) if len(built) == 2 else (0, 0)
-    if setup.sec["floor_arm"] in built:   # also when the other arm could not be built here: the floor still says much
+    if len(built) == 2:
+        identical_runs, compared = _pairs_case(res, setup, objs, built, refs, pairs, warmup)
+    else:
+        identical_runs, compared = 0, 0
+        res.skip_case("pairs", {"arms": list(built)}, f"two arms needed, {len(built)} built here (see case routes)")
+    floor_arm = setup.sec["floor_arm"]
+    if floor_arm in built:   # also when the other arm could not be built here: the floor still says much
         floor.floor_case(res, setup, objs, built, pairs, warmup, refs)
+    else:
+        res.skip_case("floor", {"arm": floor_arm}, f"storage.floor_arm: {floor_arm!r} was not built here "
+                      f"(arms built: {list(built)}; why: {info.get('unavailable', {}).get(floor_arm, 'not an arm')})")
     floor.floor_io_case(res, setup, objs, pairs, warmup)
     # per arm, the engine that actually ran its reads (after every timed case)
     res.extra["io_engine"] = {arm: route.describe()["io_engine"] for arm, route in built.items()}
@@ -211,6 +222,8 @@ def run(cfg: Config) -> Result:
     readonce.read_once_case(res, setup, pairs, warmup)
     if setup.sec.get("read_once_service", True):
         service.read_once_service_case(res, setup, refs, pairs, warmup)
+    else:
+        res.disabled("storage.read_once_service", False, ["read-once-service"])
     for route in built.values():
         route.close()
     gc.collect()

@@ -58,6 +58,11 @@ from kmesh.vllm.engine import EngineProcess
 from kmesh.vllm.repair import kv_digest
 from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
+# Every case that needs the engine (all but arrangement-refusals): with vllm.enabled false each one is a skip
+# naming the switch, allowed only where the profile says why (tests/test_skips.py keeps this list complete).
+ENGINE_CASES = ("setup", "arrangement", "exact-reuse", "interior", "negative-control-exact",
+                "negative-control-interior", "corrupt-object", "ttft", "service-down", "service-back", "engine-exit")
+
 
 # The negative controls' connector fault: set here, for the control engine only (no config key turns it on).
 CONTROL_FAULT = "skip_write"
@@ -96,6 +101,7 @@ def run(cfg: Config) -> Result:
         case.check("cpu_backend_views_accepted", accepted() == ("cpu", "LBHNC"), value=accepted())
     if not sec["enabled"]:
         res.extra["engine"] = "disabled by vllm.enabled (this host has no vLLM)"
+        res.disabled("vllm.enabled", False, ENGINE_CASES)
         return res
     model_dir = converted_dir(cfg)
     runtime = Path(tempfile.mkdtemp(prefix="kmesh-vllm-"))          # short: socket paths max 107 bytes
