@@ -37,7 +37,7 @@ from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError
                             SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
                             copy_private, export_segments, stage_segments)
 from kmesh.stages.equivalence import controls
-from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey
+from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
@@ -79,7 +79,7 @@ def env():
     private = torch.empty_like(staging)
     inproc = InProcessSegments(export)
     for child in workload.children:
-        refs[RefKey(KMESH, child.name)] = run_child(ctx, child, inproc, staging, private)
+        refs[RefKey(REPAIR, child.name)] = run_child(ctx, child, inproc, staging, private)
     # what kmesh.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
     s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
                         device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
@@ -260,7 +260,7 @@ def test_copy_private_plain(env):
 
 def test_run_child_in_process_uses_segments(env):
     for child in env.workload.children:
-        out = env.refs[RefKey(KMESH, child.name)]
+        out = env.refs[RefKey(REPAIR, child.name)]
         T = len(child.ids)
         assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
         assert out.events == ["staged:0", "staged:1", "staged:2", "private-copy-drained", "restored"]
@@ -281,7 +281,7 @@ def test_run_child_in_process_uses_segments(env):
     child = env.workload.children[0]
     staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
     again = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
-    assert identical(compare_states(again, env.refs[RefKey(KMESH, "A")]))
+    assert identical(compare_states(again, env.refs[RefKey(REPAIR, "A")]))
 
 
 def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
@@ -362,7 +362,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 assert len(src.requests) == 3
                 assert torch.equal(st.tensor, ex.raw)        # staged bytes are the export
             assert b.fallback is None and b.source == "service"
-            cmp = compare_states(env.refs[RefKey(KMESH, child.name)], b)
+            cmp = compare_states(env.refs[RefKey(REPAIR, child.name)], b)
             assert identical(cmp), cmp
             assert cmp["k_equal_layers"] == cmp["v_equal_layers"] == cmp["mask_equal_layers"] == L
             assert svc.no_leaks(), svc.leaks()
@@ -405,7 +405,7 @@ def test_service_children_bit_identical_to_in_process(env):
 
 def test_quality_helpers(env):
     x = env.refs[RefKey(FULL, "A")].logits
-    y = env.refs[RefKey(KMESH, "A")].logits
+    y = env.refs[RefKey(REPAIR, "A")].logits
     assert kl_divergence(x, x) == 0.0
     assert kl_divergence(x, y) > 0.0
     assert kl_divergence(x, x + 3.0) == pytest.approx(0.0, abs=1e-12)   # shift-invariant
@@ -440,7 +440,7 @@ def test_flip_bit_changes_exactly_one_bit():
 
 
 def test_compare_states_catches_single_bit_flips(env):
-    base = env.refs[RefKey(KMESH, "A")]
+    base = env.refs[RefKey(REPAIR, "A")]
     assert identical(compare_states(base, dataclasses.replace(base)))
     for field_name, layer in (("k", 2), ("v", 0)):
         t = getattr(base, field_name).clone()
