@@ -498,6 +498,8 @@ def test_quality_case_stock_matched_gets_the_repair_count(env):
     assert claim["kl_teacher_forced_mean"]["met"] == (quality["repair"]["kl_teacher_forced_mean"]
                                                      < quality["stock-matched"]["kl_teacher_forced_mean"])
     assert summarize(per["repair"]) == quality["repair"]
+    same = case.checks["stock_matched_recomputed_the_same_positions_as_repair"]["value"]
+    assert set(same) == {"A", "B"} and claim["children_same_positions_recomputed"] == sum(same.values())
 
 
 def _flip_bit(t, index):
