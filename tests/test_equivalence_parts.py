@@ -29,8 +29,8 @@ import torch
 
 from kmesh.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import (compare_states, first_divergence, flip_bit, identical, kl_divergence,
-                                 max_abs_diff)
+from kmesh.model.quality import (arm_quality, compare_states, first_divergence, flip_bit, identical, kl_divergence,
+                                 max_abs_diff, summarize, teacher_forced_logits, until_end_of_turn)
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture
 from kmesh.result import Result
@@ -39,7 +39,8 @@ from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError
                             SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
                             copy_private, export_segments, stage_segments)
 from kmesh.stages.equivalence import controls
-from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey
+from kmesh.stages.equivalence import stage as eq_stage
+from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey
 from kmesh.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
@@ -81,7 +82,7 @@ def env():
     private = torch.empty_like(staging)
     inproc = InProcessSegments(export)
     for child in workload.children:
-        refs[RefKey(KMESH, child.name)] = run_child(ctx, child, inproc, staging, private)
+        refs[RefKey(REPAIR, child.name)] = run_child(ctx, child, inproc, staging, private)
     # what kmesh.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
     s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
                         device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
@@ -267,9 +268,9 @@ def test_copy_private_plain(env):
 
 def test_run_child_in_process_uses_segments(env):
     for child in env.workload.children:
-        out = env.refs[RefKey(KMESH, child.name)]
+        out = env.refs[RefKey(REPAIR, child.name)]
         T = len(child.ids)
-        assert out.fallback is None and out.arm == "kmesh" and out.source == "in-process"
+        assert out.fallback is None and out.arm == "repair" and out.source == "in-process"
         assert out.events == _streamed(3)
         assert out.written_before_recompute is None
         mask = torch.zeros(T, dtype=torch.bool)
@@ -289,7 +290,7 @@ def test_run_child_in_process_uses_segments(env):
     child = env.workload.children[0]
     staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
     again = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
-    assert identical(compare_states(again, env.refs[RefKey(KMESH, "A")]))
+    assert identical(compare_states(again, env.refs[RefKey(REPAIR, "A")]))
 
 
 def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
@@ -375,7 +376,7 @@ def test_service_children_bit_identical_to_in_process(env):
                 assert len(src.requests) == 3
                 assert torch.equal(st.tensor, ex.raw)        # staged bytes are the export
             assert b.fallback is None and b.source == "service"
-            cmp = compare_states(env.refs[RefKey(KMESH, child.name)], b)
+            cmp = compare_states(env.refs[RefKey(REPAIR, child.name)], b)
             assert identical(cmp), cmp
             assert cmp["k_equal_layers"] == cmp["v_equal_layers"] == cmp["mask_equal_layers"] == L
             assert svc.no_leaks(), svc.leaks()
@@ -418,7 +419,7 @@ def test_service_children_bit_identical_to_in_process(env):
 
 def test_quality_helpers(env):
     x = env.refs[RefKey(FULL, "A")].logits
-    y = env.refs[RefKey(KMESH, "A")].logits
+    y = env.refs[RefKey(REPAIR, "A")].logits
     assert kl_divergence(x, x) == 0.0
     assert kl_divergence(x, y) > 0.0
     assert kl_divergence(x, x + 3.0) == pytest.approx(0.0, abs=1e-12)   # shift-invariant
@@ -434,6 +435,84 @@ def test_quality_helpers(env):
     nan = x.clone()
     nan[7] = float("nan")
     assert max_abs_diff(x, nan) == math.inf
+
+
+def _exact(text, answer):
+    return answer in text
+
+
+def test_teacher_forced_kl_sees_a_drift_after_the_first_token(env):
+    """A state whose first-token logits equal full's exactly but whose prompt K/V are off at later layers: the
+    first-token KL is 0, top-1 agrees and (with the same greedy tokens) nothing diverges — only teacher forcing
+    along full's continuation sees it."""
+    ref = env.refs[RefKey(FULL, "A")]
+    k = ref.k.clone()
+    k[2:, : k.shape[1] // 2] += 0.5 * torch.randn(k[2:, : k.shape[1] // 2].shape, generator=torch.Generator().manual_seed(0))
+    drifted = dataclasses.replace(ref, k=k)        # same logits and tokens as full: token 1 is right
+    ref_steps = teacher_forced_logits(env.runner, ref, ref.tokens, BS)
+    steps = teacher_forced_logits(env.runner, drifted, ref.tokens, BS)
+    q = arm_quality(ref, drifted, "", env.setup.decode, _exact, ref_steps, steps)
+    assert q["kl"] == 0.0 and q["top1_agree"] and q["first_divergence"] == len(ref.tokens)
+    assert q["kl_per_step"][0] == 0.0 and q["teacher_forced_steps"] == len(ref.tokens) == MAX_NEW
+    assert q["kl_teacher_forced"] > 1e-4 and min(q["kl_per_step"][1:]) > 0.0, q["kl_per_step"]
+    same = arm_quality(ref, ref, "", env.setup.decode, _exact, ref_steps, ref_steps)
+    assert same["kl_teacher_forced"] == 0.0 and same["top1_teacher_forced"] == 1.0
+    # teacher forcing the full state with its own tokens gives back its greedy tokens; the outcome is untouched
+    assert ref_steps.argmax(-1).tolist() == ref.tokens and torch.equal(ref_steps[0], ref.logits)
+
+
+def test_generation_measures_stop_at_end_of_turn(env):
+    """Exact-match and first divergence read the continuation only up to the end-of-turn token; decoding through
+    a child context with stop ids ends there (canaries still checked)."""
+    assert until_end_of_turn([5, 6, 7, 8], (7,)) == [5, 6, 7] and until_end_of_turn([5, 6], (7,)) == [5, 6]
+    assert first_divergence([1, 7, 3, 4], [1, 7, 9, 9], stop_ids=(7,)) == 2
+    assert first_divergence([1, 2, 3], [1, 2, 9], stop_ids=(2,)) == 2    # equal through the end of the turn
+    ref = env.refs[RefKey(FULL, "A")]
+    j = next(i for i in range(1, MAX_NEW - 1) if ref.tokens[i] not in ref.tokens[:i])   # a first occurrence
+    eot = ref.tokens[j]
+    answer = env.setup.decode(ref.tokens[j + 1:])
+    rows = torch.stack([ref.logits] * len(ref.tokens))
+    q = arm_quality(ref, ref, answer, env.setup.decode, _exact, rows, rows, stop_ids=(eot,))
+    assert q["text"] == env.setup.decode(ref.tokens[:j + 1]) and answer not in q["text"]
+    assert not q["exact_match"]   # an answer generated after the end of the turn is not the model's answer
+    assert arm_quality(ref, ref, answer, env.setup.decode, _exact, rows, rows)["exact_match"]   # without stop ids
+    child = env.workload.children[0]
+    ctx = dataclasses.replace(env.ctx, stop_ids=(eot,))
+    full = full_reference(ctx, child)
+    assert full.tokens == ref.tokens[:j + 1] and len(full.tokens) < MAX_NEW
+    staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
+    rep = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
+    assert rep.fallback is None and rep.tokens == until_end_of_turn(env.refs[RefKey(REPAIR, "A")].tokens, (eot,))
+
+
+def test_quality_case_stock_matched_gets_the_repair_count(env):
+    """The quality case's five arms: stock-matched recomputes exactly the repair arm's count for every child
+    (unrestored positions included), plain stock its own int(0.15·T); every arm is measured teacher-forced."""
+    setup = SimpleNamespace(**vars(env.setup), sec={"repair": {"check_layers": [1], "recompute_ratio": 0.15},
+                                                   "stock": {"check_layers": [1], "recompute_ratio": 0.15}})
+    res = Result("equivalence", "cpu", {}, [])
+    quality, claim = eq_stage._quality_case(res, setup, env.refs)
+    case = res.cases[-1]
+    assert case.id == "quality" and case.passed, {n: c for n, c in case.checks.items() if c["ok"] is False}
+    assert list(quality) == ["full", "naive", "stock", "stock-matched", "repair"]
+    per = case.checks["per_child"]["value"]
+    T = len(env.workload.children[0].ids)
+    for rep, matched, stock in zip(per["repair"], per["stock-matched"], per["stock"]):
+        assert rep["recomputed_positions"] == matched["recomputed_positions"] == 112 + math.ceil(0.15 * 240)
+        assert stock["recomputed_positions"] == int(0.15 * T) == 52
+        assert rep["recomputed_fraction_of_positions"] == 148 / 352
+        assert rep["recomputed_fraction_of_restored"] == math.ceil(0.15 * 240) / 240
+        assert matched["teacher_forced_steps"] == MAX_NEW
+    assert quality["stock-matched"]["recomputed_positions"] == quality["repair"]["recomputed_positions"]
+    assert quality["full"]["recomputed_fraction_of_positions_mean"] == 1.0
+    assert quality["full"]["recomputed_fraction_of_restored_mean"] is None   # the full arm restores nothing
+    assert quality["full"]["kl_teacher_forced_mean"] == 0.0
+    assert set(claim) >= {"kl_first_token_mean", "kl_teacher_forced_mean"}
+    assert claim["kl_teacher_forced_mean"]["met"] == (quality["repair"]["kl_teacher_forced_mean"]
+                                                     < quality["stock-matched"]["kl_teacher_forced_mean"])
+    assert summarize(per["repair"]) == quality["repair"]
+    same = case.checks["stock_matched_recomputed_the_same_positions_as_repair"]["value"]
+    assert set(same) == {"A", "B"} and claim["children_same_positions_recomputed"] == sum(same.values())
 
 
 def _flip_bit(t, index):
@@ -453,7 +532,7 @@ def test_flip_bit_changes_exactly_one_bit():
 
 
 def test_compare_states_catches_single_bit_flips(env):
-    base = env.refs[RefKey(KMESH, "A")]
+    base = env.refs[RefKey(REPAIR, "A")]
     assert identical(compare_states(base, dataclasses.replace(base)))
     for field_name, layer in (("k", 2), ("v", 0)):
         t = getattr(base, field_name).clone()

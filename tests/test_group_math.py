@@ -49,7 +49,7 @@ def _restored(env, lengths=None):
     return out
 
 
-def _serial(env, arm="kmesh", config=RepairConfig(), lengths=None):
+def _serial(env, arm="repair", config=RepairConfig(), lengths=None):
     runner = env[0]
     out = {}
     for ch, cache, r, T in _restored(env, lengths):
@@ -58,7 +58,7 @@ def _serial(env, arm="kmesh", config=RepairConfig(), lengths=None):
     return out
 
 
-def _members(env, arm="kmesh", lengths=None):
+def _members(env, arm="repair", lengths=None):
     return [Member(ch.name, torch.tensor(ch.ids[:T]), cache, r, arm) for ch, cache, r, T in _restored(env, lengths)]
 
 
@@ -83,7 +83,7 @@ def test_layer_major_is_bit_identical_to_serial(env, arm):
 def test_blend_is_a_loop_of_steps(env):
     runner = env[0]
     (ch, cache, r, T), = _restored(env)[:1]
-    p = plan("kmesh", r, RepairConfig(), runner.num_layers, runner.device)
+    p = plan("repair", r, RepairConfig(), runner.num_layers, runner.device)
     s = BlendState(runner, torch.tensor(ch.ids), cache, p)
     with pytest.raises(ModelError, match="stopped at layer 0"):
         s.result()
@@ -218,7 +218,7 @@ def test_blend_group_argument_errors(env):
         blend_group(runner, [], RepairConfig())
     with pytest.raises(ModelError, match="unique"):
         blend_group(runner, [ms[0], ms[0]], RepairConfig())
-    with pytest.raises(ModelError, match="kmesh and full"):
+    with pytest.raises(ModelError, match="repair and full"):
         blend_group(runner, [Member("x", ms[0].ids, ms[0].cache, ms[0].restored, "stock")], RepairConfig(),
                     batched=True)
     with pytest.raises(ModelError, match="batched path"):
@@ -253,5 +253,5 @@ def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable
         assert torch.equal(a.masks, b.masks)
         assert float((a.logits - b.logits).abs().max()) <= BATCHED_TOL * max(1.0, float(a.logits.abs().max()))
     ch, cache, r, _ = _restored(env_)[0]
-    g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), "kmesh")
+    g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), "repair")
     assert all(g.verify_against_eager().values())

@@ -132,7 +132,9 @@ def test_bench_helpers(env):
     res = Result("group", "cpu", {}, [])
     unbatched = run_group(env.s, env.svc, env.s.group).outcomes
     bound = group_bench.batched_agreement(res, env.s, env.serial, unbatched)
-    assert bound["rotation_bit_identical"] and bound["masks_equal"] and bound["tokens_equal"]
+    assert bound["rotation_bit_identical"] and bound["tokens_equal"]
+    # one meaning everywhere: mask_comparisons made, masks_equal found equal (2 children x 4 layers here)
+    assert bound["masks_equal"] == bound["mask_comparisons"] == len(unbatched) * env.s.runner.num_layers
     assert bound["max_abs_diff"] <= 1e-4
     held = group_bench.bytes_held(res, env.s, sum(e.nbytes for e in env.s.export.catalog.entries))
     row = held["by_group_size"]["3"]

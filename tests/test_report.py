@@ -69,3 +69,34 @@ def test_stage_status_matches_the_result_rule() -> None:
     assert stage_status(_summary(["pass", "skip"], allow=("case-1",))) == "passed (1 allowed skip(s))"
     assert stage_status(_summary(["skip"], allow=("case-*",))) == "FAILED (no case passed)"
     assert stage_status(_summary([])) == "no cases"
+
+
+def test_quality_table_and_plot_show_every_arm_and_fraction(tmp_path):
+    """The quality table: one row per arm (stock and stock-matched both), KL first token and teacher-forced, and
+    the recomputed fractions of all positions and of restored positions, each under its own name."""
+    from kmesh.model.quality import summarize
+    from kmesh.report import plots, tables
+
+    def row(kl, kl_tf, n, restored_frac):
+        return {"top1_agree": True, "kl": kl, "kl_teacher_forced": kl_tf, "top1_teacher_forced": 0.75,
+                "first_divergence": 5, "exact_match": True, "recomputed_positions": n,
+                "recomputed_fraction_of_positions": n / 512, "recomputed_fraction_of_restored": restored_frac,
+                "recomputed_fraction_of_layer_positions": 0.5}
+
+    quality = {"full": summarize([row(0.0, 0.0, 512, None)]), "naive": summarize([row(0.1, 0.3, 96, 0.0)]),
+               "stock": summarize([row(5.0, 6.0, 76, 0.1)]), "stock-matched": summarize([row(0.05, 0.2, 157, 0.3)]),
+               "repair": summarize([row(0.01, 0.02, 157, 0.15)])}
+    df = tables.quality_frame(quality)
+    assert df["arm"].tolist() == ["full", "naive", "stock", "stock-matched", "repair"]
+    for col in ("KL(full ‖ arm) first token, mean", "KL(full ‖ arm) teacher-forced, mean",
+                "recomputed / all positions", "recomputed / restored positions"):
+        assert col in df.columns, df.columns
+    by_arm = df.set_index("arm")
+    assert by_arm.loc["stock-matched", "recomputed positions per child"] == by_arm.loc["repair",
+                                                                                       "recomputed positions per child"]
+    assert by_arm.loc["repair", "KL(full ‖ arm) teacher-forced, mean"] == 0.02
+    assert by_arm.loc["repair", "recomputed / restored positions"] == 0.15
+    assert pd.isna(by_arm.loc["full", "recomputed / restored positions"])
+    assert "stock-matched" in tables.quality_caption("equivalence")
+    for p in plots.quality_plot(quality, tmp_path / "q", ["png"], "quality"):
+        assert p.stat().st_size > 1000

@@ -44,6 +44,8 @@ class ChildContext:
     repair: RepairConfig
     max_new_tokens: int
     restore_backend: str = "torch"
+    # the model's end-of-turn token ids: a child's continuation ends at the first (empty: always max_new_tokens)
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -92,7 +94,7 @@ def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored
                        arm: str) -> tuple[BlendResult, list[int]]:
     ids = torch.tensor(child.ids, device=ctx.runner.device)
     res = blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
-    tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens)
+    tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens, stop_ids=ctx.stop_ids)
     return res, tokens
 
 
@@ -100,7 +102,8 @@ def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KV
                res: BlendResult, tokens: list[int], fallback: str | None, events: list[str],
                written_before_recompute: torch.Tensor | None = None) -> ChildOutcome:
     T = len(child.ids)
-    check_canaries(cache, T + ctx.max_new_tokens - 1)
+    # decode wrote one slot per token but the last (fewer than max_new_tokens - 1 when it stopped at end-of-turn)
+    check_canaries(cache, T + len(tokens) - 1)
     k, v = cache.stacked(T)
     return ChildOutcome(child.name, source, arm, k, v, res.logits.clone(), tokens, res.masks.clone(), restored,
                         fallback, events, written_before_recompute)
@@ -122,7 +125,7 @@ def full_reference(ctx: ChildContext, child: Child) -> ChildOutcome:
 
 
 def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
-              private: torch.Tensor, arm: str = "kmesh", owner: str | None = None) -> ChildOutcome:
+              private: torch.Tensor, arm: str = "repair", owner: str | None = None) -> ChildOutcome:
     """Restore the child's segments from `source` and repair with `arm`; on any load or transfer failure,
     drain, then recompute the whole prompt in the model state as the failure left it (see module doc)."""
     owner = owner or f"child-{child.name}"

@@ -55,6 +55,7 @@ class SetupSpec:
     restore_backend: str = "torch"
     attention: str = "auto"
     device: str = "cpu"
+    stop_at_end_of_turn: bool = False  # children's continuations end at the model's end-of-turn token
 
 
 def deterministic_kernels() -> dict[str, Any]:
@@ -78,6 +79,22 @@ def load_model(cfg: Config, model_sec: dict[str, Any], device: torch.device) -> 
     return model, ByteTokenizer(model.config.vocab_size, offset=int(model_sec.get("byte_token_offset", 0))), what
 
 
+def end_of_turn_ids(model: Any, tok: Any) -> tuple[int, ...]:
+    """The token ids that end a turn: the tokenizer's eos and the generation config's eos (what transformers'
+    generate stops on; SmolLM2-Instruct: <|im_end|>). The byte tokenizer of random weights has none: ()."""
+    if isinstance(tok, ByteTokenizer):
+        return ()
+    ids: set[int] = set()
+    eos = getattr(tok.tok, "eos_token_id", None)
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (eos, gen):
+        if isinstance(x, int):
+            ids.add(x)
+        elif isinstance(x, (list, tuple)):
+            ids.update(int(i) for i in x)
+    return tuple(sorted(ids))
+
+
 def leader_prefill(runner: LayerRunner, workload: Workload, key_prefix: bytes) -> Export:
     """The leader's prompt prefilled once and exported as one object per shared segment."""
     ids = torch.tensor(workload.leader_ids, device=runner.device)
@@ -93,7 +110,8 @@ def build_setup(cfg: Config, spec: SetupSpec) -> ModelSetup:
     workload = build(tok, cfg.seed, WorkloadSpec(**spec.workload))
     export = leader_prefill(runner, workload, spec.key_prefix)
     ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(spec.repair),
-                       int(spec.max_new_tokens), spec.restore_backend)
+                       int(spec.max_new_tokens), spec.restore_backend,
+                       end_of_turn_ids(model, tok) if spec.stop_at_end_of_turn else ())
     return ModelSetup(cfg, cfg.section(spec.section), device, model, what, tok, runner, workload, export, ctx)
 
 
@@ -105,7 +123,7 @@ def equivalence_setup(cfg: Config) -> ModelSetup:
         section="equivalence", key_prefix=b"kmesh-eq/leader", model_sec=sec, workload=sec.get("workload", {}),
         repair=sec["repair"], max_new_tokens=int(sec["max_new_tokens"]),
         restore_backend=sec.get("restore_backend", "torch"), attention=sec.get("attention", "auto"),
-        device=sec["device"]))
+        device=sec["device"], stop_at_end_of_turn=True))
 
 
 SetupT = TypeVar("SetupT", bound=ModelSetup)

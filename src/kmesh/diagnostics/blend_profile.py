@@ -1,4 +1,4 @@
-"""Where the time of one child's prefill goes, per arm (full / kmesh), at 4k and 16k tokens (GPU).
+"""Where the time of one child's prefill goes, per arm (full / repair), at 4k and 16k tokens (GPU).
 
 For each prompt length the equivalence workload is scaled to it, the leader prefilled and child A restored
 (kmesh.segments.restore_child, cuda backend). Per arm: 2 eager warm-up blends, then torch.profiler (CUDA activity)
@@ -7,7 +7,7 @@ over 3 eager blends, then the same blend as one CUDA graph (kmesh.model.graphs) 
 Output (JSON, --out; printed as well), one entry `<T>_<arm>`: kernel_ms_sum (all CUDA kernel time per blend, ms),
 graph_replay_ms_median (the blend's wall time on the GPU with launch overhead gone) and top (the 18 kernels with
 the most CUDA time: name, ms_per_blend, calls_per_blend). kernel_ms_sum well below the eager time means launches
-dominate; the kmesh arm's top rows against the full arm's say which kernels repair adds.
+dominate; the repair arm's top rows against the full arm's say which kernels repair adds.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def profile_arms(setup: ModelSetup, scaled: ScaledLeader) -> dict[str, Any]:
     cache = runner.new_cache(length, scaled.workload.spec.block_size)
     restored = restore_child(cache, export.catalog, export.raw, child, runner, "cuda")
     out: dict[str, Any] = {}
-    for arm, restored_mask in (("full", torch.zeros(length, dtype=torch.bool)), ("kmesh", restored)):
+    for arm, restored_mask in (("full", torch.zeros(length, dtype=torch.bool)), ("repair", restored)):
         for _ in range(2):
             blend(runner, ids, cache, restored_mask, setup.ctx.repair, arm)
         torch.cuda.synchronize()

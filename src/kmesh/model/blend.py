@@ -4,7 +4,7 @@ compared with, all through one layer-wise runner (kmesh.model.runner).
 A request's cache holds restored K/V (already moved to the new positions by kmesh.restore) at the positions
 `restored` marks; every other position has no data. `blend()` prefills the request layer by layer:
 
-kmesh   layers before the first check layer: every position recomputed (their inputs differ from the
+repair  layers before the first check layer: every position recomputed (their inputs differ from the
         leader's, so nothing restored can be trusted yet). At a check layer: fresh K (or V) of every
         restored position is compared with the restored one, ‖fresh − restored‖² over heads and channels
         in float32, and the top ceil(ratio × restored) positions stay recomputed from then on. Positions
@@ -14,7 +14,10 @@ stock   stock CacheBlend as LMCache implements it: check layer(s) as configured 
         ALL positions by post-RoPE K deviation, positions without cached data hold zeros (they are only
         recomputed if the ranking picks them), recomputed queries attend with a bottom-right-aligned causal
         mask (a dense flash-attn call with causal=True and q_len < k_len); next-token logits come from the
-        last recomputed row, as its dense path returns them.
+        last recomputed row, as its dense path returns them. With RepairConfig.recompute_counts the
+        budget is a fixed number of positions per check layer instead of the ratio: the stock-matched
+        control, given exactly the repair arm's recomputed count (every position it recomputes, restored or
+        not), so the two selection rules are compared at one budget.
 naive   restored positions reuse their (shifted) K/V at every layer, no repair; others recomputed.
 full    every position recomputed at every layer: the reference (a plain prefill through the runner).
 
@@ -34,8 +37,9 @@ import torch
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import KVCache, LayerRunner
 
-Arm = Literal["full", "naive", "stock", "kmesh"]
-ARMS: tuple[str, ...] = ("full", "naive", "stock", "kmesh")
+# "repair" is KMesh's repair arm (not "kmesh": that names the project and the vLLM engine arm)
+Arm = Literal["full", "naive", "stock", "repair"]
+ARMS: tuple[str, ...] = ("full", "naive", "stock", "repair")
 
 
 class RepairConfigError(ModelError):
@@ -47,6 +51,9 @@ class RepairConfig:
     check_layers: tuple[int, ...] = (1,)
     recompute_ratio: float | tuple[float, ...] = 0.15   # one ratio, or one per check layer (non-increasing)
     deviation: Literal["k", "v"] = "k"
+    # stock arm only: positions kept after each check layer instead of the ratio (the stock-matched budget,
+    # set per request to the repair arm's recomputed count; never read from the config file)
+    recompute_counts: tuple[int, ...] | None = None
 
     def ratios(self) -> tuple[float, ...]:
         r = self.recompute_ratio
@@ -70,6 +77,12 @@ class RepairConfig:
             raise RepairConfigError(f"recompute ratios must be in (0, 1] and non-increasing, got {ratios}")
         if self.deviation not in ("k", "v"):
             raise RepairConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
+        counts = self.recompute_counts
+        if counts is not None:
+            if len(counts) != len(self.check_layers):
+                raise RepairConfigError(f"{len(counts)} recompute counts for {len(self.check_layers)} check layers")
+            if not all(type(n) is int and n >= 1 for n in counts) or list(counts) != sorted(counts, reverse=True):
+                raise RepairConfigError(f"recompute counts must be positive integers, non-increasing, got {counts}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "RepairConfig":
@@ -96,7 +109,7 @@ class BlendPlan:
 
     arm: str
     T: int
-    forced: torch.Tensor        # int64 positions always recomputed (kmesh, naive: missing + last)
+    forced: torch.Tensor        # int64 positions always recomputed (repair, naive: missing + last)
     is_forced: torch.Tensor     # the same as a bool [T] mask
     keep: tuple[int, ...]       # per check layer: how many rows survive the selection
     check_layers: tuple[int, ...]
@@ -108,21 +121,27 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
     if arm not in ARMS:
         raise ModelError(f"arm must be one of {ARMS}, got {arm!r}")
     config.validate(num_layers)
+    if config.recompute_counts is not None and arm != "stock":
+        raise RepairConfigError(f"recompute_counts is the stock arm's fixed budget, not the {arm!r} arm's")
     r = torch.as_tensor(restored, dtype=torch.bool).cpu()
     T = r.numel()
     if T == 0:
         raise ModelError("empty prompt")
     forced = ~r
-    if arm in ("kmesh", "naive"):  # the last position's hidden state gives the next token: always computed
+    if arm in ("repair", "naive"):  # the last position's hidden state gives the next token: always computed
         forced[T - 1] = True
     n_forced, n_restored = int(forced.sum()), int((~forced).sum())
-    if arm == "kmesh":
+    if arm == "repair":
         keep = tuple(n_forced + math.ceil(q * n_restored) for q in config.ratios())
+    elif arm == "stock" and config.recompute_counts is not None:
+        if config.recompute_counts[0] > T:
+            raise RepairConfigError(f"recompute counts {config.recompute_counts} exceed the prompt's {T} positions")
+        keep = config.recompute_counts
     elif arm == "stock":
         keep = tuple(max(int(T * q), 1) for q in config.ratios())
     else:
         keep = ()
-    checks = config.check_layers if arm in ("kmesh", "stock") else ()
+    checks = config.check_layers if arm in ("repair", "stock") else ()
     return BlendPlan(arm, T, forced.nonzero()[:, 0].to(device), forced.to(device), keep, tuple(checks),
                      config.deviation)
 
@@ -139,7 +158,7 @@ def pick(p: BlendPlan, i: int, dev: torch.Tensor, forced_rows: torch.Tensor | No
     """Sorted row indices that stay recomputed after check layer i, from the rows' deviations."""
     # topk ranks NaN above +inf: a NaN deviation (broken restored data) must rank below the forced rows.
     dev = torch.nan_to_num(dev, nan=torch.finfo(dev.dtype).max)
-    if forced_rows is not None:  # kmesh: forced positions always survive, the rest compete
+    if forced_rows is not None:  # repair: forced positions always survive, the rest compete
         dev = dev.masked_fill(forced_rows, float("inf"))
     k = min(p.keep[i], dev.numel())
     return torch.sort(torch.topk(dev, k, sorted=False).indices).values
@@ -196,7 +215,7 @@ class BlendState:
         return v, self.cache.v[layer][self.active]
 
     def forced_rows(self) -> torch.Tensor | None:
-        return self.plan.is_forced[self.active] if self.plan.arm == "kmesh" else None
+        return self.plan.is_forced[self.active] if self.plan.arm == "repair" else None
 
     def keep_rows(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,7 +258,7 @@ class BlendState:
 
 @torch.no_grad()
 def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequence[bool] | torch.Tensor,
-          config: RepairConfig = RepairConfig(), arm: str = "kmesh", plan_: BlendPlan | None = None) -> BlendResult:
+          config: RepairConfig = RepairConfig(), arm: str = "repair", plan_: BlendPlan | None = None) -> BlendResult:
     """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc)."""
     p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device)
     state = BlendState(runner, ids, cache, p)

@@ -2,7 +2,7 @@
 
     members = [Member("A", ids_a, cache_a, restored_a), ...]       # private caches, restored inputs in place
     out = blend_group(runner, members, repair)                       # unbatched: each member's own blend steps
-    out = blend_group(runner, members, repair, batched=True,         # batched group math (kmesh / full arms)
+    out = blend_group(runner, members, repair, batched=True,         # batched group math (repair / full arms)
                       restore=LayerwiseRestore(runner, parts))        #   + restored keys moved per layer, together
 
 Unbatched, a member runs exactly blend()'s steps (kmesh.model.blend.BlendState) in another order of members,
@@ -52,7 +52,7 @@ class Member:
     ids: torch.Tensor
     cache: KVCache            # the member's private working cache (restored inputs already in place, or
     restored: torch.Tensor    # written layer by layer by a LayerwiseRestore); bool [T]
-    arm: str = "kmesh"
+    arm: str = "repair"
 
 
 @dataclass
@@ -194,8 +194,8 @@ def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairCo
     names = [m.name for m in members]
     if len(set(names)) != len(names):
         raise ModelError(f"group member names must be unique, got {names}")
-    if batched and any(m.arm not in ("kmesh", "full") for m in members):
-        raise ModelError("batched group math covers the kmesh and full arms (position masks only)")
+    if batched and any(m.arm not in ("repair", "full") for m in members):
+        raise ModelError("batched group math covers the repair and full arms (position masks only)")
     if restore is not None and not batched:
         raise ModelError("a layer-wise group restore belongs to the batched path")
     states = {m.name: BlendState(runner, m.ids, m.cache,

@@ -1,15 +1,29 @@
 """How close two requests' outputs are: exact state comparison and the quality metrics of the repair arms.
 
 Exact: `compare_states` — every layer's K and V, the next-token logits, generated tokens and per-layer
-recompute masks must be bit-identical (torch.equal; NaN-safe through the byte views). Quality, each arm
-against the full-recompute reference: top-1 next-token agreement, KL(P_full ‖ P_arm) of the next-token
-distribution in float64, the first position where generated tokens diverge (= length when they never do),
-and whether the generated text contains the workload's answer.
+recompute masks must be bit-identical (torch.equal; NaN-safe through the byte views).
+
+Quality, each arm against the full-recompute reference (`arm_quality`, `summarize`):
+  first token      top-1 agreement and KL(P_full ‖ P_arm) of the next-token distribution after the prompt
+                   (float64).
+  teacher-forced   the same two along the FULL arm's generated continuation: each arm's prefilled state is fed
+                   the full arm's tokens and its next-token distribution is compared with full's at every step
+                   (`teacher_forced_logits`; mean KL over steps, fraction of steps with equal argmax) — a repair
+                   that is right for token 1 and drifts afterwards shows here, where the first-token figures and
+                   the arm's own greedy tokens cannot show it (those stop comparing once they diverge).
+  generation       the first position where the arm's greedy tokens differ from full's (= length when they never
+                   do) and whether its text contains the workload's answer. Both read the continuation only up to
+                   and including the model's end-of-turn token (`until_end_of_turn`): what follows the end of the
+                   turn is not the model's answer.
+  recomputed       positions recomputed after the last check layer (at the last layer), as a fraction of all
+                   positions and of the restored positions (None when the arm restored nothing), and the fraction
+                   of all layer × position cells recomputed (the layers before the check layer recompute
+                   everything).
 """
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -63,25 +77,92 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def first_divergence(ref: Sequence[int], got: Sequence[int]) -> int:
+def kl_per_step(ref_steps: torch.Tensor, steps: torch.Tensor) -> list[float]:
+    """KL(P_ref ‖ P) of every row of two [steps, vocab] logit tensors, float64."""
+    if ref_steps.shape != steps.shape:
+        raise ValueError(f"teacher-forced logits of shapes {tuple(ref_steps.shape)} and {tuple(steps.shape)}")
+    p = torch.log_softmax(ref_steps.double(), -1)
+    q = torch.log_softmax(steps.double(), -1)
+    return [float(x) for x in (p.exp() * (p - q)).sum(-1)]
+
+
+def until_end_of_turn(tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
+    """The tokens up to and including the first end-of-turn token (all of them when there is none)."""
+    stop = set(stop_ids)
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return list(tokens[:i + 1])
+    return list(tokens)
+
+
+def first_divergence(ref: Sequence[int], got: Sequence[int], stop_ids: Collection[int] = ()) -> int:
+    """Index of the first token where `got` differs from `ref`, both read up to their end-of-turn token
+    (= the shorter length when one is a prefix of the other)."""
+    ref, got = until_end_of_turn(ref, stop_ids), until_end_of_turn(got, stop_ids)
     return next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
 
 
+@torch.no_grad()
+def teacher_forced_logits(runner: Any, outcome: Any, tokens: Sequence[int], block_size: int = 16) -> torch.Tensor:
+    """Next-token logits [len(tokens), vocab] of `outcome`'s prefilled state (its K/V of the prompt and its
+    next-token logits) along the given continuation (kmesh.model.runner.LayerRunner.teacher_forced), in a
+    fresh cache: the outcome itself is not touched."""
+    T = outcome.k.shape[1]
+    cache = runner.new_cache(T + len(tokens), block_size)
+    for layer in range(outcome.k.shape[0]):
+        cache.write_prefix(layer, outcome.k[layer].to(runner.device), outcome.v[layer].to(runner.device))
+    return runner.teacher_forced(cache, T, outcome.logits.to(runner.device), tokens)
+
+
+def recomputed(out: Any) -> dict[str, Any]:
+    """What an outcome recomputed (see module doc): counts from its per-layer masks and restored mask."""
+    last = out.masks[-1].cpu()
+    restored = out.restored.cpu().bool()
+    n_restored = int(restored.sum())
+    n = int(last.sum())
+    return {"recomputed_positions": n, "positions": int(last.numel()), "restored_positions": n_restored,
+            "recomputed_fraction_of_positions": n / last.numel(),
+            "recomputed_fraction_of_restored": int((last & restored).sum()) / n_restored if n_restored else None,
+            "recomputed_fraction_of_layer_positions": float(out.masks.float().mean()),
+            "recomputed_per_layer": [int(x) for x in out.masks.sum(1).tolist()]}
+
+
 def arm_quality(ref: Any, out: Any, answer: str, decode: Callable[[list[int]], str],
-                matches: Callable[[str, str], bool]) -> dict[str, Any]:
-    text = decode(out.tokens)
+                matches: Callable[[str, str], bool], ref_steps: torch.Tensor, out_steps: torch.Tensor,
+                stop_ids: Collection[int] = ()) -> dict[str, Any]:
+    """One arm's outcome against the full reference (module doc). `ref_steps` / `out_steps`: both states'
+    teacher-forced logits along the reference's own continuation (teacher_forced_logits)."""
+    text = decode(until_end_of_turn(out.tokens, stop_ids))
+    kls = kl_per_step(ref_steps, out_steps)
+    agree = (ref_steps.argmax(-1) == out_steps.argmax(-1)).tolist()
     return {"top1_agree": int(ref.logits.argmax()) == int(out.logits.argmax()),
-            "kl": kl_divergence(ref.logits, out.logits), "first_divergence": first_divergence(ref.tokens, out.tokens),
-            "exact_match": matches(text, answer), "text": text,
-            "recomputed_fraction": float(out.masks.float().mean())}
+            "kl": kl_divergence(ref.logits, out.logits),
+            "kl_teacher_forced": statistics.fmean(kls), "kl_teacher_forced_max": max(kls),
+            "top1_teacher_forced": sum(agree) / len(agree), "teacher_forced_steps": len(kls),
+            "kl_per_step": kls,
+            "first_divergence": first_divergence(ref.tokens, out.tokens, stop_ids),
+            "exact_match": matches(text, answer), "text": text, **recomputed(out)}
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.fmean(got) if got else None
 
 
 def summarize(per_child: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-arm summary over children: top1_agreement, kl_mean, first_divergence_median, exact_match."""
+    """Per-arm summary over children (module doc): first-token and teacher-forced top-1 / KL, generation,
+    recomputed fractions."""
     n = len(per_child)
     return {"children": n,
-            "top1_agreement": sum(c["top1_agree"] for c in per_child) / n,
-            "kl_mean": statistics.fmean(c["kl"] for c in per_child),
+            "top1_first_token": sum(c["top1_agree"] for c in per_child) / n,
+            "kl_first_token_mean": statistics.fmean(c["kl"] for c in per_child),
+            "top1_teacher_forced": statistics.fmean(c["top1_teacher_forced"] for c in per_child),
+            "kl_teacher_forced_mean": statistics.fmean(c["kl_teacher_forced"] for c in per_child),
             "first_divergence_median": statistics.median(c["first_divergence"] for c in per_child),
             "exact_match": sum(c["exact_match"] for c in per_child) / n,
-            "recomputed_fraction_mean": statistics.fmean(c["recomputed_fraction"] for c in per_child)}
+            "recomputed_positions": [c["recomputed_positions"] for c in per_child],
+            "recomputed_fraction_of_positions_mean": statistics.fmean(c["recomputed_fraction_of_positions"]
+                                                                       for c in per_child),
+            "recomputed_fraction_of_restored_mean": _mean([c["recomputed_fraction_of_restored"] for c in per_child]),
+            "recomputed_fraction_of_layer_positions_mean": statistics.fmean(
+                c["recomputed_fraction_of_layer_positions"] for c in per_child)}

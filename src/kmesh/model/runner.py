@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal
+from typing import Any, Collection, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -297,26 +297,51 @@ class LayerRunner:
         return self.logits(h[-1:])[0]
 
     @torch.no_grad()
+    def decode_step(self, cache: KVCache, position: int, token: int) -> torch.Tensor:
+        """Feed `token` at `position` (its K/V written into the cache, every earlier slot read): next-token
+        logits [vocab]."""
+        p = torch.tensor([position], device=self.device)
+        h = self.embed(torch.tensor([token], device=self.device))
+        rot = self.rotary(p)
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, p, rot)
+            cache.write(layer, p, k, v)
+            kc, vc = cache.layer_kv(layer, position + 1)
+            # one query at the last position sees every key under either mask: no mask tensor needed
+            h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
+        return self.logits(h)[0]
+
+    @torch.no_grad()
     def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int,
-               step_logits: list[torch.Tensor] | None = None) -> list[int]:
+               step_logits: list[torch.Tensor] | None = None, stop_ids: Collection[int] = ()) -> list[int]:
         """Greedy continuation after a prefill of `length` positions whose next-token logits are given. With
         `step_logits`, each decode step's next-token logits [vocab] are appended to it (the logits behind every
-        token after the first)."""
+        token after the first). A token in `stop_ids` (the model's end-of-turn) ends the continuation: it is the
+        last token returned, and nothing after it is computed or written."""
         if length + max_new_tokens > cache.capacity + 1:
             raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
+        stop = frozenset(int(t) for t in stop_ids)
         tokens = [int(first_logits.argmax())]
         for i in range(max_new_tokens - 1):
-            p = torch.tensor([length + i], device=self.device)
-            h = self.embed(torch.tensor([tokens[-1]], device=self.device))
-            rot = self.rotary(p)
-            for layer in range(self.num_layers):
-                q, k, v = self.qkv(layer, h, p, rot)
-                cache.write(layer, p, k, v)
-                kc, vc = cache.layer_kv(layer, length + i + 1)
-                # one query at the last position sees every key under either mask: no mask tensor needed
-                h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
-            logits = self.logits(h)[0]
+            if tokens[-1] in stop:
+                break
+            logits = self.decode_step(cache, length + i, tokens[-1])
             if step_logits is not None:
                 step_logits.append(logits)
             tokens.append(int(logits.argmax()))
         return tokens
+
+    @torch.no_grad()
+    def teacher_forced(self, cache: KVCache, length: int, first_logits: torch.Tensor,
+                       tokens: Sequence[int]) -> torch.Tensor:
+        """Next-token logits [len(tokens), vocab] along a GIVEN continuation after a prefill of `length`
+        positions: row 0 is `first_logits`, row i the logits after tokens[:i] were fed (whatever this state would
+        have generated itself). The last token is never fed: nothing is predicted after it."""
+        if not tokens:
+            raise ModelError("teacher forcing needs at least one token")
+        if length + len(tokens) > cache.capacity + 1:
+            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {len(tokens)} tokens")
+        rows = [first_logits]
+        for i, token in enumerate(tokens[:-1]):
+            rows.append(self.decode_step(cache, length + i, int(token)))
+        return torch.stack(rows)

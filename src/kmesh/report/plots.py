@@ -59,21 +59,32 @@ def paired_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], titl
 
 
 def quality_plot(quality: dict[str, dict[str, Any]], base: Path, formats: Iterable[str], title: str) -> list[Path]:
-    """Per arm: KL to full recompute (log scale) and the fraction of positions recomputed."""
+    """Per arm: KL to full recompute, first token and teacher-forced (log scale), and what the arm recomputed
+    (fraction of all positions, of restored positions) beside its teacher-forced top-1 agreement."""
     arms = list(quality)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(arms) + 3), 3.2))
-    kl = [max(quality[a]["kl_mean"], 1e-12) for a in arms]
-    ax1.bar(arms, kl, color="#34495e")
+    x = list(range(len(arms)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(7, 2.0 * len(arms) + 3), 3.4))
+    for offset, key, label, color in ((-0.2, "kl_first_token_mean", "first token", "#34495e"),
+                                      (0.2, "kl_teacher_forced_mean", "teacher-forced", "#c0392b")):
+        # a zero KL (the full arm) has no place on a log axis: drawn at 1e-12
+        # (a key missing from an older result file draws no bar)
+        vals = [quality[a].get(key) for a in arms]
+        ax1.bar([i + offset for i in x], [float("nan") if v is None else max(v, 1e-12) for v in vals], width=0.4,
+                color=color, label=label)
     ax1.set_yscale("log")
+    ax1.set_xticks(x, arms, rotation=20)
     ax1.set_ylabel("KL(full ‖ arm), mean over children [nats]")
-    frac = [quality[a].get("recomputed_fraction_mean", 0.0) for a in arms]
-    agree = [quality[a]["top1_agreement"] for a in arms]
-    x = range(len(arms))
-    ax2.bar([i - 0.2 for i in x], frac, width=0.4, color="#b0b0b0", label="recomputed fraction")
-    ax2.bar([i + 0.2 for i in x], agree, width=0.4, color="#3a7d44", label="top-1 agreement")
-    ax2.set_xticks(list(x), arms)
+    ax1.legend(frameon=False, fontsize=8)
+    for offset, key, label, color in ((-0.27, "recomputed_fraction_of_positions_mean", "recomputed / all positions",
+                                       "#b0b0b0"),
+                                      (0.0, "recomputed_fraction_of_restored_mean", "recomputed / restored",
+                                       "#7f8c8d"),
+                                      (0.27, "top1_teacher_forced", "top-1 agreement (teacher-forced)", "#3a7d44")):
+        ax2.bar([i + offset for i in x], [quality[a].get(key) or 0.0 for a in arms], width=0.27, color=color,
+                label=label)
+    ax2.set_xticks(x, arms, rotation=20)
     ax2.set_ylim(0, 1.05)
-    ax2.legend(frameon=False, fontsize=8)
+    ax2.legend(frameon=False, fontsize=7)
     fig.suptitle(title, fontsize=10)
     return _save(fig, base, formats)
 

@@ -100,22 +100,37 @@ def write_table(df: pd.DataFrame, base: Path, formats: Iterable[str], caption: s
     return out
 
 
-QUALITY_COLUMNS = {"top1_agreement": "top-1 agreement", "kl_mean": "KL(full ‖ arm) mean",
-                   "first_divergence_median": "first divergence (median token)", "exact_match": "answer exact-match",
-                   "recomputed_fraction_mean": "recomputed fraction"}
+QUALITY_COLUMNS = {
+    "kl_first_token_mean": "KL(full ‖ arm) first token, mean",
+    "kl_teacher_forced_mean": "KL(full ‖ arm) teacher-forced, mean",
+    "top1_first_token": "top-1 agreement, first token",
+    "top1_teacher_forced": "top-1 agreement, teacher-forced",
+    "first_divergence_median": "first divergence (median token)",
+    "exact_match": "answer exact-match",
+    "recomputed_fraction_of_positions_mean": "recomputed / all positions",
+    "recomputed_fraction_of_restored_mean": "recomputed / restored positions",
+    "recomputed_fraction_of_layer_positions_mean": "recomputed / layer × positions",
+}
 
 
 def quality_frame(quality: dict[str, dict[str, Any]]) -> pd.DataFrame:
-    """One row per repair arm (a stage summary's `quality`): agreement with the full-recompute reference."""
-    rows = [{"arm": arm, "children": q.get("children"), **{label: q.get(key) for key, label in QUALITY_COLUMNS.items()}}
+    """One row per arm (a stage summary's `quality`): agreement with the full-recompute reference, and how much
+    each arm recomputed (recomputed positions per child listed, so equal budgets can be seen)."""
+    rows = [{"arm": arm, "children": q.get("children"), **{label: q.get(key) for key, label in QUALITY_COLUMNS.items()},
+             "recomputed positions per child": " ".join(str(n) for n in q.get("recomputed_positions") or [])}
             for arm, q in quality.items()]
     return pd.DataFrame(rows)
 
 
 def quality_caption(stage: str) -> str:
-    return (f"Stage {stage}: every arm against full-prompt recompute on the same prompts, same runner and ratio. "
-            "KL in nats over the next-token distribution; first divergence = index of the first generated token "
-            "that differs (= tokens generated when none does); exact-match = the answer appears in the generation.")
+    return (f"Stage {stage}: every arm against full-prompt recompute on the same prompts and runner. KL in nats: "
+            "first token = the next-token distribution after the prompt; teacher-forced = mean over the steps of the "
+            "full arm's own continuation fed to every arm's state (top-1 likewise). Generation stops at the model's "
+            "end-of-turn token: first divergence = index of the first generated token that differs (= tokens "
+            "generated when none does); exact-match = the answer appears in the generation. stock = CacheBlend as "
+            "LMCache configures it (15 % of all positions); stock-matched = the same selection rule given exactly "
+            "repair's recomputed count per child. Recomputed = positions recomputed after the check layer, over all "
+            "positions and over the restored ones; layer × positions counts the layers before the check as well.")
 
 
 def arms_frame(timing: dict[str, Any]) -> pd.DataFrame:

@@ -3,7 +3,7 @@ segment, and the repaired K/V go into the engine's blocks as externally computed
 
 vLLM only takes external KV for a prefix, so the span [0, E) (E = end of the last shared segment found) is
 claimed whole: segments move to their new positions (kmesh.restore shifts the keys), every other position of
-the span is computed, and CacheBlend-style selective recomputation (kmesh.model.blend, arm "kmesh") repairs
+the span is computed, and CacheBlend-style selective recomputation (kmesh.model.blend, arm "repair") repairs
 the restored ones — all with the engine's own weights loaded into kmesh.model.runner.LayerRunner.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def repair_span(runner: LayerRunner, ids: Sequence[int], placed: Sequence[Placed
         new = torch.arange(p.start, p.start + seg.num_tokens)
         restore(cache.raw, cache.layout, seg, new, new, runner.rope)      # runner cache: slot = position
         restored[p.start:p.start + seg.num_tokens] = True
-    out = blend(runner, torch.tensor(list(ids)), cache, restored, config, arm="kmesh")
+    out = blend(runner, torch.tensor(list(ids)), cache, restored, config, arm="repair")
     pos = torch.arange(E)
     return Repaired(capture(cache.raw, cache.layout, pos, pos), out.logits, out.counts())
 

@@ -36,7 +36,7 @@ from kmesh.segments import (InProcessSegments, SegmentCancelledError, SegmentCor
                             stage_segments)
 from kmesh.service.handles import references_in_self
 from kmesh.service_side import ServiceSide, Staging
-from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey, Refs
+from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import FaultPlan
@@ -69,9 +69,9 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
     name = setup.workload.children[0].name
     layer = min(3, setup.runner.num_layers - 1)
     with res.case("negative-controls", {"child": name, "layer": layer}) as case:
-        if RefKey(KMESH, name) not in refs:
+        if RefKey(REPAIR, name) not in refs:
             case.skip(f"child {name} has no repaired outcome to perturb (see child-{name})")
-        base = refs[RefKey(KMESH, name)]
+        base = refs[RefKey(REPAIR, name)]
         layers = base.k.shape[0]
         # the comparator's equal side on a second, independent run of the same child (not base with itself)
         staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)

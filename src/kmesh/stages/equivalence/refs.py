@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from kmesh.child import ChildOutcome
 
 FULL = "full"      # the full recompute of the child's prompt, no segments (kmesh.child.full_reference)
-KMESH = "kmesh"    # the child repaired from segments staged in-process (its child-<name> case's first run)
+REPAIR = "repair"  # the child repaired from segments staged in-process (its child-<name> case's first run)
 
 
 @dataclass(frozen=True)
 class RefKey:
-    arm: str       # FULL or KMESH
+    arm: str       # FULL or REPAIR
     child: str     # the workload child's name
 
 

@@ -16,8 +16,11 @@ Cases:
   control-<name> (7)           missing, corrupt, truncated object, wrong layout descriptor, service killed
                                mid-load, failure after device work was submitted, cancelled child: each falls
                                back safely (kmesh.child), tokens equal the full-recompute reference, no leak
-  quality                      arms full / naive / stock / kmesh on the same prompts (kmesh.model.quality)
-  ttft-<T>                     time to first token, matched pairs (kmesh.bench): kmesh repair vs full
+  quality                      arms full / naive / stock / stock-matched / repair on the same prompts
+                               (kmesh.model.quality): first-token and teacher-forced KL and top-1, generation
+                               up to end-of-turn, recomputed fractions; stock-matched = stock's selection rule
+                               with exactly the repair arm's recomputed count for that child
+  ttft-<T>                     time to first token, matched pairs (kmesh.bench): repair vs full
                                recompute, and full recompute vs transformers' own forward
 """
 from __future__ import annotations
@@ -31,14 +34,14 @@ import torch
 from kmesh.child import full_reference, run_child
 from kmesh.config import Config
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import arm_quality, compare_states, identical, summarize
+from kmesh.model.quality import arm_quality, compare_states, identical, summarize, teacher_forced_logits
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service_side import ServiceSide
 from kmesh.stages.equivalence import controls
-from kmesh.stages.equivalence.refs import FULL, KMESH, RefKey, Refs
+from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
 from kmesh.workload import answer_matches
 
@@ -48,11 +51,13 @@ def _runner_case(res: Result, setup: ModelSetup) -> None:
     with res.case("runner-matches-transformers", {"model": setup.what, "tokens": len(child.ids)}) as case:
         ids = torch.tensor(child.ids, device=setup.device)
         model = setup.model
+        # both sides stop at the same end-of-turn ids (the runner's decode through ChildContext.stop_ids)
+        stop = {"eos_token_id": list(setup.ctx.stop_ids)} if setup.ctx.stop_ids else {}
         with torch.no_grad(), transformers_sdpa_policy(model):
             hf_logits = model(ids[None]).logits[0, -1]
             hf_tokens = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
                                        max_new_tokens=setup.ctx.max_new_tokens, do_sample=False,
-                                       pad_token_id=model.config.eos_token_id or 0)[0, len(ids):].tolist()
+                                       pad_token_id=model.config.eos_token_id or 0, **stop)[0, len(ids):].tolist()
         ref = full_reference(setup.ctx, child)
         diff = float((ref.logits.double() - hf_logits.double()).abs().max())
         scale = float(hf_logits.double().abs().max())
@@ -86,8 +91,10 @@ def _workload_case(res: Result, setup: ModelSetup) -> None:
 
 
 def _child_cases(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Refs) -> dict[str, Any]:
-    """Each child twice, (a) in-process and (b) through the service; (a) becomes the child's KMESH reference."""
-    agg = {"mask_comparisons": 0, "max_abs_diff": 0.0, "tokens_equal": True, "identical_children": 0}
+    """Each child twice, (a) in-process and (b) through the service; (a) becomes the child's REPAIR reference."""
+    # mask_comparisons: per-layer mask comparisons made; masks_equal: how many of them found the masks equal
+    agg = {"mask_comparisons": 0, "masks_equal": 0, "max_abs_diff": 0.0, "tokens_equal": True,
+           "identical_children": 0}
     inproc = InProcessSegments(setup.export)
     staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
     private = torch.empty_like(staging)
@@ -108,46 +115,100 @@ def _child_cases(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Refs) -
             case.record("outcome", service.describe())
             case.record("answer", {"expected": child.answer, "text": setup.decode(service.tokens)})
             case.check("staging_released_no_leaks", svc.no_leaks(), value=svc.leaks())
-            agg["mask_comparisons"] += cmp["mask_equal_layers"]
+            agg["mask_comparisons"] += cmp["layers"]
+            agg["masks_equal"] += cmp["mask_equal_layers"]
             agg["max_abs_diff"] = max(agg["max_abs_diff"], cmp["max_abs_diff"])
             agg["tokens_equal"] &= cmp["tokens_equal"]
             agg["identical_children"] += identical(cmp)
-            refs[RefKey(KMESH, child.name)] = in_process
+            refs[RefKey(REPAIR, child.name)] = in_process
     return agg
 
 
-def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> dict[str, Any]:
-    arms = ("full", "naive", "stock", "kmesh")
+QUALITY_ARMS = ("full", "naive", "stock", "stock-matched", "repair")
+STOCK_MATCHED = ("stock's selection rule (equivalence.stock: check layers, top-k over ALL positions by post-RoPE "
+                 "deviation, missing positions zeroed, bottom-right mask) with k set per child to the repair arm's "
+                 "recomputed count: every position it recomputes after the check layer, restored or not")
+
+
+def _matched(stock: RepairConfig, repair_out: Any) -> RepairConfig:
+    """The stock rule at the repair arm's budget for one child: at each stock check layer, as many positions as
+    the repair outcome recomputed there (its final count when the check layers are the same)."""
+    counts = tuple(int(repair_out.masks[layer].sum()) for layer in stock.check_layers)
+    return dataclasses.replace(stock, recompute_counts=counts)
+
+
+def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(per-arm summaries, the repair-vs-stock-matched claim as measured)."""
+    stop = tuple(setup.ctx.stop_ids)
     out: dict[str, Any] = {}
-    with res.case("quality", {"arms": arms, "repair": setup.sec["repair"], "stock": setup.sec["stock"]}) as case:
+    claim: dict[str, Any] = {}
+    params = {"arms": QUALITY_ARMS, "repair": setup.sec["repair"], "stock": setup.sec["stock"],
+              "stock_matched": STOCK_MATCHED, "end_of_turn_ids": list(stop),
+              "end_of_turn": ("generation and its measures stop at the model's end-of-turn token" if stop else
+                              "this tokenizer has no end-of-turn token (byte tokenizer of random weights): every "
+                              "continuation runs max_new_tokens"),
+              "teacher_forced": "each arm's prefilled state fed the full arm's continuation; KL and top-1 per step"}
+    with res.case("quality", params) as case:
         inproc = InProcessSegments(setup.export)
         staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
         private = torch.empty_like(staging)
-        stock_ctx = dataclasses.replace(setup.ctx, repair=RepairConfig.from_dict(setup.sec["stock"]))
-        per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        stock = RepairConfig.from_dict(setup.sec["stock"])
+        stock_ctx = dataclasses.replace(setup.ctx, repair=stock)
+        block = setup.export.catalog.layout.block_size
+        per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in QUALITY_ARMS}
+        fallbacks: dict[str, Any] = {}
+        reproduces: dict[str, bool] = {}
         rerun_identical: dict[str, bool] = {}
+        same_positions: dict[str, bool] = {}
         for child in setup.workload.children:
             ref = refs[RefKey(FULL, child.name)]
-            for arm in arms:
-                if arm == "full":
-                    # recomputed, not the reference itself: the full arm's row measures the full recompute again
-                    outcome = full_reference(setup.ctx, child)
-                    rerun_identical[child.name] = identical(compare_states(ref, outcome))
-                elif arm == "kmesh":
-                    outcome = refs[RefKey(KMESH, child.name)]
-                else:
-                    outcome = run_child(stock_ctx if arm == "stock" else setup.ctx, child, inproc, staging, private,
-                                        arm=arm)
+            repaired = refs[RefKey(REPAIR, child.name)]
+            matched_ctx = dataclasses.replace(setup.ctx, repair=_matched(stock, repaired))
+            # the full arm is recomputed, not the reference itself: its row measures the full recompute again
+            rerun = full_reference(setup.ctx, child)
+            rerun_identical[child.name] = identical(compare_states(ref, rerun))
+            outcomes = {"full": rerun,
+                        "naive": run_child(setup.ctx, child, inproc, staging, private, arm="naive"),
+                        "stock": run_child(stock_ctx, child, inproc, staging, private, arm="stock"),
+                        "stock-matched": run_child(matched_ctx, child, inproc, staging, private, arm="stock"),
+                        "repair": repaired}
+            fallbacks[child.name] = {arm: o.fallback for arm, o in outcomes.items() if arm != "full"}
+            # at one budget the two rules may pick the same positions; then what differs is how they attend
+            same_positions[child.name] = bool(torch.equal(outcomes["stock-matched"].masks, repaired.masks))
+            ref_steps = teacher_forced_logits(setup.runner, ref, ref.tokens, block)
+            # teacher forcing the full state with its own tokens must give back its greedy tokens
+            reproduces[child.name] = ref_steps.argmax(-1).tolist() == list(ref.tokens)
+            for arm, outcome in outcomes.items():
+                steps = teacher_forced_logits(setup.runner, outcome, ref.tokens, block)
                 per_arm[arm].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
-                                                                         answer_matches)})
+                                                                         answer_matches, ref_steps, steps, stop)})
         out = {arm: summarize(rows) for arm, rows in per_arm.items()}
         case.record("per_child", per_arm)
         case.record("summary", out)
+        case.check("arms_used_segments", all(v is None for f in fallbacks.values() for v in f.values()),
+                   value=fallbacks)
+        case.check("teacher_forcing_reproduces_full_tokens", all(reproduces.values()), value=reproduces)
         # what the table's KL and agreement are measured against is reproducible, bit for bit
         case.check("full_recompute_bit_identical", all(rerun_identical.values()), value=rerun_identical)
-        case.check("kmesh_closer_than_naive", out["kmesh"]["kl_mean"] <= out["naive"]["kl_mean"],
-                   value={"kmesh": out["kmesh"]["kl_mean"], "naive": out["naive"]["kl_mean"]})
-    return out
+        budgets = {row["child"]: {"repair": row["recomputed_positions"], "stock-matched": m["recomputed_positions"]}
+                   for row, m in zip(per_arm["repair"], per_arm["stock-matched"])}
+        case.check("stock_matched_budget_equals_repair",
+                   all(b["repair"] == b["stock-matched"] for b in budgets.values()), value=budgets)
+        case.record("stock_matched_recomputed_the_same_positions_as_repair", same_positions)
+        kl_first = {arm: out[arm]["kl_first_token_mean"] for arm in ("repair", "naive")}
+        case.check("repair_closer_than_naive", kl_first["repair"] <= kl_first["naive"], value=kl_first)
+        # The claim against stock-CacheBlend is made at one budget only (stock-matched), measured and reported
+        # met or missed, never a stage check: stock at its own 15 % of T loses by budget, not by design.
+        for key in ("kl_first_token_mean", "kl_teacher_forced_mean"):
+            r, m = out["repair"][key], out["stock-matched"][key]
+            claim[key] = {"repair": r, "stock-matched": m, "met": r < m}
+        kl_tf = {arm: [row["kl_teacher_forced"] for row in per_arm[arm]] for arm in ("repair", "stock-matched")}
+        claim["children_repair_lower_kl_teacher_forced"] = sum(a < b for a, b in zip(kl_tf["repair"],
+                                                                                        kl_tf["stock-matched"]))
+        claim["children"] = len(kl_tf["repair"])
+        claim["children_same_positions_recomputed"] = sum(same_positions.values())
+        case.record("claim_repair_better_than_stock_matched", claim)
+    return out, claim
 
 
 def run(cfg: Config) -> Result:
@@ -175,10 +236,12 @@ def run(cfg: Config) -> Result:
                        all(now[e.key] == (e.sha256, e.sha256) for e in catalog.entries), value=len(now))
         controls.negative_controls(res, setup, refs)
         agg["failure_controls_passed"] = controls.failure_controls(res, setup, svc, refs)
-    res.extra.update(mask_comparisons=agg["mask_comparisons"], max_abs_diff=agg["max_abs_diff"],
+    res.extra.update(mask_comparisons=agg["mask_comparisons"], masks_equal=agg["masks_equal"],
+                     max_abs_diff=agg["max_abs_diff"],
                      tokens_equal=agg["tokens_equal"], identical_children=agg["identical_children"],
                      failure_controls_passed=agg["failure_controls_passed"])
-    res.extra["quality"] = _quality_case(res, setup, refs)
+    res.extra["quality"], res.extra["repair_vs_stock_matched"] = _quality_case(res, setup, refs)
+    res.extra["end_of_turn_ids"] = list(setup.ctx.stop_ids)
     res.extra["ttft"] = ttft_cases(res, setup)
     gc.collect()
     return res

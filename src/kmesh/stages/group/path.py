@@ -116,7 +116,7 @@ def run_group(setup: ModelSetup, svc: ServiceSide, children: tuple[Child, ...], 
             writeback_equal[name] = bool(torch.equal(dests[name], caches[name].raw))   # every layer's write-back landed
             result = out.results[name]
             tokens = runner.decode(caches[name], len(child.ids), result.logits, ctx.max_new_tokens)
-            outcomes[name] = outcome_of(ctx, child, "service", "kmesh", caches[name], restored[name], result, tokens,
+            outcomes[name] = outcome_of(ctx, child, "service", "repair", caches[name], restored[name], result, tokens,
                                         None, ["group-admitted", "private-copy-drained", "restored", "layer-major"])
     finally:
         if gate is not None:

@@ -111,13 +111,16 @@ def _serial(res: Result, setup: GroupSetup,
 
 def _compare_group(case: Case, group_run: GroupRun, refs: dict[str, dict[str, ChildOutcome]],
                    names: list[str]) -> dict[str, Any]:
-    agg = {"mask_comparisons": 0, "kv_layer_comparisons": 0, "max_abs_diff": 0.0, "all_identical": True}
+    # mask_comparisons: per-layer mask comparisons made; masks_equal: how many of them found the masks equal
+    agg = {"mask_comparisons": 0, "masks_equal": 0, "kv_layer_comparisons": 0, "max_abs_diff": 0.0,
+           "all_identical": True}
     per: dict[str, Any] = {}
     for ref_name, ref in refs.items():
         for name in names:
             cmp = compare_states(ref[name], group_run.outcomes[name])
             per[f"{name}-vs-{ref_name}"] = cmp
             agg["mask_comparisons"] += cmp["layers"]
+            agg["masks_equal"] += cmp["mask_equal_layers"]
             agg["kv_layer_comparisons"] += 2 * cmp["layers"]
             agg["max_abs_diff"] = max(agg["max_abs_diff"], cmp["max_abs_diff"])
             agg["all_identical"] &= identical(cmp)
@@ -194,7 +197,8 @@ def _failure_case(res: Result, setup: GroupSetup, svc: ServiceSide, inproc: dict
         engine = setup.ctx.engine
         ok.append(case.check("engine_nothing_pending", not engine.pending() and engine.live_holds() == 0))
         out.update(failure_case_passed=all(ok), handles_open_after=handles, pending_after=pending,
-                   others_mask_comparisons=sum(x["mask_equal_layers"] for x in others.values()))
+                   others_mask_comparisons=sum(x["layers"] for x in others.values()),
+                   others_masks_equal=sum(x["mask_equal_layers"] for x in others.values()))
     return out
 
 
@@ -228,6 +232,7 @@ def run(cfg: Config) -> Result:
         fail = _failure_case(res, setup, svc, inproc, fulls)
         unchanged = _originals_case(res, setup, svc)
     res.extra.update(placements=agg.get("placements"), mask_comparisons=agg.get("mask_comparisons"),
+                     masks_equal=agg.get("masks_equal"),
                      kv_layer_comparisons=agg.get("kv_layer_comparisons"), max_abs_diff=agg.get("max_abs_diff"),
                      originals_unchanged=unchanged, **fail)
     res.extra["batched_bound"] = bench.batched_agreement(res, setup, inproc,

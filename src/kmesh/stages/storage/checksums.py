@@ -222,8 +222,8 @@ def timed_checksum_child(ctx: ChildContext, child: Child, objs: ObjectSet, bufs:
     with iv.part("outer"):
         cache = new_cache(ctx, child)
         restored = checksum_restore(ctx, child, objs, bufs, arm, cache, owner, iv)
-        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        out = outcome_of(ctx, child, f"storage:{arm.name}", "kmesh", cache, restored, blended, tokens, None,
+        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "repair")
+        out = outcome_of(ctx, child, f"storage:{arm.name}", "repair", cache, restored, blended, tokens, None,
                          ["restored", "repaired"])
         release_checked(ctx, owner, bufs.host, bufs.dev, bufs.private)
     return out

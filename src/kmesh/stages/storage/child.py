@@ -63,8 +63,8 @@ def timed_child(ctx: ChildContext, child: Child, objs: ObjectSet, route: Route, 
     with iv.part("outer"):
         cache = new_cache(ctx, child)
         restored = route_restore(ctx, child, objs, route, landing, private, cache, owner, iv)
-        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "kmesh")
-        out = outcome_of(ctx, child, f"storage:{route.arm}", "kmesh", cache, restored, blended, tokens, None,
+        blended, tokens = prefill_and_decode(ctx, child, cache, restored, "repair")
+        out = outcome_of(ctx, child, f"storage:{route.arm}", "repair", cache, restored, blended, tokens, None,
                          ["restored", "repaired"])
         release_checked(ctx, owner, landing, private)
     return out

@@ -75,8 +75,8 @@ def _same_as_reference(setup: Setup, child: Child, objs: ObjectSet, route: route
     cache = new_cache(setup.ctx, child)
     restored = pipelined_restore(setup.ctx, child, objs, route, landing, private, cache, owner, check, dev_land,
                                  trace)
-    blended, tokens = prefill_and_decode(setup.ctx, child, cache, restored, "kmesh")
-    out = outcome_of(setup.ctx, child, f"storage:{route.arm}:{name}", "kmesh", cache, restored, blended, tokens,
+    blended, tokens = prefill_and_decode(setup.ctx, child, cache, restored, "repair")
+    out = outcome_of(setup.ctx, child, f"storage:{route.arm}:{name}", "repair", cache, restored, blended, tokens,
                      None, [])
     release_checked(setup.ctx, owner, landing, private, *([dev_land] if dev_land is not None else []))
     return identical(compare_states(ref, out))

@@ -121,8 +121,8 @@ def _repair_from(setup: Setup, child: Child, private: torch.Tensor, source: str)
     """Restore + repair one child from its private copy of the segments."""
     cache = new_cache(setup.ctx, child)
     restored = restore_child(cache, setup.ctx.catalog, private, child, setup.ctx.runner, setup.ctx.restore_backend)
-    blended, tokens = prefill_and_decode(setup.ctx, child, cache, restored, "kmesh")
-    return outcome_of(setup.ctx, child, source, "kmesh", cache, restored, blended, tokens, None, [])
+    blended, tokens = prefill_and_decode(setup.ctx, child, cache, restored, "repair")
+    return outcome_of(setup.ctx, child, source, "repair", cache, restored, blended, tokens, None, [])
 
 
 def read_once_service_case(res: Result, setup: Setup, refs: dict[str, ChildOutcome], pairs: int,
