@@ -216,6 +216,28 @@ def _io_pair(pair: dict[str, Any] | None) -> str | None:
             f"vs {pair['median_preadv_s']:.4g} s)")
 
 
+def _floor_ratios(summary: dict[str, Any]) -> str:
+    """Every floor variant's ratio, the best one (`floor_ratio`) marked."""
+    best = summary.get("floor_ratio_variant")
+    return ", ".join(f"{k} {v:.3g}" + (" (best)" if k == best else "")
+                     for k, v in (summary.get("floor_ratios") or {}).items())
+
+
+def _landing_kind(kind: dict[str, Any]) -> str:
+    if kind.get("memory") == "device":
+        return f"device ({kind.get('registered')}-registered)"
+    return "pinned host" if kind.get("pinned") else "aligned host (not pinned)"
+
+
+def _floor_landing(landings: dict[str, Any] | None) -> str | None:
+    """Where the floor's reads and the arm's land, and whether the two are the same kind of memory."""
+    if not landings:
+        return None
+    arm, floor = landings.get("arm") or {}, landings.get("floor") or {}
+    return (f"floor: {_landing_kind(floor)}; arm: {_landing_kind(arm)} — "
+            + ("same kind" if arm == floor else "DIFFERENT kinds"))
+
+
 def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The storage stage's headline values (result keys of issue §24 storage routes), one row each."""
     dm = summary.get("direct_mode") or {}
@@ -233,9 +255,10 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("bad-file controls passed", summary.get("failure_controls_passed")),
         ("object payload bytes", ", ".join(str(x) for x in ob.get("payload", []))),
         ("padded bytes per child", ob.get("per_child_padded")),
-        ("floor ratio (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
+        ("floor ratio, best variant (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
         ("floor ratio's variant", summary.get("floor_ratio_variant")),
-        ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
+        ("floor ratios by variant", _floor_ratios(summary)),
+        ("floor landing vs the arm's", _floor_landing(summary.get("floor_landing"))),
         ("I/O engine per arm (as run)", _io_engines(summary.get("io_engine") or {})),
         ("floor read, io_uring / preadv (median paired ratio)", _io_pair(summary.get("io_pair"))),
         ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),
