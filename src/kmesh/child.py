@@ -1,6 +1,8 @@
 """One child request end to end: stage its shared segments, copy them private, restore, repair, decode.
 
     out = run_child(ctx, child, source, staging, private)
+    restored, res = prefill_from_segments(ctx, child, source, staging, private, cache, "kmesh", owner, events,
+                                          part=intervals.part)   # run_child's path up to the first token, timed
 
 Any SegmentLoadError or transfer failure on the way ends in a full recompute of the prompt — but only once
 nothing is pending on the child's memory: the private copy's tickets are drained first (copy_private
@@ -10,15 +12,17 @@ past the request are canaries that must still be NaN afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from kmesh.errors import KMeshError
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.segments import Catalog, SegmentLoadError, SegmentSource, copy_private, restore_child, stage_segments
+from kmesh.segments import (Catalog, CatalogEntry, SegmentLoadError, SegmentSource, copy_private, restore_child,
+                            stage_segments)
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import TransferError
 from kmesh.workload import Child
@@ -69,12 +73,61 @@ def check_canaries(cache: KVCache, used: int) -> None:
             raise ChildStateError(f"layer {layer}: a canary slot past {used} was overwritten")
 
 
+def prefill(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor, arm: str) -> BlendResult:
+    """The child's prefill with repair `arm` over its restored positions: the first token's logits."""
+    ids = torch.tensor(child.ids, device=ctx.runner.device)
+    return blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+
+
 def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,
                        arm: str) -> tuple[BlendResult, list[int]]:
-    ids = torch.tensor(child.ids, device=ctx.runner.device)
-    res = blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+    res = prefill(ctx, child, cache, restored, arm)
     tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens)
     return res, tokens
+
+
+PartTimer = Callable[[str], ContextManager[Any]]   # kmesh.bench.Intervals.part, or untimed
+
+
+def _untimed(_name: str) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+class _TimedLoads:
+    """A segment source whose load calls are timed as part `load`: the source's own work (for the service:
+    request, copy, reply), without the size and digest checks stage_segments makes on arrival."""
+
+    def __init__(self, source: SegmentSource, part: PartTimer) -> None:
+        self.source, self.part, self.name = source, part, source.name
+
+    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
+        with self.part("load"):
+            return self.source.load(entry, staging)
+
+
+def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
+                          private: torch.Tensor, cache: KVCache, arm: str, owner: str, events: list[str],
+                          part: PartTimer = _untimed,
+                          prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None = None,
+                          ) -> tuple[torch.Tensor, BlendResult]:
+    """run_child's path from the child's request to its first token's logits: every segment staged from
+    `source` (loaded, then its size and digest checked on arrival), the private copy (drained), the restore
+    into `cache`, the prefill with repair `arm`. Returns (restored mask, prefill result); a load or transfer
+    error propagates (run_child turns it into a recompute). `part(name)` times the steps as nested parts:
+    stage ⊃ load (the source's calls, summed), private-copy, restore, repair. `prefill_fn(cache, restored)`
+    replaces the eager prefill (a CUDA graph of the same blend captured over `cache`)."""
+    with part("stage"):
+        stage_segments(_TimedLoads(source, part), staging, ctx.catalog,
+                       on_staged=lambda e: events.append(f"staged:{e.index}"))
+    with part("private-copy"):
+        copy_private(ctx.engine, staging, private, owner)
+    events.append("private-copy-drained")
+    with part("restore"):
+        restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
+    events.append("restored")
+    with part("repair"):
+        res = prefill_fn(cache, restored) if prefill_fn is not None else prefill(ctx, child, cache, restored, arm)
+    return restored, res
 
 
 def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
@@ -109,12 +162,8 @@ def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: t
     events: list[str] = []
     cache = new_cache(ctx, child)
     try:
-        stage_segments(source, staging, ctx.catalog, on_staged=lambda e: events.append(f"staged:{e.index}"))
-        copy_private(ctx.engine, staging, private, owner)
-        events.append("private-copy-drained")
-        restored = restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend)
-        events.append("restored")
-        res, tokens = prefill_and_decode(ctx, child, cache, restored, arm)
+        restored, res = prefill_from_segments(ctx, child, source, staging, private, cache, arm, owner, events)
+        tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens)
         return outcome_of(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
     except (SegmentLoadError, TransferError) as e:
         fallback = f"{type(e).__name__}: {e}"
