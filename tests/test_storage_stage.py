@@ -381,6 +381,8 @@ def test_whole_stage_tiny_cuda(tmp_path):
            if c.passed is False}
     print("arms", s["arms"], "direct_mode", s["direct_mode"], "floor_ratios", s.get("floor_ratios"), "bad", bad)
     assert not bad and s["ok"] and s["outputs_identical"] and "staging" in s["arms"]
+    # the staging arm's floor reads into pinned memory as the arm does (issue 21 item 7)
+    assert s["floor_landing"]["floor"]["pinned"] is True and s["floor_landing"]["floor"] == s["floor_landing"]["arm"]
     if s["direct_mode"]["mode"] is None:          # cuFile cannot run here: the fallback arms ran, the skip says why
         assert s["arms"] == ["staging", "staging-buffered"] and s["arms_fallback"]["why"]["direct"]
         skip = next(c for c in res.cases if c.id == "arrival-direct")

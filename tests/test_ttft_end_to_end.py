@@ -184,3 +184,36 @@ def test_graph_prefill_refuses_another_cache():
     with pytest.raises(endtoend.EndToEndError):
         replay(graph.cache, torch.zeros(4, dtype=torch.bool))
     assert dataclasses.is_dataclass(endtoend.FirstTokenState)
+
+
+def _pair(a: str, b: str, median_a: float, median_b: float, ratio: float, faster: int) -> dict:
+    return {"arm_a": a, "arm_b": b, "median_a_ms": median_a, "median_b_ms": median_b, "median_ratio_b_over_a": ratio,
+            "median_speedup_a_over_b": 1 / ratio, "b_faster_pairs": faster, "pairs": 7}
+
+
+def test_ttft_table_shows_both_arms_against_full_and_reads_the_goal_against_end_to_end(tmp_path):
+    from kmesh.config import load_config
+    from kmesh.report.tables import ttft_frame
+    from kmesh.stages.report import run
+
+    ttft = {"512": {"kmesh_vs_full": _pair("full", "kmesh", 300.0, 200.0, 0.5, 7),
+                    "end_to_end_vs_full": _pair("full", "end-to-end", 310.0, 250.0, 0.8, 6),
+                    "end_to_end_parts_ms_median": {"ttft": 250.0, "stage": 20.0, "load": 12.0, "private-copy": 3.0,
+                                                   "restore": 5.0, "repair": 220.0},
+                    "goal_ttft_3x": {"goal": 3.0, "read_against": "end-to-end", "measured_speedup": 1.25,
+                                     "met": False, "repair_only_speedup": 2.0}}}
+    df = ttft_frame(ttft)
+    assert list(df["arm B"]) == ["repair only", "end to end"]
+    e2e = df.iloc[1]
+    assert e2e["median ratio B/A"] == 0.8 and e2e["B faster"] == "6/7" and e2e["goal"] == "3× missed"
+    assert e2e["B parts, median [ms]"] == ("stage 20, load (⊂ stage) 12, private-copy 3, restore 5, repair 220")
+    assert df.iloc[0]["goal"] == "" and df.iloc[0]["median speedup A/B"] == 2.0
+    cfg = load_config(overrides={"results_dir": str(tmp_path)})
+    res = Result.begin("equivalence", cfg)
+    with res.case("c1") as case:
+        case.check("ok", True)
+    res.extra["ttft"] = ttft
+    res.write(tmp_path / "cpu" / "equivalence" / "result.json")
+    assert run(cfg).ok
+    md = (tmp_path / "cpu" / "tables" / "equivalence_ttft.md").read_text()
+    assert "end to end" in md and "read against end to end" in md

@@ -118,6 +118,51 @@ def quality_caption(stage: str) -> str:
             "that differs (= tokens generated when none does); exact-match = the answer appears in the generation.")
 
 
+TTFT_PARTS = ("stage", "load", "private-copy", "restore", "repair")
+
+
+def _ttft_parts(parts: dict[str, float] | None) -> str:
+    """The end-to-end arm's parts, medians in ms (load ⊂ stage; the others directly inside ttft)."""
+    if not parts:
+        return ""
+    return ", ".join(f"{name}{' (⊂ stage)' if name == 'load' else ''} {parts[name]:.4g}"
+                     for name in TTFT_PARTS if name in parts)
+
+
+def ttft_frame(ttft: dict[str, Any]) -> pd.DataFrame:
+    """One row per prompt length and comparison of an equivalence summary's `ttft`: the repair-only and the
+    end-to-end arm each against full recompute (and full against transformers where run): medians, median paired
+    ratio and speedup, pairs won; the end-to-end arm's parts; the TTFT goal, read against the end-to-end arm."""
+    rows = []
+    for tokens, row in ttft.items():
+        goal = row.get("goal_ttft_3x") or {}
+        comparisons = [("repair only", row.get("repair_vs_full") or row.get("kmesh_vs_full"), None),
+                       ("end to end", row.get("end_to_end_vs_full"), row.get("end_to_end_parts_ms_median")),
+                       ("full vs transformers", row.get("full_vs_transformers"), None)]
+        for label, pair, parts in comparisons:
+            if not pair:
+                continue
+            rows.append({
+                "prompt tokens": int(tokens), "arm B": label, "A": pair["arm_a"],
+                "A median [ms]": pair["median_a_ms"], "B median [ms]": pair["median_b_ms"],
+                "median ratio B/A": pair["median_ratio_b_over_a"], "median speedup A/B": pair["median_speedup_a_over_b"],
+                "B faster": f"{pair['b_faster_pairs']}/{pair['pairs']}",
+                "B parts, median [ms]": _ttft_parts(parts),
+                "goal": (f"{goal['goal']:g}× {'met' if goal['met'] else 'missed'}"
+                         if label == "end to end" and goal else ""),
+            })
+    return pd.DataFrame(rows)
+
+
+def ttft_caption(stage: str) -> str:
+    return (f"Stage {stage}: time to first token (until the first token id is on the host), matched pairs with "
+            "the full-recompute arm, order alternating, per pair the median over the children; ratio and speedup "
+            "are medians of per-pair values. repair only = restore from the leader's export in memory + repair "
+            "(no segment loading); end to end = the child's request to its first token through a real cache "
+            "service (load, digest check on arrival, private copy, restore, repair), its state equal to repair "
+            "only's bit for bit. The goal (speedup over full) is read against end to end.")
+
+
 def arms_frame(timing: dict[str, Any]) -> pd.DataFrame:
     """One row per arm of a rotating-order trial benchmark (kind "arms"): median, GB/s, paired ratio to the baseline."""
     base = timing["baseline"]
