@@ -77,6 +77,7 @@ def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
         parts = row["end_to_end_parts_ms_median"]
         assert set(parts) == set(endtoend.PARTS) and all(v > 0 for v in parts.values())
         assert parts["load"] <= parts["stage"] <= parts["ttft"]
+        assert 0 < row["end_to_end_loading_fraction_median"] < 1
         goal = row["goal_ttft_3x"]
         assert goal["read_against"] == "end-to-end" and goal["measured_speedup"] == e2e["median_speedup_a_over_b"]
         assert goal["repair_only_speedup"] == repair_only["median_speedup_a_over_b"]
@@ -200,13 +201,15 @@ def test_ttft_table_shows_both_arms_against_full_and_reads_the_goal_against_end_
                     "end_to_end_vs_full": _pair("full", "end-to-end", 310.0, 250.0, 0.8, 6),
                     "end_to_end_parts_ms_median": {"ttft": 250.0, "stage": 20.0, "load": 12.0, "private-copy": 3.0,
                                                    "restore": 5.0, "repair": 220.0},
+                    "end_to_end_loading_fraction_median": 0.092,
                     "goal_ttft_3x": {"goal": 3.0, "read_against": "end-to-end", "measured_speedup": 1.25,
                                      "met": False, "repair_only_speedup": 2.0}}}
     df = ttft_frame(ttft)
     assert list(df["arm B"]) == ["repair only", "end to end"]
     e2e = df.iloc[1]
     assert e2e["median ratio B/A"] == 0.8 and e2e["B faster"] == "6/7" and e2e["goal"] == "3× missed"
-    assert e2e["B parts, median [ms]"] == ("stage 20, load (⊂ stage) 12, private-copy 3, restore 5, repair 220")
+    assert e2e["B parts, median [ms]"] == ("stage 20, load (⊂ stage) 12, private-copy 3, restore 5, repair 220; "
+                                           "loading 9.2% of ttft")
     assert df.iloc[0]["goal"] == "" and df.iloc[0]["median speedup A/B"] == 2.0
     cfg = load_config(overrides={"results_dir": str(tmp_path)})
     res = Result.begin("equivalence", cfg)
