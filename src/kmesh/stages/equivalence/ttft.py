@@ -17,23 +17,26 @@ its first segment load.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.model.blend import BlendResult, blend
-from kmesh.model.runner import KVCache
+from kmesh.model.blend import BlendResult, RepairConfig, blend
+from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
 from kmesh.modelsetup import ModelSetup, leader_prefill
-from kmesh.segments import restore_child
+from kmesh.segments import Export, restore_child
 from kmesh.stages.equivalence.endtoend import EndToEndError, RepairOnlyArm, end_to_end_pairs
-from kmesh.workload import build
+from kmesh.workload import Child, build
+
+if TYPE_CHECKING:
+    from kmesh.model.graphs import GraphedBlend
 
 TTFT_GOAL = 3.0   # the speedup over full recompute the performance issues aim at, read against end-to-end
 
 
-def _graph_prefill(graph: Any) -> Any:
+def _graph_prefill(graph: "GraphedBlend") -> Callable[[KVCache, torch.Tensor], BlendResult]:
     """The repair step of a graphed arm: replays `graph` — only over the cache and restored mask it captured."""
     def replay(cache: KVCache, restored: torch.Tensor) -> BlendResult:
         if cache is not graph.cache or not torch.equal(restored.cpu(), graph.restored.cpu()):
@@ -160,8 +163,9 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
     return out
 
 
-def _repair_only(runner: Any, cache: KVCache, child: Any, ids: torch.Tensor, export: Any, repair: Any, backend: str,
-                 prefill_fn: Any) -> tuple[torch.Tensor, BlendResult]:
+def _repair_only(runner: LayerRunner, cache: KVCache, child: Child, ids: torch.Tensor, export: Export,
+                 repair: RepairConfig, backend: str,
+                 prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None) -> tuple[torch.Tensor, BlendResult]:
     """The repair-only arm's steps (the export in memory restored into `cache`, then the blend or its graph)."""
     restored = restore_child(cache, export.catalog, export.raw, child, runner, backend)
     if prefill_fn is not None:
