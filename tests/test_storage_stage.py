@@ -22,6 +22,7 @@ from kmesh.stages.storage.child import route_restore, timed_child
 from kmesh.stages.storage.objects import StorageSegments, save_objects
 from kmesh.stages.storage.setup import storage_setup
 from kmesh.storage import objfile, routes
+from kmesh.storage.errors import RouteUnavailableError
 from kmesh.storage.tier import TieredObjects
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -259,15 +260,77 @@ def test_pipeline_refuses_objects_of_another_algorithm_and_a_missing_device_land
     r.close()
 
 
+def test_floor_lands_in_the_same_kind_of_memory_as_its_arm(setup, monkeypatch):
+    """Issue 21 item 7: the floor of a pinned arm (staging on CUDA) reads into pinned memory too — a landing the
+    arm's route allocates — and the case records both landings and checks them equal. Here the staging arm runs
+    on the CPU with cudaHostRegister stubbed (its reads are real O_DIRECT reads): the old floor allocated its own
+    unpinned landing, so only one buffer was ever page-locked."""
+    import dataclasses
+
+    from kmesh.result import Result
+    from kmesh.stages.storage import floor
+    from kmesh.storage import aligned
+
+    s, objs, refs, _ = setup
+    locked: list[int] = []
+    monkeypatch.setattr(aligned, "_cuda_host_register", lambda address, nbytes: locked.append(address))
+    monkeypatch.setattr(aligned, "_cuda_host_unregister", lambda address: None)
+    s2 = dataclasses.replace(s, sec={**s.sec, "floor_arm": "staging", "floor_variants": ["sequential"]})
+    arm = routes.StagingRoute("cpu", io="preadv")
+    try:
+        res = Result("storage", "cpu", {})
+        floor.floor_case(res, s2, objs, {"staging": arm}, pairs=1, warmup=0, refs=refs)
+        case = res.cases[-1]
+        assert case.id == "floor" and case.passed is True, (case.error, case.checks)
+        assert len(locked) == 2                   # the arm's landing and the floor's, both page-locked
+        kinds = res.extra["floor_landing"]
+        assert kinds["floor"]["pinned"] is True and kinds["floor"] == kinds["arm"]
+        assert case.checks["floor_landing_same_kind_as_arm"]["ok"] is True
+        assert case.checks["floor_route"]["value"]["landing"] == "pinned host"
+        # the check can fail: a floor that allocates its own landing (the old floor) is refused
+        monkeypatch.setattr(floor, "floor_route", lambda io, arm_route: routes.DirectIORoute(io=io))
+        old = Result("storage", "cpu", {})
+        floor.floor_case(old, s2, objs, {"staging": arm}, pairs=1, warmup=0, refs=refs)
+        assert old.cases[-1].checks["floor_landing_same_kind_as_arm"]["ok"] is False
+        assert old.extra["floor_landing"]["floor"]["pinned"] is False and old.cases[-1].passed is False
+    finally:
+        arm.close()
+
+
+def test_route_landing_kind_reads_the_buffer_and_refuses_device_memory_for_a_host_floor():
+    plain = routes.build("odirect", io="preadv")
+    with pytest.raises(routes.RouteIOError, match="no landing buffer yet"):
+        plain.landing_kind()
+    plain.landing(8192)
+    kind = plain.landing_kind()
+    assert kind["memory"] == "host" and kind["pinned"] is False and kind["allocator"].startswith("DirectIORoute")
+    like = routes.DirectIORoute(io="preadv", landing_like=plain)
+    like.landing(8192)
+    assert like.landing_kind() == kind and like.landing(8192).data_ptr() != plain.landing(8192).data_ptr()
+
+    class DeviceLanding(routes.Route):      # cuFile's kind of landing, without a GPU
+        new_landing = routes.CuFileRoute.new_landing
+
+    with pytest.raises(RouteUnavailableError, match="device memory"):
+        routes.DirectIORoute(io="preadv", landing_like=DeviceLanding(io="preadv")).landing(8192)
+    for route in (plain, like):
+        route.close()
+
+
 def test_storage_summary_table_renders_result_keys():
     from kmesh.report.tables import storage_frame
 
+    pinned = {"memory": "host", "pinned": True, "align": 4096, "allocator": "StagingRoute.new_landing (AlignedBuffer)",
+              "hugepages_advised": True}
     df = storage_frame({"arms": ["staging", "cufile-compat"], "direct_mode": {"arm": "cufile-compat",
                         "reason": "no nvidia-fs"}, "pairs": 7, "outputs_identical": True, "floor_ratio": 1.4,
-                        "floor_ratios": {"sequential": 1.6, "pipelined": 1.4}, "reads_per_object_read_once": 1})
+                        "floor_ratios": {"sequential": 1.6, "pipelined": 1.4}, "floor_ratio_variant": "pipelined",
+                        "floor_landing": {"arm": pinned, "floor": pinned}, "reads_per_object_read_once": 1})
     d = dict(zip(df["quantity"], df["value"]))
     assert d["arms (as run)"] == "staging, cufile-compat" and d["storage reads per object, read-once"] == 1
-    assert d["floor ratios by variant"] == "sequential 1.6, pipelined 1.4"
+    assert d["floor ratios by variant"] == "sequential 1.6, pipelined 1.4 (best)"
+    assert d["floor ratio's variant"] == "pipelined"
+    assert d["floor landing vs the arm's"] == "floor: pinned host; arm: pinned host — same kind"
 
 
 def test_unavailable_arm_runs_fallback_arms_and_skips_its_arrival(setup):
@@ -318,6 +381,8 @@ def test_whole_stage_tiny_cuda(tmp_path):
            if c.passed is False}
     print("arms", s["arms"], "direct_mode", s["direct_mode"], "floor_ratios", s.get("floor_ratios"), "bad", bad)
     assert not bad and s["ok"] and s["outputs_identical"] and "staging" in s["arms"]
+    # the staging arm's floor reads into pinned memory as the arm does (issue 21 item 7)
+    assert s["floor_landing"]["floor"]["pinned"] is True and s["floor_landing"]["floor"] == s["floor_landing"]["arm"]
     if s["direct_mode"]["mode"] is None:          # cuFile cannot run here: the fallback arms ran, the skip says why
         assert s["arms"] == ["staging", "staging-buffered"] and s["arms_fallback"]["why"]["direct"]
         skip = next(c for c in res.cases if c.id == "arrival-direct")

@@ -1,6 +1,8 @@
 """One child request end to end: stage its shared segments, copy them private, restore, repair, decode.
 
     out = run_child(ctx, child, source, staging, private)
+    restored, res = prefill_from_segments(ctx, child, source, staging, private, cache, "kmesh", owner, events,
+                                          part=intervals.part)   # run_child's path up to the first token, timed
 
 Each segment goes its whole way before the next is loaded: loaded into staging and checked (size, digest),
 copied into the private buffer (drained), restored into the child's model state. Any SegmentLoadError or
@@ -15,16 +17,17 @@ is the full-recompute reference's whatever the memory held, and a stale slot it 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from kmesh.errors import KMeshError
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.segments import (Catalog, CatalogEntry, SegmentLoadError, SegmentSource, copy_private, restore_child,
-                            stage_segments)
+from kmesh.segments import (Catalog, CatalogEntry, SegmentLoadError, SegmentSource, copy_private, prepare_staging,
+                            restore_child, stage_entry)
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import TransferError
 from kmesh.workload import Child
@@ -90,12 +93,70 @@ def written_slots(cache: KVCache) -> torch.Tensor:
     return written.cpu()
 
 
+def prefill(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor, arm: str) -> BlendResult:
+    """The child's prefill with repair `arm` over its restored positions: the first token's logits."""
+    ids = torch.tensor(child.ids, device=ctx.runner.device)
+    return blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+
+
 def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,
                        arm: str) -> tuple[BlendResult, list[int]]:
-    ids = torch.tensor(child.ids, device=ctx.runner.device)
-    res = blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+    res = prefill(ctx, child, cache, restored, arm)
     tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens, stop_ids=ctx.stop_ids)
     return res, tokens
+
+
+PartTimer = Callable[[str], ContextManager[Any]]   # kmesh.bench.Intervals.part, or untimed
+
+
+def _untimed(_name: str) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+class _TimedLoads:
+    """A segment source whose load calls are timed as part `load`: the source's own work (for the service:
+    request, copy, reply), without the size and digest checks stage_entry makes on arrival."""
+
+    def __init__(self, source: SegmentSource, part: PartTimer) -> None:
+        self.source, self.part, self.name = source, part, source.name
+
+    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
+        with self.part("load"):
+            return self.source.load(entry, staging)
+
+
+def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
+                          private: torch.Tensor, cache: KVCache, arm: str, owner: str, events: list[str],
+                          part: PartTimer = _untimed,
+                          prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None = None,
+                          ) -> tuple[torch.Tensor, BlendResult]:
+    """run_child's path from the child's request to its first token's logits: segment by segment, staged from
+    `source` (loaded, then its size and digest checked on arrival), copied private (drained) and restored into
+    `cache`; then the prefill with repair `arm`. Returns (restored mask, prefill result); a load or transfer
+    error propagates (run_child turns it into a recompute over what was restored so far). `part(name)` times the
+    steps as parts, each summed over the segments: stage ⊃ load (the source's calls), private-copy, restore;
+    then repair. `prefill_fn(cache, restored)`
+    replaces the eager prefill (a CUDA graph of the same blend captured over `cache`)."""
+    restored = torch.zeros(len(child.ids), dtype=torch.bool)
+    timed_source = _TimedLoads(source, part)
+    with part("stage"):
+        prepare_staging(staging, ctx.catalog)
+    for entry in ctx.catalog.entries:
+        # each segment its whole way before the next loads: a failure at segment k leaves 0..k-1 restored
+        with part("stage"):
+            stage_entry(timed_source, staging, entry)
+        events.append(f"staged:{entry.index}")
+        span = slice(entry.offset, entry.offset + entry.nbytes)
+        with part("private-copy"):
+            copy_private(ctx.engine, staging[span], private[span], owner)
+        events.append(f"private-copy-drained:{entry.index}")
+        with part("restore"):
+            restored |= restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend,
+                                      segments=(entry.index,))
+        events.append(f"restored:{entry.index}")
+    with part("repair"):
+        res = prefill_fn(cache, restored) if prefill_fn is not None else prefill(ctx, child, cache, restored, arm)
+    return restored, res
 
 
 def outcome_of(ctx: ChildContext, child: Child, source: str, arm: str, cache: KVCache, restored: torch.Tensor,
@@ -131,21 +192,9 @@ def run_child(ctx: ChildContext, child: Child, source: SegmentSource, staging: t
     owner = owner or f"child-{child.name}"
     events: list[str] = []
     cache = new_cache(ctx, child)
-    restored = torch.zeros(len(child.ids), dtype=torch.bool)
-
-    def use_segment(entry: CatalogEntry) -> None:
-        """A verified segment: its private copy (drained), then its restore into the model state."""
-        events.append(f"staged:{entry.index}")
-        span = slice(entry.offset, entry.offset + entry.nbytes)
-        copy_private(ctx.engine, staging[span], private[span], owner)
-        events.append(f"private-copy-drained:{entry.index}")
-        restored.logical_or_(restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend,
-                                           segments=(entry.index,)))
-        events.append(f"restored:{entry.index}")
-
     try:
-        stage_segments(source, staging, ctx.catalog, on_staged=use_segment)
-        res, tokens = prefill_and_decode(ctx, child, cache, restored, arm)
+        restored, res = prefill_from_segments(ctx, child, source, staging, private, cache, arm, owner, events)
+        tokens = ctx.runner.decode(cache, len(child.ids), res.logits, ctx.max_new_tokens, stop_ids=ctx.stop_ids)
         return outcome_of(ctx, child, source.name, arm, cache, restored, res, tokens, None, events)
     except (SegmentLoadError, TransferError) as e:
         fallback = f"{type(e).__name__}: {e}"

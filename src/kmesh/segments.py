@@ -274,25 +274,35 @@ class ServiceSegments:
         return int(r["nbytes"])
 
 
-def stage_segments(source: SegmentSource, staging: torch.Tensor, catalog: Catalog,
-                   on_staged: Callable[[CatalogEntry], None] | None = None) -> None:
-    """Check the catalog against its layout (check_catalog), then load every entry into staging and check its
-    size and digest (poisoned first, so a copy that silently wrote nothing cannot pass)."""
+def prepare_staging(staging: torch.Tensor, catalog: Catalog) -> None:
+    """Check the catalog against its layout (check_catalog) and the staging buffer against the catalog, then
+    poison staging, so a copy that silently wrote nothing cannot pass the checks of stage_entry."""
     check_catalog(catalog)
     if staging.dtype != torch.uint8 or staging.numel() < catalog.nbytes:
         raise SegmentLayoutError(f"staging buffer of {staging.numel()} {staging.dtype} elements cannot hold the "
                                  f"catalog's {catalog.nbytes} bytes")
     staging.fill_(0xA5)
-    for e in catalog.entries:
-        n = source.load(e, staging)
-        if n != e.nbytes:          # a source that does not check sizes itself
-            raise size_error(e, n)
-        got = sha256_tensor(staging[e.offset:e.offset + e.nbytes])
-        if got != e.sha256:
-            raise SegmentCorruptError(f"object {e.key!r}: sha256 {got[:16]}… differs from the leader's "
-                                      f"{e.sha256[:16]}…")
+
+
+def stage_entry(source: SegmentSource, staging: torch.Tensor, entry: CatalogEntry) -> None:
+    """Load one entry into its span of staging and check its size and digest on arrival."""
+    n = source.load(entry, staging)
+    if n != entry.nbytes:          # a source that does not check sizes itself
+        raise size_error(entry, n)
+    got = sha256_tensor(staging[entry.offset:entry.offset + entry.nbytes])
+    if got != entry.sha256:
+        raise SegmentCorruptError(f"object {entry.key!r}: sha256 {got[:16]}… differs from the leader's "
+                                  f"{entry.sha256[:16]}…")
+
+
+def stage_segments(source: SegmentSource, staging: torch.Tensor, catalog: Catalog,
+                   on_staged: Callable[[CatalogEntry], None] | None = None) -> None:
+    """prepare_staging, then every entry staged and checked (stage_entry), in catalog order."""
+    prepare_staging(staging, catalog)
+    for entry in catalog.entries:
+        stage_entry(source, staging, entry)
         if on_staged is not None:
-            on_staged(e)
+            on_staged(entry)
 
 
 def copy_private(engine: TransferEngine, staging: torch.Tensor, private: torch.Tensor, owner: str) -> None:

@@ -4,6 +4,8 @@ The leader's export buffer is registered (memfd on CPU, CUDA IPC on GPU), each s
 immutable original, and the registration closed: the originals live on in the service's store, owned by
 it. Each child registers its own staging buffer, loads into it, and closes it once its loads drained.
 Copies are paced by the harness's gate; `after_accept` lets every accepted copy run (controls pass their own).
+`unpace()` opens the gate for good: every later copy runs as soon as the service accepts it, as in a service
+started without the harness (the TTFT's end-to-end arm: pacing is a test control, not part of a child's path).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class ServiceSide:
         self.client = ServiceClient.connect(h.socket_path, name="kmesh-equivalence")
         self._gen = itertools.count(1)
         self._buffers: list[HostBuffer] = []
+        self.paced = True
 
     # -- memory ----------------------------------------------------------------------------------------
     def _register(self, nbytes: int, layout: dict[str, Any],
@@ -68,8 +71,15 @@ class ServiceSide:
 
     # -- copies ----------------------------------------------------------------------------------------
     def after_accept(self, req: int, nbytes: int) -> None:
+        if not self.paced:
+            return                # the gate is open for good: nothing to grant
         self.h.accepted(nbytes)
         self.h.finish()
+
+    def unpace(self) -> None:
+        """Open the harness's copy gate for good (see the module doc); saves and loads still go to the service."""
+        self.h.gate.open()
+        self.paced = False
 
     def _save(self, ref: RegRef, key: bytes, offset: int, nbytes: int) -> None:
         req = self.client.save(ref, key, offset, nbytes)

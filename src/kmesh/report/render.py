@@ -78,6 +78,10 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,
                                           tables.quality_caption(stage))
             written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
+        ttft = r["summary"].get("ttft") if stage == "equivalence" else None
+        if isinstance(ttft, dict) and ttft:
+            written += tables.write_table(tables.ttft_frame(ttft), tdir / f"{stage}_ttft", fmts,
+                                          tables.ttft_caption(stage))
         scaling = r["summary"].get("scaling")
         if isinstance(scaling, dict) and scaling:
             written += tables.write_table(tables.scaling_frame(scaling), tdir / f"{stage}_scaling", fmts,

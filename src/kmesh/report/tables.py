@@ -133,6 +133,56 @@ def quality_caption(stage: str) -> str:
             "positions and over the restored ones; layer × positions counts the layers before the check as well.")
 
 
+TTFT_PARTS = ("stage", "load", "private-copy", "restore", "repair")
+
+
+def _ttft_parts(parts: dict[str, float] | None, loading: float | None = None) -> str:
+    """The end-to-end arm's parts, medians in ms (load ⊂ stage; the others directly inside ttft), and the median
+    share of its ttft spent loading (stage + private-copy: what the repair-only arm does not do)."""
+    if not parts:
+        return ""
+    text = ", ".join(f"{name}{' (⊂ stage)' if name == 'load' else ''} {parts[name]:.4g}"
+                     for name in TTFT_PARTS if name in parts)
+    return text + (f"; loading {loading:.1%} of ttft" if loading is not None else "")
+
+
+def ttft_frame(ttft: dict[str, Any]) -> pd.DataFrame:
+    """One row per prompt length and comparison of an equivalence summary's `ttft`: the repair-only and the
+    end-to-end arm each against full recompute (and full against transformers where run): medians, median paired
+    ratio and speedup, pairs won; the end-to-end arm's parts; the TTFT goal, read against the end-to-end arm."""
+    rows = []
+    for tokens, row in ttft.items():
+        goal = row.get("goal_ttft_3x") or {}
+        comparisons = [("repair only", row.get("repair_vs_full") or row.get("kmesh_vs_full"), None),
+                       ("end to end", row.get("end_to_end_vs_full"), row.get("end_to_end_parts_ms_median")),
+                       ("full vs transformers", row.get("full_vs_transformers"), None)]
+        for label, pair, parts in comparisons:
+            if not pair:
+                continue
+            rows.append({
+                "prompt tokens": int(tokens), "arm B": label, "A": pair["arm_a"],
+                "A median [ms]": pair["median_a_ms"], "B median [ms]": pair["median_b_ms"],
+                "median ratio B/A": pair["median_ratio_b_over_a"], "median speedup A/B": pair["median_speedup_a_over_b"],
+                "B faster": f"{pair['b_faster_pairs']}/{pair['pairs']}",
+                "B parts, median [ms]": _ttft_parts(parts, row.get("end_to_end_loading_fraction_median")
+                                                    if parts else None),
+                "goal": (f"{goal['goal']:g}× {'met' if goal['met'] else 'missed'}"
+                         if label == "end to end" and goal else ""),
+            })
+    return pd.DataFrame(rows)
+
+
+def ttft_caption(stage: str) -> str:
+    return (f"Stage {stage}: time to first token (until the first token id is on the host), matched pairs with "
+            "the full-recompute arm, order alternating, per pair the median over the children; ratio and speedup "
+            "are medians of per-pair values. repair only = restore from the leader's export in memory + repair "
+            "(no segment loading); end to end = the child's request to its first token through a real cache "
+            "service (load, digest check on arrival, private copy, restore, repair), its state equal to repair "
+            "only's bit for bit. The two are paired with full separately (each its own full runs); loading = the "
+            "median share of an end-to-end run's ttft spent on stage + private copy, measured in the same run. "
+            "The goal (speedup over full) is read against end to end.")
+
+
 def arms_frame(timing: dict[str, Any]) -> pd.DataFrame:
     """One row per arm of a rotating-order trial benchmark (kind "arms"): median, GB/s, paired ratio to the baseline."""
     base = timing["baseline"]
@@ -231,6 +281,28 @@ def _io_pair(pair: dict[str, Any] | None) -> str | None:
             f"vs {pair['median_preadv_s']:.4g} s)")
 
 
+def _floor_ratios(summary: dict[str, Any]) -> str:
+    """Every floor variant's ratio, the best one (`floor_ratio`) marked."""
+    best = summary.get("floor_ratio_variant")
+    return ", ".join(f"{k} {v:.3g}" + (" (best)" if k == best else "")
+                     for k, v in (summary.get("floor_ratios") or {}).items())
+
+
+def _landing_kind(kind: dict[str, Any]) -> str:
+    if kind.get("memory") == "device":
+        return f"device ({kind.get('registered')}-registered)"
+    return "pinned host" if kind.get("pinned") else "aligned host (not pinned)"
+
+
+def _floor_landing(landings: dict[str, Any] | None) -> str | None:
+    """Where the floor's reads and the arm's land, and whether the two are the same kind of memory."""
+    if not landings:
+        return None
+    arm, floor = landings.get("arm") or {}, landings.get("floor") or {}
+    return (f"floor: {_landing_kind(floor)}; arm: {_landing_kind(arm)} — "
+            + ("same kind" if arm == floor else "DIFFERENT kinds"))
+
+
 def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The storage stage's headline values (result keys of issue §24 storage routes), one row each."""
     dm = summary.get("direct_mode") or {}
@@ -248,9 +320,10 @@ def storage_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("bad-file controls passed", summary.get("failure_controls_passed")),
         ("object payload bytes", ", ".join(str(x) for x in ob.get("payload", []))),
         ("padded bytes per child", ob.get("per_child_padded")),
-        ("floor ratio (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
+        ("floor ratio, best variant (restore / raw O_DIRECT read; goal ≤ 1.25)", summary.get("floor_ratio")),
         ("floor ratio's variant", summary.get("floor_ratio_variant")),
-        ("floor ratios by variant", ", ".join(f"{k} {v:.3g}" for k, v in (summary.get("floor_ratios") or {}).items())),
+        ("floor ratios by variant", _floor_ratios(summary)),
+        ("floor landing vs the arm's", _floor_landing(summary.get("floor_landing"))),
         ("I/O engine per arm (as run)", _io_engines(summary.get("io_engine") or {})),
         ("floor read, io_uring / preadv (median paired ratio)", _io_pair(summary.get("io_pair"))),
         ("storage reads per object, read-once", summary.get("reads_per_object_read_once")),

@@ -3,6 +3,7 @@
     route = build("odirect", device, io=IOSettings("auto", 8, 512 << 10))
                                            # buffered | odirect (CPU arms) | staging | staging-buffered | direct
     land = route.landing(total_bytes)      # aligned host (pinned on CUDA) or device memory, allocated once
+    route.landing_kind()                   # what the landing is: memory, pinned, alignment, allocator, huge pages
     f = route.open(path)                   # header checked
     route.read(f, land[off:off + f.header.padded_nbytes])
     f.header.verify(route.host_bytes(dst)) # the integrity check reads host bytes (device routes copy back first)
@@ -21,6 +22,11 @@ file handle in the objects' directory (the probe in kmesh.storage.cufile), it ra
 the direct route never falls back to another route under its name. `staging-buffered` is the staging route
 with ordinary buffered reads (page cache) into the same pinned buffer: the comparison a machine without a
 usable cuFile can still run.
+
+A route made with `landing_like=other` reads with its own flags and engine but lands in memory allocated the
+way `other` allocates its own (other.new_landing): the raw floor of an arm (kmesh.stages.storage.floor) reads
+into the same kind of memory as the arm it bounds — pinned where the arm's is pinned — so a difference between
+the two is the work above the read, not the memory the read lands in.
 """
 from __future__ import annotations
 
@@ -97,7 +103,8 @@ def preadv_full(fd: int, dst: torch.Tensor, offset: int) -> int:
 
 
 class Route:
-    """A host-landing route: open with `flags`, read with the route's I/O engine into an aligned host buffer."""
+    """A host-landing route: open with `flags`, read with the route's I/O engine into an aligned host buffer
+    (allocated by `landing_like.new_landing` where given, else by its own)."""
 
     arm = "route"
     route = "host"
@@ -105,11 +112,12 @@ class Route:
     pin = False
 
     def __init__(self, device: torch.device | str = "cpu",
-                 io: IOSettings | dict[str, Any] | str | None = None) -> None:
+                 io: IOSettings | dict[str, Any] | str | None = None, landing_like: "Route | None" = None) -> None:
         self.device = torch.device(device)
         self.reads = 0
         self.bytes_read = 0
         self._buf: AlignedBuffer | None = None
+        self._landing_source: Route = landing_like if landing_like is not None else self
         self.io = IOSettings.of(io)
         self._ring: uring.UringReader | None = None
         self._ring_lock = threading.Lock()
@@ -150,12 +158,25 @@ class Route:
             return
         self.fixed_reason = self._reader().register(self._buf.address, self._buf.nbytes)
 
+    def new_landing(self, nbytes: int) -> AlignedBuffer:
+        """A landing buffer as this route allocates its own: aligned host memory, page-locked where `pin`."""
+        return AlignedBuffer(nbytes, pin=self.pin)
+
     def landing(self, nbytes: int) -> torch.Tensor:
         if self._buf is None or self._buf.nbytes < nbytes:
             self._drop_landing()
-            self._buf = AlignedBuffer(nbytes, pin=self.pin)
+            self._buf = self._landing_source.new_landing(nbytes)
             self._register_landing()
         return self._buf.tensor[:nbytes]
+
+    def landing_kind(self) -> dict[str, Any]:
+        """What the allocated landing is, read from the buffer itself (not from the class): memory, page-locked
+        or not, alignment, allocator, huge pages asked for. RouteIOError before landing() allocated one."""
+        if self._buf is None:
+            raise RouteIOError(f"route {self.arm!r} has no landing buffer yet (call landing() first)")
+        return {"memory": "host", "pinned": self._buf.pinned, "align": ALIGN,
+                "allocator": f"{type(self._landing_source).__name__}.new_landing (AlignedBuffer)",
+                "hugepages_advised": self._buf.hugepages}
 
     def open(self, path: Path) -> ObjectFile:
         return ObjectFile.open(path, self.flags)
@@ -199,7 +220,7 @@ class Route:
             io = "os.preadv" + (f" ({e['fallback_reason']})" if e["fallback_reason"] else "")
         return {"arm": self.arm, "route": self.route, "io": io, "io_engine": e,
                 "o_direct": bool(self.flags & os.O_DIRECT),
-                "landing": "pinned host" if self.pin else "aligned host", "device": str(self.device),
+                "landing": "pinned host" if self._landing_source.pin else "aligned host", "device": str(self.device),
                 "reads": self.reads, "bytes_read": self.bytes_read}
 
     def _drop_landing(self) -> None:
@@ -261,12 +282,22 @@ class CuFileRoute(Route):
         self._dev: torch.Tensor | None = None
         self._handles: dict[int, cufile.CuFileHandle] = {}
 
+    def new_landing(self, nbytes: int) -> AlignedBuffer:
+        raise RouteUnavailableError(f"route {self.arm!r} lands in cuFile-registered device memory: a host route "
+                                    "cannot read into memory of that kind")
+
     def landing(self, nbytes: int) -> torch.Tensor:
         if self._dev is None or self._dev.numel() < nbytes:
             self.close()
             self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.lib.buf_register(self._dev.data_ptr(), nbytes, 0)
         return self._dev[:nbytes]
+
+    def landing_kind(self) -> dict[str, Any]:
+        if self._dev is None:
+            raise RouteIOError(f"route {self.arm!r} has no landing buffer yet (call landing() first)")
+        return {"memory": "device", "device": str(self._dev.device), "registered": "cuFile",
+                "allocator": "CuFileRoute.landing (torch.empty + cuFileBufRegister)"}
 
     def read(self, f: ObjectFile, dst: torch.Tensor) -> int:
         if self._dev is None or dst.numel() != f.header.padded_nbytes:

@@ -1,27 +1,48 @@
 """Time to first token of the equivalence workload, matched pairs (kmesh.bench, DESIGN §5).
 
-Two comparisons per prompt length, children = the workload's four:
-  full vs repair         full recompute vs KMesh repair (restore with the RoPE shift + blend), same runner,
-                         same execution (eager on CPU; on CUDA each arm's whole prefill is one CUDA graph,
-                         verified bit-identical to its eager run before any timing)
+Three comparisons per prompt length, children = the workload's four:
+  full vs repair         full recompute vs KMesh repair only (restore with the RoPE shift + blend from the
+                         leader's export in memory), same runner, same execution (eager on CPU; on CUDA each arm's
+                         whole prefill is one CUDA graph, verified bit-identical to its eager run before any timing)
+  full vs end-to-end     full recompute vs the child's real path from its request to its first token: segments
+                         loaded from a real cache service process with each object's digest checked on arrival,
+                         private copy, restore, repair (kmesh.stages.equivalence.endtoend; its state equals the
+                         repair-only arm's bit for bit, checked); the goal figure (3×) is read against this arm
   transformers vs full   transformers' own forward (SDPA, logits of the last position only) vs our full arm
                          (ttft.compare_transformers: on in the cuda profile, off on cpu for its time budget)
-TTFT = from the first kernel of the prefill to the first token id on the host. Loading the segments is not
-part of it (the storage stage times reads); the restore (shift into the child's cache) is.
+TTFT = until the first token id is on the host. For full and kmesh it starts at the first kernel of the prefill
+(kmesh: of the restore; loading the segments is not part of it), for end-to-end at the child's request, before
+its first segment load.
 """
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.model.blend import blend
+from kmesh.model.blend import BlendResult, RepairConfig, blend
+from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
 from kmesh.modelsetup import ModelSetup, leader_prefill
-from kmesh.segments import restore_child
-from kmesh.workload import build
+from kmesh.segments import Export, restore_child
+from kmesh.stages.equivalence.endtoend import EndToEndError, RepairOnlyArm, end_to_end_pairs
+from kmesh.workload import Child, build
+
+if TYPE_CHECKING:
+    from kmesh.model.graphs import GraphedBlend
+
+TTFT_GOAL = 3.0   # the speedup over full recompute the performance issues aim at, read against end-to-end
+
+
+def _graph_prefill(graph: "GraphedBlend") -> Callable[[KVCache, torch.Tensor], BlendResult]:
+    """The repair step of a graphed arm: replays `graph` — only over the cache and restored mask it captured."""
+    def replay(cache: KVCache, restored: torch.Tensor) -> BlendResult:
+        if cache is not graph.cache or not torch.equal(restored.cpu(), graph.restored.cpu()):
+            raise EndToEndError("a graph replays only the cache and restored positions it was captured with")
+        return graph.replay()
+    return replay
 
 
 def _speedup(timing: dict[str, Any]) -> dict[str, Any]:
@@ -52,27 +73,34 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
             block_size = workload.spec.block_size
             runs: dict[tuple[str, str], Any] = {}
             checks: dict[str, Any] = {}
+            repair_only: dict[str, RepairOnlyArm] = {}
             for child in workload.children:
                 ids = torch.tensor(child.ids, device=setup.device)
                 full_cache = runner.new_cache(prompt_tokens, block_size)
-                kmesh_cache = runner.new_cache(prompt_tokens, block_size)
-                restored = restore_child(kmesh_cache, export.catalog, export.raw, child, runner, backend)
+                repair_cache = runner.new_cache(prompt_tokens, block_size)
+                restored = restore_child(repair_cache, export.catalog, export.raw, child, runner, backend)
                 none = torch.zeros(prompt_tokens, dtype=torch.bool)
                 if use_graphs:
                     from kmesh.model.graphs import GraphedBlend
 
                     graphed_full = GraphedBlend(runner, ids, full_cache, none, repair, "full")
-                    graphed_kmesh = GraphedBlend(runner, ids, kmesh_cache, restored, repair, "repair")
+                    graphed_repair = GraphedBlend(runner, ids, repair_cache, restored, repair, "repair")
                     checks[child.name] = {"full": graphed_full.verify_against_eager(),
-                                          "repair": graphed_kmesh.verify_against_eager()}
+                                          "repair": graphed_repair.verify_against_eager()}
                     runs[("full", child.name)] = lambda g=graphed_full: g.replay().logits
-                    runs[("repair", child.name)] = lambda g=graphed_kmesh: g.replay().logits
+                    runs[("repair", child.name)] = lambda g=graphed_repair: g.replay().logits
+                    prefill_fn = _graph_prefill(graphed_repair)
                 else:
                     runs[("full", child.name)] = (lambda ids=ids, fc=full_cache, none=none:
                                                   blend(runner, ids, fc, none, repair, "full").logits)
-                    runs[("repair", child.name)] = (lambda ids=ids, kc=kmesh_cache, r=restored:
+                    runs[("repair", child.name)] = (lambda ids=ids, kc=repair_cache, r=restored:
                                                    blend(runner, ids, kc, r, repair, "repair").logits)
-                runs[("restore", child.name)] = (lambda kc=kmesh_cache, ch=child, ex=export:
+                    prefill_fn = None
+                # the repair-only arm's restore + prefill, returning its state (the end-to-end arm must equal it)
+                repair_only[child.name] = RepairOnlyArm(repair_cache, (
+                    lambda kc=repair_cache, ch=child, ids=ids, ex=export, pf=prefill_fn: _repair_only(
+                        runner, kc, ch, ids, ex, repair, backend, pf)), prefill_fn)
+                runs[("restore", child.name)] = (lambda kc=repair_cache, ch=child, ex=export:
                                                  restore_child(kc, ex.catalog, ex.raw, ch, runner, backend))
                 runs[("transformers", child.name)] = (lambda ids=ids: setup.model(ids[None], logits_to_keep=1)
                                                       .logits[0, -1])
@@ -84,7 +112,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                         runs[("restore", child.name)]()
                     int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
-            kmesh_timing = run_pairs(run_arm, ("full", "repair"), workload.children, pairs=pairs, warmup=warmup,
+            repair_timing = run_pairs(run_arm, ("full", "repair"), workload.children, pairs=pairs, warmup=warmup,
                                      device=dev, progress=False)
             # transformers' own forward as a third reference arm (the issue's bar for the full arm); the cpu
             # profile leaves it out for its time budget (ttft.compare_transformers)
@@ -97,16 +125,14 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                 with intervals.part("restore"):
                     runs[("restore", child.name)]()
                 restore_s.append(intervals.seconds()["restore"])
-            res.timings[f"ttft_{prompt_tokens}_full_vs_repair"] = kmesh_timing.to_dict()
-            kmesh_vs_full = _speedup(kmesh_timing.to_dict())
-            row = {"repair_vs_full": kmesh_vs_full, "restore_ms_median": statistics.median(restore_s) * 1e3}
+            res.timings[f"ttft_{prompt_tokens}_full_vs_repair"] = repair_timing.to_dict()
+            repair_vs_full = _speedup(repair_timing.to_dict())
+            row = {"repair_vs_full": repair_vs_full, "restore_ms_median": statistics.median(restore_s) * 1e3}
             if use_graphs:
                 case.check("graphs_equal_eager",
                            all(all(v.values()) for d in checks.values() for v in d.values()), value=checks)
-            case.check("pairs_recorded", kmesh_vs_full["pairs"] == pairs, value=kmesh_vs_full["pairs"])
-            case.record("repair_vs_full", kmesh_vs_full)
-            case.record("goal_repair_3x", {"goal": 3.0, "measured_speedup": kmesh_vs_full["median_speedup_a_over_b"],
-                                           "met": kmesh_vs_full["median_speedup_a_over_b"] >= 3.0})
+            case.check("pairs_recorded", repair_vs_full["pairs"] == pairs, value=repair_vs_full["pairs"])
+            case.record("repair_vs_full", repair_vs_full)
             if tf_timing is not None:
                 res.timings[f"ttft_{prompt_tokens}_transformers_vs_full"] = tf_timing.to_dict()
                 full_vs_tf = _speedup(tf_timing.to_dict())
@@ -116,5 +142,32 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                 case.record("goal_full_not_slower_than_transformers",
                             {"measured_ratio_full_over_transformers": full_vs_tf["median_ratio_b_over_a"],
                              "met": full_vs_tf["median_ratio_b_over_a"] <= 1.0})
+            # the end-to-end arm, after the repair-only pairs: its own service, its own pairs with the full arm
+            end_to_end = end_to_end_pairs(case, setup, export, workload.children, repair_only,
+                                          {child.name: runs[("full", child.name)] for child in workload.children},
+                                          "repair", pairs, warmup, dev)
+            res.timings[f"ttft_{prompt_tokens}_full_vs_end_to_end"] = end_to_end["timing"]
+            end_to_end_vs_full = _speedup(end_to_end["timing"])
+            row["end_to_end_vs_full"] = end_to_end_vs_full
+            row["end_to_end_parts_ms_median"] = end_to_end["parts_ms_median"]
+            row["end_to_end_loading_fraction_median"] = end_to_end["loading_fraction_median"]
+            case.record("end_to_end_vs_full", end_to_end_vs_full)
+            case.record("end_to_end_parts_ms_median", end_to_end["parts_ms_median"])
+            case.record("end_to_end_loading_fraction_median", end_to_end["loading_fraction_median"])
+            speedup = end_to_end_vs_full["median_speedup_a_over_b"]
+            row["goal_ttft_3x"] = {"goal": TTFT_GOAL, "read_against": "end-to-end", "measured_speedup": speedup,
+                                   "met": speedup >= TTFT_GOAL,
+                                   "repair_only_speedup": repair_vs_full["median_speedup_a_over_b"]}
+            case.record("goal_ttft_3x", row["goal_ttft_3x"])   # a goal, reported; not a pass/fail threshold
             out[str(prompt_tokens)] = row
     return out
+
+
+def _repair_only(runner: LayerRunner, cache: KVCache, child: Child, ids: torch.Tensor, export: Export,
+                 repair: RepairConfig, backend: str,
+                 prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None) -> tuple[torch.Tensor, BlendResult]:
+    """The repair-only arm's steps (the export in memory restored into `cache`, then the blend or its graph)."""
+    restored = restore_child(cache, export.catalog, export.raw, child, runner, backend)
+    if prefill_fn is not None:
+        return restored, prefill_fn(cache, restored)
+    return restored, blend(runner, ids, cache, restored, repair, "repair")

@@ -12,7 +12,11 @@ padded bytes read with O_DIRECT alone, in matched pairs, once per variant:
                                 in <algorithm>: the check the route cannot avoid, done where it costs least
 
 Each variant's floor reads exactly that variant's files (same padded sizes), with the same route settings as the
-arm; the child's new model state is made before the timed part (the floor makes none). One untimed child per
+arm, into a landing of the same kind as the arm's: one the arm's route allocates (routes.Route `landing_like`), so
+pinned where the arm's is pinned (staging on CUDA) and plain aligned host memory where the arm's is (odirect on
+the CPU). Both landings' kinds are recorded (`floor_landing`) and checked equal; an arm whose landing a host read
+cannot reach (cuFile's device memory) has no O_DIRECT floor: the case fails with RouteUnavailableError. The
+child's new model state is made before the timed part (the floor makes none). One untimed child per
 pipelined variant records its per-object timeline (read start/end, checked, restored), which says where the time
 above the floor goes. Every pipelined variant's output, through repair, is compared bit for bit with the
 in-process reference.
@@ -82,23 +86,34 @@ def _same_as_reference(setup: Setup, child: Child, objs: ObjectSet, route: route
     return identical(compare_states(ref, out))
 
 
+def floor_route(io: routes.IOSettings, arm_route: routes.Route) -> routes.DirectIORoute:
+    """The raw O_DIRECT floor of `arm_route`: the arm's I/O engine settings (the floor is the best raw read) and
+    a landing the arm's route allocates, so it lands in the same kind of memory as the restore it bounds."""
+    return routes.DirectIORoute(io=io, landing_like=arm_route)
+
+
 def floor_case(res: Result, setup: Setup, objs: ObjectSet, built: dict[str, routes.Route], pairs: int,
                warmup: int, refs: dict[str, ChildOutcome]) -> None:
     arm = setup.sec["floor_arm"]
     hashers = int(setup.sec.get("floor_hashers", 1))
     variants = {v: parse_variant(v, hashers) for v in setup.sec.get("floor_variants", ["sequential", "pipelined"])}
-    floor = routes.DirectIORoute(io=setup.io)     # the arm's I/O engine settings: the floor is the best raw read
-    with res.case("floor", {"arm": arm, "floor": "O_DIRECT reads of the same padded bytes, nothing else",
-                            "variants": {v: (chk.describe() if chk else "sequential") for v, chk in variants.items()},
-                            "floor_route": floor.describe()}) as case:
+    floor: routes.DirectIORoute | None = None
+    with res.case("floor", {"arm": arm, "floor": "O_DIRECT reads of the same padded bytes, nothing else, into a "
+                                                 "landing the arm's route allocates",
+                            "variants": {v: (chk.describe() if chk else "sequential")
+                                         for v, chk in variants.items()}}) as case:
         if arm not in built:
             raise StageError(f"floor arm {arm!r} was not built (arms: {list(built)})")
         route = built[arm]
+        floor = floor_route(setup.io, route)
         owner = f"floor-{arm}"
         sets = {v: _variant_objects(setup, objs, chk) for v, chk in variants.items()}
         total = max(o.total_padded for o in sets.values())
         landing = route.landing(total)
         floor_land = floor.landing(total)
+        landings = {"arm": route.landing_kind(), "floor": floor.landing_kind()}
+        res.extra["floor_landing"] = landings
+        case.check("floor_landing_same_kind_as_arm", landings["arm"] == landings["floor"], value=landings)
         private = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
         dev_land = (torch.empty(total, dtype=torch.uint8, device=setup.device)
                     if any(chk is not None and chk.where == "device" for chk in variants.values()) else None)
@@ -147,10 +162,12 @@ def floor_case(res: Result, setup: Setup, objs: ObjectSet, built: dict[str, rout
         res.extra["floor_goal"] = FLOOR_GOAL
         case.record("floor_ratios", ratios)
         case.record("floor_goal_met", ratios[best] <= FLOOR_GOAL)   # a goal, reported; not a pass/fail threshold
+        case.record("floor_route", floor.describe())       # as it ran: engine, O_DIRECT, landing, reads
         for variant_objs in sets.values():
             if variant_objs is not objs:
                 shutil.rmtree(variant_objs.paths[0].parent, ignore_errors=True)
-    floor.close()
+    if floor is not None:
+        floor.close()
 
 
 def floor_io_case(res: Result, setup: Setup, objs: ObjectSet, pairs: int, warmup: int) -> None:

@@ -1,0 +1,224 @@
+"""The TTFT's end-to-end arm (issue 21 item 8): from the child's request to its first token through the real child
+path, beside the repair-only pairs of kmesh.stages.equivalence.ttft.
+
+    end-to-end   the child's segments loaded from a real cache service process (started for this prompt length,
+                 the leader's segments saved into it first), each object's size and sha256 digest checked on
+                 arrival, the private copy, the restore, the repair prefill, the first token id on the host:
+                 kmesh.child.prefill_from_segments, run_child's own steps up to the first token (not a copy)
+
+Paired with the full-recompute arm like the repair-only arm (kmesh.bench.alternate: matched pairs, order
+alternating, warm-up pairs discarded; per pair the median over the children), compared on the part both arms time:
+`ttft`. The end-to-end arm's own parts, nested inside its ttft — stage ⊃ load, private-copy, restore, repair — are
+recorded for every kept run beside the pairs (the full arm has none of them, so they are not paired), and with
+them the share of each run's ttft spent on what the repair-only arm does not do (stage + private-copy): the two
+arms' speedups over full come from separate pairings, each with its own full runs, so on a busy machine they may
+differ by more than the loading costs; that share, measured inside each run, is what compares them.
+
+The same footing for every arm: each arm's model state (cache) is allocated before the timed part; the model
+process's staging buffer is registered with the service once, before any request (a child process registers its
+staging when it starts, not per request); the harness's copy gate is opened for good (ServiceSide.unpace: a
+deployed service has no gate). With `ttft.graphs` (CUDA) the repair step replays the repair-only arm's own graph
+over the same cache — the same prefill in both arms, so the difference is what comes before it; on the CPU both
+run eagerly, each over its own cache.
+
+Checked: per child, on caches poisoned with NaN first, the end-to-end arm's state — every layer's K and V over the
+prompt, the first token's logits, the recompute masks, the restored positions, the first token — equals the
+repair-only arm's bit for bit; every run (checked and timed) staged and digest-checked every segment, in order;
+every timed run's first token equals the repair-only arm's; the parts are present in every run and nested as named;
+the service holds nothing of the child afterwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kmesh.bench import Intervals, alternate
+from kmesh.child import prefill_from_segments
+from kmesh.errors import StageError
+from kmesh.model.blend import BlendResult
+from kmesh.model.quality import compare_states, identical
+from kmesh.model.runner import KVCache
+from kmesh.modelsetup import ModelSetup
+from kmesh.result import Case
+from kmesh.segments import Export, ServiceSegments
+from kmesh.service_side import ServiceSide
+from kmesh.workload import Child
+
+class EndToEndError(StageError):
+    """The end-to-end arm could not be run as built (a graph asked to replay another cache or restored mask,
+    no timed run recorded)."""
+
+
+END_TO_END = "end-to-end"
+FULL = "full"
+# the end-to-end arm's parts and the part each is nested in
+PARTS: dict[str, str | None] = {"ttft": None, "stage": "ttft", "load": "stage", "private-copy": "ttft",
+                                "restore": "ttft", "repair": "ttft"}
+
+
+@dataclass
+class FirstTokenState:
+    """A child's state at its first token, in the fields kmesh.model.quality.compare_states compares."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    logits: torch.Tensor
+    tokens: list[int]
+    masks: torch.Tensor
+    restored: torch.Tensor
+
+
+def first_token_state(cache: KVCache, prompt_tokens: int, restored: torch.Tensor,
+                      result: BlendResult) -> FirstTokenState:
+    k, v = cache.stacked(prompt_tokens)
+    return FirstTokenState(k, v, result.logits.clone(), [int(result.logits.argmax())], result.masks.clone(),
+                           restored.clone())
+
+
+@dataclass
+class RepairOnlyArm:
+    """What the TTFT case built for one child's repair-only arm: its cache, and its restore + prefill (the
+    in-memory export restored into `cache`, then the blend: eager, or the arm's graph replayed over `cache`)."""
+
+    cache: KVCache
+    run: Callable[[], tuple[torch.Tensor, BlendResult]]
+    prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None = None   # the graph's replay (graphs only)
+
+
+def staged_events(export: Export) -> list[str]:
+    """The events of a child path that staged and digest-checked every segment, each then copied and restored."""
+    return [f"{step}:{e.index}" for e in export.catalog.entries
+            for step in ("staged", "private-copy-drained", "restored")]
+
+
+def end_to_end_pairs(case: Case, setup: ModelSetup, export: Export, children: tuple[Child, ...],
+                     repair_only: dict[str, RepairOnlyArm], full_runs: dict[str, Callable[[], torch.Tensor]],
+                     arm: str, pairs: int, warmup: int, device: str) -> dict[str, Any]:
+    """The end-to-end arm of one ttft-<T> case vs the full arm (`full_runs`: the case's own full prefills), with
+    its checks recorded on `case`. Returns the paired timing (`timing`) and the end-to-end parts."""
+    sec = setup.sec
+    ctx = dataclasses.replace(setup.ctx, catalog=export.catalog)
+    prompt_tokens = len(children[0].ids)
+    expected_events = staged_events(export)
+    with ServiceSide.start(export, setup.device, float(sec["heartbeat_timeout_s"]), int(sec["chunk_bytes"])) as svc:
+        saved = svc.save_leader()
+        case.check("end_to_end_service_holds_the_segments",
+                   all(saved.get(e.key) == e.sha256 for e in export.catalog.entries), value=len(saved))
+        svc.unpace()
+        private = torch.empty(export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+        caches = {child.name: (repair_only[child.name].cache if repair_only[child.name].prefill_fn is not None
+                               else setup.runner.new_cache(prompt_tokens, export.catalog.layout.block_size))
+                  for child in children}
+        with svc.staging(f"ttft-{prompt_tokens}") as staging:
+
+            def child_path(child: Child, events: list[str], part: Any = None) -> tuple[torch.Tensor, BlendResult]:
+                source = ServiceSegments(svc.client, staging.reg, svc.after_accept)
+                extra = {"part": part} if part is not None else {}
+                return prefill_from_segments(ctx, child, source, staging.tensor, private, caches[child.name], arm,
+                                             f"ttft-e2e-{child.name}", events,
+                                             prefill_fn=repair_only[child.name].prefill_fn, **extra)
+
+            reference_tokens = _states_equal(case, children, repair_only, caches, child_path, expected_events,
+                                             prompt_tokens)
+            timing, kept_parts, problems = _timed(children, full_runs, child_path, expected_events,
+                                                  reference_tokens, pairs, warmup, device)
+        case.check("end_to_end_service_released_no_leaks", svc.no_leaks(), value=svc.leaks())
+    case.check("end_to_end_every_timed_run_staged_and_first_token_equal", not problems["runs"],
+               value=problems["runs"][:8])
+    case.check("end_to_end_parts_nested_and_present", not problems["parts"] and len(kept_parts) == pairs * len(children),
+               value={"problems": problems["parts"][:8], "runs": len(kept_parts), "nesting": PARTS})
+    case.check("end_to_end_pairs_recorded", len(timing.pairs) == pairs, value=len(timing.pairs))
+    parts_ms = {name: statistics.median(run[name] for run in kept_parts) * 1e3 for name in PARTS
+                if kept_parts and all(name in run for run in kept_parts)}
+    # what the end-to-end arm does beyond the repair-only arm, as a share of its own ttft in the same run: the two
+    # arms' speedups come from separate pairings with their own full runs, so this is the figure to compare them by
+    loading = [(run["stage"] + run["private-copy"]) / run["ttft"] for run in kept_parts
+               if {"stage", "private-copy", "ttft"} <= set(run) and run["ttft"] > 0]
+    return {"timing": timing.to_dict(), "parts_ms_median": parts_ms,
+            "loading_fraction_median": statistics.median(loading) if loading else None}
+
+
+def _states_equal(case: Case, children: tuple[Child, ...], repair_only: dict[str, RepairOnlyArm],
+                  caches: dict[str, KVCache], child_path: Callable[..., tuple[torch.Tensor, BlendResult]],
+                  expected_events: list[str], prompt_tokens: int) -> dict[str, int]:
+    """Untimed, per child, each arm on its cache poisoned first: the end-to-end state equals the repair-only
+    state bit for bit. Returns the repair-only arm's first token per child (what every timed run must give)."""
+    comparisons: dict[str, Any] = {}
+    events_seen: dict[str, list[str]] = {}
+    tokens: dict[str, int] = {}
+    with torch.no_grad():
+        for child in children:
+            arm = repair_only[child.name]
+            arm.cache.raw.fill_(0xFF)                 # NaN in every float format: a position nobody wrote shows
+            restored, result = arm.run()
+            reference = first_token_state(arm.cache, prompt_tokens, restored, result)
+            caches[child.name].raw.fill_(0xFF)
+            events: list[str] = []
+            restored, result = child_path(child, events)
+            got = first_token_state(caches[child.name], prompt_tokens, restored, result)
+            comparisons[child.name] = compare_states(reference, got)
+            events_seen[child.name] = events
+            tokens[child.name] = reference.tokens[0]
+    case.record("end_to_end_vs_repair_only", comparisons)
+    case.check("end_to_end_state_equals_repair_only", all(identical(c) for c in comparisons.values()),
+               value={name: c["first_unequal_layer"] for name, c in comparisons.items()})
+    case.check("end_to_end_staged_and_digest_checked_every_segment",
+               all(events == expected_events for events in events_seen.values()), value=events_seen)
+    return tokens
+
+
+def _timed(children: tuple[Child, ...], full_runs: dict[str, Callable[[], torch.Tensor]],
+           child_path: Callable[..., tuple[torch.Tensor, BlendResult]], expected_events: list[str],
+           reference_tokens: dict[str, int], pairs: int, warmup: int,
+           device: str) -> tuple[Any, list[dict[str, float]], dict[str, list[Any]]]:
+    """full vs end-to-end in matched pairs; the pairs compare `ttft`, the end-to-end parts are kept per run."""
+    kept_parts: list[dict[str, float]] = []
+    problems: dict[str, list[Any]] = {"runs": [], "parts": []}
+
+    @torch.no_grad()
+    def run_arm(which: str, round_index: int) -> dict[str, list[float]]:
+        ttft: list[float] = []
+        for child in children:
+            intervals = Intervals(device)
+            events: list[str] = []
+            with intervals.part("ttft"):
+                if which == FULL:
+                    token = int(full_runs[child.name]().argmax())   # the first token on the host ends it
+                else:
+                    _, result = child_path(child, events, intervals.part)
+                    token = int(result.logits.argmax())
+            seconds = intervals.seconds()
+            ttft.append(seconds["ttft"])
+            if which == END_TO_END:
+                if events != expected_events or token != reference_tokens[child.name]:
+                    problems["runs"].append({"round": round_index, "child": child.name, "events": events,
+                                             "token": token, "expected_token": reference_tokens[child.name]})
+                if intervals.parents != PARTS or set(seconds) != set(PARTS):
+                    problems["parts"].append({"round": round_index, "child": child.name,
+                                              "parents": intervals.parents})
+                elif not _nested(seconds):
+                    problems["parts"].append({"round": round_index, "child": child.name, "seconds": seconds})
+                if round_index >= warmup:
+                    kept_parts.append(seconds)
+        return {"ttft": ttft}
+
+    timing = alternate((FULL, END_TO_END), pairs, warmup, run_arm)
+    timing.parents.update({"ttft": None})
+    if not kept_parts and pairs:
+        raise EndToEndError("the end-to-end arm recorded no timed run")
+    return timing, kept_parts, problems
+
+
+NESTING_SLACK_S = 1e-6   # per part: CUDA event times resolve to about half a microsecond (exact on the CPU)
+
+
+def _nested(seconds: dict[str, float]) -> bool:
+    """Each part's total within its parent's; the parts directly inside ttft together within it."""
+    inside = [name for name, parent in PARTS.items() if parent == "ttft"]
+    return all(seconds[name] <= seconds[parent] + NESTING_SLACK_S for name, parent in PARTS.items()
+               if parent is not None) and \
+        sum(seconds[name] for name in inside) <= seconds["ttft"] + NESTING_SLACK_S * len(inside)

@@ -1,0 +1,222 @@
+"""The TTFT's end-to-end arm (issue 21 item 8, kmesh.stages.equivalence.endtoend) on a tiny CPU model: each
+ttft-<T> case pairs the full arm with the child's real path — a real cache service process, each object's digest
+checked on arrival, private copy, restore, repair — whose state equals the repair-only arm's bit for bit and whose
+parts are present and nested; the checks can fail (a service holding other bytes is refused by the digest check,
+a repair-only state that differs is caught). run_child's own path is the same function (kmesh.child).
+
+Model and workload as tests/test_equivalence_parts.py (tiny random Llama, 2 children of 352 tokens, 3 segments of
+80). ~20 s on CPU (two real services, one per prompt length).
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kmesh.bench import Intervals
+from kmesh.child import ChildContext, prefill_from_segments, run_child
+from kmesh.model.blend import RepairConfig, blend
+from kmesh.model.runner import LayerRunner
+from kmesh.modelsetup import leader_prefill
+from kmesh.result import Result
+from kmesh.segments import Export, InProcessSegments, SegmentCorruptError, restore_child
+from kmesh.stages.equivalence import endtoend
+from kmesh.stages.equivalence.ttft import ttft_cases
+from kmesh.transfer.engine import TransferEngine
+from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from tiny_llama import tiny_llama
+
+SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=2, block_size=16)
+PAIRS, WARMUP = 2, 1
+
+
+class _Cfg:
+    seed = 0
+
+    @staticmethod
+    def section(name: str) -> dict:
+        assert name == "timing"
+        return {"pairs": PAIRS, "warmup": WARMUP}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_llama()
+    runner = LayerRunner(model)
+    tok = ByteTokenizer(vocab_size=300)
+    workload = build(tok, 0, SPEC)
+    export = leader_prefill(runner, workload, b"kmesh-ttft-test/leader")
+    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), 4)
+    sec = {"ttft": {"prompt_tokens": [352, 448], "compare_transformers": False}, "repair": {},
+           "heartbeat_timeout_s": 30.0, "chunk_bytes": 65536}
+    yield SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx, tok=tok, sec=sec,
+                          cfg=_Cfg(), device=torch.device("cpu"))
+    ctx.engine.close()
+
+
+def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
+    res = Result("equivalence", "test", provenance={})
+    out = ttft_cases(res, setup)
+    bad = {c.id: (c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
+           if c.passed is not True}
+    assert not bad
+    assert [c.id for c in res.cases] == ["ttft-352", "ttft-448"] and set(out) == {"352", "448"}
+    for tokens, row in out.items():
+        case = next(c for c in res.cases if c.id == f"ttft-{tokens}")
+        for check in ("end_to_end_service_holds_the_segments", "end_to_end_state_equals_repair_only",
+                      "end_to_end_staged_and_digest_checked_every_segment",
+                      "end_to_end_every_timed_run_staged_and_first_token_equal", "end_to_end_parts_nested_and_present",
+                      "end_to_end_pairs_recorded", "end_to_end_service_released_no_leaks"):
+            assert case.checks[check]["ok"] is True, check
+        e2e, repair_only = row["end_to_end_vs_full"], row["kmesh_vs_full"]
+        assert e2e["arm_a"] == "full" and e2e["arm_b"] == "end-to-end" and e2e["pairs"] == PAIRS
+        assert 0 <= e2e["b_faster_pairs"] <= PAIRS and e2e["median_ratio_b_over_a"] > 0
+        assert repair_only["pairs"] == PAIRS
+        parts = row["end_to_end_parts_ms_median"]
+        assert set(parts) == set(endtoend.PARTS) and all(v > 0 for v in parts.values())
+        assert parts["load"] <= parts["stage"] <= parts["ttft"]
+        assert 0 < row["end_to_end_loading_fraction_median"] < 1
+        goal = row["goal_ttft_3x"]
+        assert goal["read_against"] == "end-to-end" and goal["measured_speedup"] == e2e["median_speedup_a_over_b"]
+        assert goal["repair_only_speedup"] == repair_only["median_speedup_a_over_b"]
+        timing = res.timings[f"ttft_{tokens}_full_vs_end_to_end"]
+        assert timing["arms"] == {"A": "full", "B": "end-to-end"} and set(timing["summary"]) == {"ttft"}
+        assert [p["order"] for p in timing["raw"]] == [["full", "end-to-end"], ["end-to-end", "full"]]
+        comparisons = case.checks["end_to_end_vs_repair_only"]["value"]
+        assert set(comparisons) == {c.name for c in setup.workload.children}
+        assert all(c["max_abs_diff"] == 0.0 and c["logits_equal"] for c in comparisons.values())
+
+
+def _arms(setup, arm: str = "kmesh"):
+    """The repair-only arm per child (eager), as ttft_cases builds it; `arm` another blend arm for a control."""
+    T = SPEC.prompt_tokens
+    arms, full = {}, {}
+    for child in setup.workload.children:
+        ids = torch.tensor(child.ids)
+        cache = setup.runner.new_cache(T, SPEC.block_size)
+        full_cache = setup.runner.new_cache(T, SPEC.block_size)
+
+        def run(cache=cache, child=child, ids=ids):
+            restored = restore_child(cache, setup.export.catalog, setup.export.raw, child, setup.runner)
+            return restored, blend(setup.runner, ids, cache, restored, setup.ctx.repair, arm)
+        arms[child.name] = endtoend.RepairOnlyArm(cache, run)
+        full[child.name] = (lambda ids=ids, fc=full_cache: blend(
+            setup.runner, ids, fc, torch.zeros(T, dtype=torch.bool), setup.ctx.repair, "full").logits)
+    return arms, full
+
+
+def test_end_to_end_state_check_can_fail(setup):
+    """The state check compares what it is given: the same path equals the repair-only state; a repair-only state
+    computed another way (no repair: `naive`) is caught (in-process source here; the service arm is above)."""
+    staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8)
+    private = torch.empty_like(staging)
+    caches = {c.name: setup.runner.new_cache(SPEC.prompt_tokens, SPEC.block_size) for c in setup.workload.children}
+
+    def child_path(child, events, part=None):
+        return prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export), staging, private,
+                                     caches[child.name], "kmesh", "t", events)
+
+    verdicts = {}
+    for arm in ("kmesh", "naive"):
+        res = Result("equivalence", "test", provenance={})
+        with res.case(f"ttft-{arm}") as case:
+            tokens = endtoend._states_equal(case, setup.workload.children, _arms(setup, arm)[0], caches, child_path,
+                                            endtoend.staged_events(setup.export), SPEC.prompt_tokens)
+        verdicts[arm] = res.cases[0].checks["end_to_end_state_equals_repair_only"]["ok"]
+        assert res.cases[0].checks["end_to_end_staged_and_digest_checked_every_segment"]["ok"] is True
+        assert set(tokens) == {c.name for c in setup.workload.children}
+    assert verdicts == {"kmesh": True, "naive": False}
+
+
+def test_end_to_end_arm_checks_the_digest_on_arrival(setup):
+    """The service holds other bytes than the catalog's digests say (one flipped bit of segment 1): the end-to-end
+    arm's digest check on arrival refuses them, the case fails with SegmentCorruptError — no timing of wrong
+    bytes, no recompute under the arm's name."""
+    arms, full = _arms(setup)
+    raw = setup.export.raw.clone()
+    raw[setup.export.catalog.entries[1].offset + 5] ^= 0x10
+    res = Result("equivalence", "test", provenance={})
+    with res.case("ttft-corrupt") as case:
+        endtoend.end_to_end_pairs(case, setup, Export(raw, setup.export.catalog), setup.workload.children, arms,
+                                  full, "kmesh", 1, 0, "cpu")
+    case = res.cases[0]
+    assert case.error.startswith("SegmentCorruptError") and "segment-1" in case.error
+    assert case.checks["end_to_end_service_holds_the_segments"]["ok"] is False
+
+
+def test_prefill_from_segments_is_run_childs_path_with_nested_parts(setup):
+    """Timed, the path records stage ⊃ load, private-copy, restore, repair; its state is run_child's."""
+    child = setup.workload.children[1]
+    staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8)
+    private = torch.empty_like(staging)
+    reference = run_child(setup.ctx, child, InProcessSegments(setup.export), staging, private)
+    cache = setup.runner.new_cache(SPEC.prompt_tokens + SPEC.block_size, SPEC.block_size, fill=float("nan"))
+    intervals, events = Intervals("cpu"), []
+    with intervals.part("ttft"):
+        restored, result = prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export), staging,
+                                                 private, cache, "kmesh", "t", events, part=intervals.part)
+    assert intervals.parents == endtoend.PARTS
+    seconds = intervals.seconds()
+    assert endtoend._nested(seconds) and not endtoend._nested({**seconds, "load": seconds["stage"] * 2})
+    assert events == endtoend.staged_events(setup.export)
+    assert torch.equal(result.logits, reference.logits) and torch.equal(result.masks, reference.masks)
+    assert torch.equal(restored, reference.restored)
+    k, v = cache.stacked(SPEC.prompt_tokens)
+    assert torch.equal(k, reference.k[:, :SPEC.prompt_tokens]) and torch.equal(v, reference.v[:, :SPEC.prompt_tokens])
+    # a bad object stops the path with its load error (run_child, not this path, recomputes)
+    objects = {e.key: setup.export.raw[e.offset:e.offset + e.nbytes].clone() for e in setup.export.catalog.entries}
+    objects[setup.export.catalog.entries[0].key][3] ^= 1
+    with pytest.raises(SegmentCorruptError):
+        prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export, objects), staging, private, cache,
+                              "kmesh", "t", [])
+    assert setup.ctx.engine.pending() == []
+
+
+def test_graph_prefill_refuses_another_cache():
+    from kmesh.stages.equivalence.ttft import _graph_prefill
+
+    graph = SimpleNamespace(cache=object(), restored=torch.ones(4, dtype=torch.bool), replay=lambda: "replayed")
+    replay = _graph_prefill(graph)
+    assert replay(graph.cache, torch.ones(4, dtype=torch.bool)) == "replayed"
+    with pytest.raises(endtoend.EndToEndError):
+        replay(object(), torch.ones(4, dtype=torch.bool))
+    with pytest.raises(endtoend.EndToEndError):
+        replay(graph.cache, torch.zeros(4, dtype=torch.bool))
+    assert dataclasses.is_dataclass(endtoend.FirstTokenState)
+
+
+def _pair(a: str, b: str, median_a: float, median_b: float, ratio: float, faster: int) -> dict:
+    return {"arm_a": a, "arm_b": b, "median_a_ms": median_a, "median_b_ms": median_b, "median_ratio_b_over_a": ratio,
+            "median_speedup_a_over_b": 1 / ratio, "b_faster_pairs": faster, "pairs": 7}
+
+
+def test_ttft_table_shows_both_arms_against_full_and_reads_the_goal_against_end_to_end(tmp_path):
+    from kmesh.config import load_config
+    from kmesh.report.tables import ttft_frame
+    from kmesh.stages.report import run
+
+    ttft = {"512": {"kmesh_vs_full": _pair("full", "kmesh", 300.0, 200.0, 0.5, 7),
+                    "end_to_end_vs_full": _pair("full", "end-to-end", 310.0, 250.0, 0.8, 6),
+                    "end_to_end_parts_ms_median": {"ttft": 250.0, "stage": 20.0, "load": 12.0, "private-copy": 3.0,
+                                                   "restore": 5.0, "repair": 220.0},
+                    "end_to_end_loading_fraction_median": 0.092,
+                    "goal_ttft_3x": {"goal": 3.0, "read_against": "end-to-end", "measured_speedup": 1.25,
+                                     "met": False, "repair_only_speedup": 2.0}}}
+    df = ttft_frame(ttft)
+    assert list(df["arm B"]) == ["repair only", "end to end"]
+    e2e = df.iloc[1]
+    assert e2e["median ratio B/A"] == 0.8 and e2e["B faster"] == "6/7" and e2e["goal"] == "3× missed"
+    assert e2e["B parts, median [ms]"] == ("stage 20, load (⊂ stage) 12, private-copy 3, restore 5, repair 220; "
+                                           "loading 9.2% of ttft")
+    assert df.iloc[0]["goal"] == "" and df.iloc[0]["median speedup A/B"] == 2.0
+    cfg = load_config(overrides={"results_dir": str(tmp_path)})
+    res = Result.begin("equivalence", cfg)
+    with res.case("c1") as case:
+        case.check("ok", True)
+    res.extra["ttft"] = ttft
+    res.write(tmp_path / "cpu" / "equivalence" / "result.json")
+    assert run(cfg).ok
+    md = (tmp_path / "cpu" / "tables" / "equivalence_ttft.md").read_text()
+    assert "end to end" in md and "read against end to end" in md
