@@ -70,7 +70,7 @@ def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
                       "end_to_end_every_timed_run_staged_and_first_token_equal", "end_to_end_parts_nested_and_present",
                       "end_to_end_pairs_recorded", "end_to_end_service_released_no_leaks"):
             assert case.checks[check]["ok"] is True, check
-        e2e, repair_only = row["end_to_end_vs_full"], row["kmesh_vs_full"]
+        e2e, repair_only = row["end_to_end_vs_full"], row["repair_vs_full"]
         assert e2e["arm_a"] == "full" and e2e["arm_b"] == "end-to-end" and e2e["pairs"] == PAIRS
         assert 0 <= e2e["b_faster_pairs"] <= PAIRS and e2e["median_ratio_b_over_a"] > 0
         assert repair_only["pairs"] == PAIRS
@@ -89,7 +89,7 @@ def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
         assert all(c["max_abs_diff"] == 0.0 and c["logits_equal"] for c in comparisons.values())
 
 
-def _arms(setup, arm: str = "kmesh"):
+def _arms(setup, arm: str = "repair"):
     """The repair-only arm per child (eager), as ttft_cases builds it; `arm` another blend arm for a control."""
     T = SPEC.prompt_tokens
     arms, full = {}, {}
@@ -116,10 +116,10 @@ def test_end_to_end_state_check_can_fail(setup):
 
     def child_path(child, events, part=None):
         return prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export), staging, private,
-                                     caches[child.name], "kmesh", "t", events)
+                                     caches[child.name], "repair", "t", events)
 
     verdicts = {}
-    for arm in ("kmesh", "naive"):
+    for arm in ("repair", "naive"):
         res = Result("equivalence", "test", provenance={})
         with res.case(f"ttft-{arm}") as case:
             tokens = endtoend._states_equal(case, setup.workload.children, _arms(setup, arm)[0], caches, child_path,
@@ -127,7 +127,7 @@ def test_end_to_end_state_check_can_fail(setup):
         verdicts[arm] = res.cases[0].checks["end_to_end_state_equals_repair_only"]["ok"]
         assert res.cases[0].checks["end_to_end_staged_and_digest_checked_every_segment"]["ok"] is True
         assert set(tokens) == {c.name for c in setup.workload.children}
-    assert verdicts == {"kmesh": True, "naive": False}
+    assert verdicts == {"repair": True, "naive": False}
 
 
 def test_end_to_end_arm_checks_the_digest_on_arrival(setup):
@@ -140,7 +140,7 @@ def test_end_to_end_arm_checks_the_digest_on_arrival(setup):
     res = Result("equivalence", "test", provenance={})
     with res.case("ttft-corrupt") as case:
         endtoend.end_to_end_pairs(case, setup, Export(raw, setup.export.catalog), setup.workload.children, arms,
-                                  full, "kmesh", 1, 0, "cpu")
+                                  full, "repair", 1, 0, "cpu")
     case = res.cases[0]
     assert case.error.startswith("SegmentCorruptError") and "segment-1" in case.error
     assert case.checks["end_to_end_service_holds_the_segments"]["ok"] is False
@@ -156,7 +156,7 @@ def test_prefill_from_segments_is_run_childs_path_with_nested_parts(setup):
     intervals, events = Intervals("cpu"), []
     with intervals.part("ttft"):
         restored, result = prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export), staging,
-                                                 private, cache, "kmesh", "t", events, part=intervals.part)
+                                                 private, cache, "repair", "t", events, part=intervals.part)
     assert intervals.parents == endtoend.PARTS
     seconds = intervals.seconds()
     assert endtoend._nested(seconds) and not endtoend._nested({**seconds, "load": seconds["stage"] * 2})
@@ -170,7 +170,7 @@ def test_prefill_from_segments_is_run_childs_path_with_nested_parts(setup):
     objects[setup.export.catalog.entries[0].key][3] ^= 1
     with pytest.raises(SegmentCorruptError):
         prefill_from_segments(setup.ctx, child, InProcessSegments(setup.export, objects), staging, private, cache,
-                              "kmesh", "t", [])
+                              "repair", "t", [])
     assert setup.ctx.engine.pending() == []
 
 
@@ -197,7 +197,7 @@ def test_ttft_table_shows_both_arms_against_full_and_reads_the_goal_against_end_
     from kmesh.report.tables import ttft_frame
     from kmesh.stages.report import run
 
-    ttft = {"512": {"kmesh_vs_full": _pair("full", "kmesh", 300.0, 200.0, 0.5, 7),
+    ttft = {"512": {"repair_vs_full": _pair("full", "repair", 300.0, 200.0, 0.5, 7),
                     "end_to_end_vs_full": _pair("full", "end-to-end", 310.0, 250.0, 0.8, 6),
                     "end_to_end_parts_ms_median": {"ttft": 250.0, "stage": 20.0, "load": 12.0, "private-copy": 3.0,
                                                    "restore": 5.0, "repair": 220.0},
