@@ -15,13 +15,10 @@ env:
 pipeline: env  ## run every stage on the CPU profile, then tables + plots
 	python -m kmesh pipeline --cores all $(SNAKEMAKE_ARGS)
 
-# Every stage runs before the suite (CI runs exactly this): the cpu pipeline redoes what the checked-out code and
-# config invalidate (nothing, after `make pipeline`), and tests/test_stage_results.py fails on a missing, stale or
-# failed stage result (the suite runs even when a stage failed, so CI shows both).
-test: env  ## every stage on the cpu profile (as make pipeline), then the test suite
-	python -m kmesh pipeline --cores all; stages=$$?; \
-	  KMESH_REQUIRE_VLLM=1 KMESH_REQUIRE_STAGES=cpu python -m pytest -q $(PYTEST_ARGS); tests=$$?; \
-	  exit $$(( stages || tests ))
+# Every stage and the whole suite (CI runs exactly this): scripts/test.sh runs the cpu pipeline into results/test
+# beside the suite, then tests/test_stage_results.py fails on a missing, stale or failed stage result.
+test: env  ## every stage on the cpu profile (into results/test) beside the test suite
+	scripts/test.sh $(PYTEST_ARGS)
 
 unit: env  ## only the test suite (stage-result tests skip unless the pipeline ran)
 	KMESH_REQUIRE_VLLM=1 python -m pytest -q $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
 """Every stage of the pipeline ran, on this code, and is ok: the results `make test` asks for.
 
-`make test` runs the cpu pipeline first (`python -m kmesh pipeline`; Snakemake redoes only what the current code and
-config invalidate) and sets KMESH_REQUIRE_STAGES=cpu; then a missing, stale or failed stage result fails here. Without
-that variable (a plain `pytest`) these tests skip when the pipeline has not been run.
+`make test` (scripts/test.sh) runs the cpu pipeline into KMESH_STAGE_RESULTS (results/test) beside the suite, then
+these tests with KMESH_REQUIRE_STAGES=cpu: a missing, stale or failed stage result fails here. Without that variable
+(a plain `pytest`) they read the configured results dir and skip where the pipeline has not been run.
 """
 from __future__ import annotations
 
@@ -22,8 +22,15 @@ PROFILE = os.environ.get("KMESH_REQUIRE_STAGES") or "cpu"
 REQUIRED = bool(os.environ.get("KMESH_REQUIRE_STAGES"))
 
 
+def _results_root() -> Path:
+    given = os.environ.get("KMESH_STAGE_RESULTS")
+    if given:
+        return Path(given) if Path(given).is_absolute() else ROOT / given
+    return load_config(profile=PROFILE, root=ROOT).results_dir
+
+
 def _results_dir() -> Path:
-    return load_config(profile=PROFILE, root=ROOT).results_dir / PROFILE
+    return _results_root() / PROFILE
 
 
 def _result(stage: str) -> dict:
@@ -49,7 +56,9 @@ def test_results_are_current_for_this_code():
     """Snakemake has nothing left to do: every result was made by the code and config now checked out."""
     if not (_results_dir() / "report" / "result.json").is_file():
         _result("report")   # fails (required) or skips with the reason
-    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config", f"profile={PROFILE}"],
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config", f"profile={PROFILE}",
+                          # the results dir exactly as the pipeline was given it (Snakemake keys its records by path)
+                          f"results_dir={os.environ.get('KMESH_STAGE_RESULTS') or _results_root()}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
