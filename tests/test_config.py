@@ -115,3 +115,32 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
                                ("storage", "arrival-direct"),   # only when cuFile cannot run there
                                ("model", "smollm2-*"), ("model", "qwen2-checkpoint"),
                                *(("vllm", case_id) for case_id in ENGINE_CASES)}
+
+
+def test_overlay_changes_sizes_and_is_recorded(tmp_path):
+    from kmesh.config import load_config
+
+    plain = load_config(profile="cpu")
+    reduced = load_config(profile="cpu", overlays=["config/overlays/test.yaml"])
+    assert reduced.data["timing"]["pairs"] < plain.data["timing"]["pairs"]
+    assert reduced.data["overlays"] == ["config/overlays/test.yaml"] and "overlays" not in plain.data
+    assert reduced.digest() != plain.digest()   # the config hash in every result says an overlay ran
+    # an overlay never widens what a stage may skip
+    assert reduced.skip_allowances("kernels") == plain.skip_allowances("kernels")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("kernels: {allow_skips: [{case: 'compile:*', reason: 'an overlay hiding failures'}]}", "skip allowances"),
+    ("profile: cuda", "may not set 'profile'"),
+    ("- a list", "mapping at top level"),
+])
+def test_overlay_cannot_allow_skips_or_switch_profile(tmp_path, text, why):
+    from kmesh.config import load_config
+    from kmesh.errors import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=why):
+        load_config(profile="cpu", overlays=[bad])
+    with pytest.raises(ConfigError, match="overlay file not found"):
+        load_config(profile="cpu", overlays=[tmp_path / "missing.yaml"])

@@ -56,9 +56,11 @@ def test_results_are_current_for_this_code():
     """Snakemake has nothing left to do: every result was made by the code and config now checked out."""
     if not (_results_dir() / "report" / "result.json").is_file():
         _result("report")   # fails (required) or skips with the reason
-    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config", f"profile={PROFILE}",
-                          # the results dir exactly as the pipeline was given it (Snakemake keys its records by path)
-                          f"results_dir={os.environ.get('KMESH_STAGE_RESULTS') or _results_root()}"],
+    # the results dir and overlay exactly as the pipeline was given them (Snakemake keys its records by path)
+    given = [f"profile={PROFILE}", f"results_dir={os.environ.get('KMESH_STAGE_RESULTS') or _results_root()}"]
+    if os.environ.get("KMESH_STAGE_OVERLAY"):
+        given.append(f"overlay={os.environ['KMESH_STAGE_OVERLAY']}")
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config", *given],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr

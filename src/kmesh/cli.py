@@ -14,7 +14,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kmesh.config import load_config, parse_overrides
     from kmesh.stages import result_path, stage_runner
 
-    cfg = load_config(profile=args.profile, config_path=args.config, overrides=parse_overrides(args.set))
+    cfg = load_config(profile=args.profile, config_path=args.config, overrides=parse_overrides(args.set),
+                      overlays=args.overlay)
     run = stage_runner(args.stage)
     result = run(cfg)
     out = Path(args.out or result_path(cfg, args.stage))
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", default=None, help="config file (default: config/config.yaml)")
     r.add_argument("--out", default=None, help="result file (default: results/<profile>/<stage>/result.json)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    r.add_argument("--overlay", action="append", default=[], metavar="FILE",
+                   help="a reduced-size overlay over the profile (e.g. config/overlays/test.yaml; no skips)")
     r.set_defaults(func=cmd_run)
 
     # Listed for --help only: main() hands everything after `pipeline` to kmesh.console before argparse sees it.

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jsonschema
 import yaml
@@ -138,13 +138,34 @@ class Config:
         return hashlib.sha256(blob).hexdigest()
 
 
+def read_overlay(path: Path) -> dict[str, Any]:
+    """A reduced-size overlay (e.g. config/overlays/test.yaml, what `make test` runs): sizes and counts only. It may
+    not name the profile or allow skips: only a profile says what its stages may skip."""
+    if not path.is_file():
+        raise ConfigError(f"overlay file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"overlay {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"overlay {path} must hold a mapping at top level")
+    if "profile" in data or "overlays" in data:
+        raise ConfigError(f"overlay {path} may not set 'profile' or 'overlays'")
+    allows = sorted(f"{k}.{ALLOW_SKIPS}" for k, v in data.items() if isinstance(v, dict) and ALLOW_SKIPS in v)
+    if allows:
+        raise ConfigError(f"config field '{allows[0]}' in overlay {path}: skip allowances are per profile")
+    return data
+
+
 def load_config(
     profile: str | None = None,
     config_path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     root: Path | None = None,
+    overlays: Sequence[str | os.PathLike[str]] = (),
 ) -> Config:
-    """Read config.yaml, overlay the profile file and `overrides`, validate, return a Config."""
+    """Read config.yaml, overlay the profile file, then each overlay file and `overrides`, validate, return a
+    Config. The overlays' paths are kept in the config (`overlays`), so the config hash and every result say so."""
     root = root or find_root()
     path = Path(config_path) if config_path else root / "config" / "config.yaml"
     if not path.is_file():
@@ -167,6 +188,10 @@ def load_config(
     if not prof_file.is_file():
         raise ConfigError(f"profile file not found: {prof_file}")
     data = deep_merge(data, yaml.safe_load(prof_file.read_text()) or {})
+    for overlay in overlays:
+        path = Path(overlay) if Path(overlay).is_absolute() else root / overlay
+        data = deep_merge(data, read_overlay(path))
+        data.setdefault("overlays", []).append(str(overlay))
     if overrides:
         data = deep_merge(data, overrides)
     data["profile"] = prof

@@ -7,6 +7,8 @@ validate(config, "../../config/config.schema.yaml")
 
 PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
+# A reduced-size overlay over the profile (make test: config/overlays/test.yaml); an input of every stage.
+OVERLAY = config.get("overlay")
 # A stage needs a GPU only on the cuda profile. None (not 0) drops the `gpu` resource: executor plugins read its
 # presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
 GPU = 1 if PROFILE == "cuda" else None
@@ -44,7 +46,8 @@ SHARED_CODE = [
     "__init__.py", "__main__.py", "cli.py", "config.py", "result.py", "provenance.py", "pins.py", "jsonfile.py",
     "errors.py", "bench.py", "progress.py", "stages/__init__.py",
 ]
-SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/profiles/{PROFILE}.yaml"]
+SHARED_CONFIG = ["config/config.yaml", "config/config.schema.yaml", f"config/profiles/{PROFILE}.yaml",
+                 *([OVERLAY] if OVERLAY else [])]
 
 
 def stage_code(stage):
@@ -66,7 +69,8 @@ def logfile(stage):
 
 def kmesh_run(stage):
     """The one call a stage rule makes (the stage writes its result even when cases fail)."""
-    return (f"python -m kmesh run {stage} --profile {PROFILE} --set results_dir={RESULTS} "
+    overlay = f"--overlay {OVERLAY} " if OVERLAY else ""
+    return (f"python -m kmesh run {stage} --profile {PROFILE} --set results_dir={RESULTS} {overlay}"
             f"--out {{output.result}} > {{log}} 2>&1")
 
 
