@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make test` (CI runs exactly this): every stage of the cpu pipeline AND the test suite, side by side.
+# `make check`: every stage of the cpu pipeline AND the test suite, side by side (not yet CI's command: too slow
+# for its 12 min budget on 2 cores).
 # Stages run one at a time (--cores 1, each stage single-threaded as Snakemake runs it) into their own results dir
 # (results/test by default, so the published results/cpu are never timed beside the suite), while pytest uses the
 # other core; then tests/test_stage_results.py checks every stage's result: present, ok, current for this code.

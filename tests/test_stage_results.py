@@ -1,6 +1,6 @@
-"""Every stage of the pipeline ran, on this code, and is ok: the results `make test` asks for.
+"""Every stage of the pipeline ran, on this code, and is ok: the results `make check` asks for.
 
-`make test` (scripts/test.sh) runs the cpu pipeline into KMESH_STAGE_RESULTS (results/test) beside the suite, then
+`make check` (scripts/test.sh) runs the cpu pipeline into KMESH_STAGE_RESULTS (results/test) beside the suite, then
 these tests with KMESH_REQUIRE_STAGES=cpu: a missing, stale or failed stage result fails here. Without that variable
 (a plain `pytest`) they read the configured results dir and skip where the pipeline has not been run.
 """
@@ -37,8 +37,8 @@ def _result(stage: str) -> dict:
     path = _results_dir() / stage / "result.json"
     if not path.is_file():
         if REQUIRED:
-            pytest.fail(f"{path} is missing: `make test` runs the pipeline first (python -m kmesh pipeline)")
-        pytest.skip(f"{path} not there: run the pipeline first (make pipeline), or `make test`")
+            pytest.fail(f"{path} is missing: `make check` runs the pipeline beside the suite (scripts/test.sh)")
+        pytest.skip(f"{path} not there: run the pipeline first (make pipeline), or `make check`")
     return json.loads(path.read_text())
 
 
