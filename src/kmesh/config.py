@@ -138,20 +138,30 @@ class Config:
         return hashlib.sha256(blob).hexdigest()
 
 
-def read_overlay(path: Path) -> dict[str, Any]:
-    """A reduced-size overlay (e.g. config/overlays/test.yaml, what `make test` runs): sizes and counts only. It may
-    not name the profile or allow skips: only a profile says what its stages may skip."""
+def _read_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file holding a mapping, or ConfigError naming `what` it is and why not."""
     if not path.is_file():
-        raise ConfigError(f"overlay file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"overlay {path} is not valid YAML: {e}") from e
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"overlay {path} must hold a mapping at top level")
+        raise ConfigError(f"{what} {path} must hold a mapping at top level")
+    return data
+
+
+def _skip_allowances_in(data: Mapping[str, Any]) -> list[str]:
+    return sorted(f"{k}.{ALLOW_SKIPS}" for k, v in data.items() if isinstance(v, dict) and ALLOW_SKIPS in v)
+
+
+def read_overlay(path: Path) -> dict[str, Any]:
+    """A reduced-size overlay (e.g. config/overlays/test.yaml, what `make check` runs): sizes and counts only. It
+    may not name the profile or allow skips: only a profile says what its stages may skip."""
+    data = _read_mapping(path, "overlay file")
     if "profile" in data or "overlays" in data:
         raise ConfigError(f"overlay {path} may not set 'profile' or 'overlays'")
-    allows = sorted(f"{k}.{ALLOW_SKIPS}" for k, v in data.items() if isinstance(v, dict) and ALLOW_SKIPS in v)
+    allows = _skip_allowances_in(data)
     if allows:
         raise ConfigError(f"config field '{allows[0]}' in overlay {path}: skip allowances are per profile")
     return data
@@ -168,16 +178,9 @@ def load_config(
     Config. The overlays' paths are kept in the config (`overlays`), so the config hash and every result say so."""
     root = root or find_root()
     path = Path(config_path) if config_path else root / "config" / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    data = _read_mapping(path, "config file")
     # An allowance in the shared file would hold for every profile; each profile must say what it may skip.
-    shared = sorted(f"{k}.{ALLOW_SKIPS}" for k, v in data.items() if isinstance(v, dict) and ALLOW_SKIPS in v)
+    shared = _skip_allowances_in(data)
     if shared:
         raise ConfigError(f"config field '{shared[0]}' in {path}: skip allowances are per profile; "
                           f"set them in config/profiles/<profile>.yaml")
