@@ -540,6 +540,40 @@ def test_arrangement_detected_and_windows_registered(rig):
 
 
 @pytest.mark.vllm
+def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(rig, model_dir):
+    """A bfloat16 engine: on a CPU with AMX tiles vLLM's CPU backend packs for ISA "amx" and the connector turns
+    itself off (one warning naming the ISA, no service contact, nothing supplied or saved on a repeated prompt,
+    vLLM computes); elsewhere (ISA vec) it reads the arrangement as for float32."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kmesh.vllm.engine import EngineProcess
+
+    expected = _get_attn_isa(torch.bfloat16, 128, 64, "auto")            # SmolLM2: head size 64, block size 128
+    log = rig["logs"] / "kmesh-bf16.log"
+    extra = {"socket": str(rig["sp"].socket_path), "staging_blocks": 4, "retry_s": 0.5}
+    eng = EngineProcess(model_dir, extra, dtype="bfloat16", log_path=log)
+    try:
+        prompt = _prompt(rig, 11, 300)
+        outs = [eng.generate([prompt], 4)[0] for _ in range(2)]
+        st = eng.stats()
+    finally:
+        eng.close()
+    assert st["cpu_isa"] == expected
+    warned = [line for line in log.read_text(errors="replace").splitlines() if "kmesh: connector off" in line]
+    if expected == "amx":
+        assert st["refused"] and "ISA 'amx'" in st["refused"] and st.get("backend") is None
+        assert len(warned) == 1 and "ISA 'amx'" in warned[0], warned
+        assert [o["kmesh"]["tokens_supplied"] for o in outs] == [0, 0] and st["saved"] == 0
+        assert all("ISA 'amx'" in o["kmesh"]["refused"] for o in outs)
+        assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 4
+        assert st["link"]["closed"] and st["link"]["sessions"] == 0
+    else:
+        assert st["refused"] is None and not warned and st["backend"] == "CPU_ATTN"
+        assert outs[1]["kmesh"]["tokens_supplied"] == 256                # the second one loads 2 saved blocks
+
+
+@pytest.mark.vllm
 def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
     p = _prompt(rig, 1, 300)
     ref = rig["base"].generate([p], MAX_NEW)[0]
