@@ -77,6 +77,18 @@ def test_recent_keys_lru():
 BS_SCHED = 4
 
 
+def _config(extra: dict, dtype=None, block_size: int = BS_SCHED, head_size: int = 8, cache_dtype: str = "auto"):
+    """The parts of a VllmConfig the connector reads at construction (float32 by default: ISA vec/vec16)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                           model_config=SimpleNamespace(model="m", dtype=dtype or torch.float32, use_mla=False,
+                                                        get_head_size=lambda: head_size),
+                           cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype))
+
+
 def _scheduler(extra: dict):
     """The connector's scheduler side over an in-memory record store (no service, no engine): the link is up,
     lookups read `store`, and what a step's metadata saves is filed there as the worker would."""
@@ -87,10 +99,7 @@ def _scheduler(extra: dict):
 
     from kmesh.vllm.connector import KMeshConnector
 
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-                          model_config=SimpleNamespace(model="m", dtype="float32"),
-                          cache_config=SimpleNamespace(block_size=BS_SCHED, cache_dtype="auto"))
-    conn = KMeshConnector(cfg, KVConnectorRole.SCHEDULER)
+    conn = KMeshConnector(_config(extra), KVConnectorRole.SCHEDULER)
     conn.link = SimpleNamespace(up=True, connect=lambda: True)
     store: dict[bytes, Record] = {}
     conn._read_record = store.get
@@ -216,10 +225,7 @@ def _worker(extra: dict):
     from kmesh.vllm.arrangement import EngineCache, staging_layout
     from kmesh.vllm.connector import KMeshConnector
 
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-                          model_config=SimpleNamespace(model="m", dtype="float32"),
-                          cache_config=SimpleNamespace(block_size=BS_SCHED, cache_dtype="auto"))
-    conn = KMeshConnector(cfg, KVConnectorRole.WORKER)
+    conn = KMeshConnector(_config(extra), KVConnectorRole.WORKER)
     layout = KVLayout.paged("LBNHC", 2, 6, BS_SCHED, 2, 8, "float32")
     raw = torch.randn(layout.nbytes // 4, generator=torch.Generator().manual_seed(0)).view(torch.uint8)
     conn.engine = EngineCache(raw, layout, ("l.0.a", "l.1.a"), "TEST")
@@ -249,6 +255,109 @@ def test_negative_control_skip_write_leaves_the_engine_blocks_untouched():
     liar, before, raw = load({"negative_control": "skip_write"})
     assert raw.equal(before) and liar.stats["loaded_blocks"] == 1 and liar.stats["writes_skipped"] == 1
     assert liar.describe()["negative_control"] == "skip_write" and honest.describe()["negative_control"] is None
+
+
+# -- an engine whose CPU attention ISA KMesh does not address (AMX): the connector turns itself off ----------
+
+def _amx(monkeypatch, isa: str = "amx") -> None:
+    """vLLM's _get_attn_isa answers `isa` for every engine (as on a CPU with AMX tiles for a bfloat16 model)."""
+    pytest.importorskip("vllm")
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda dtype, block_size, head_size=None, kv=None: isa)
+
+
+def test_engine_cpu_isa_is_vllms_own_choice_for_the_engine_settings():
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kmesh.vllm.connector import engine_cpu_isa
+
+    for dtype, bs, hs, kv in ((torch.float32, 128, 64, "auto"), (torch.bfloat16, 32, 64, "auto"),
+                              (torch.bfloat16, 128, 80, "auto"), (torch.float16, 64, 128, "auto")):
+        isa, detail = engine_cpu_isa(_config({}, dtype, bs, hs, kv))
+        assert isa == _get_attn_isa(dtype, bs, hs, kv)
+        assert f"block size {bs}, head size {hs}" in detail and str(dtype) in detail
+    mla = _config({})
+    mla.model_config.use_mla = True
+    assert engine_cpu_isa(mla) == (None, "")          # another backend (MLA latents are refused by detect)
+
+
+def test_connector_refuses_an_amx_engine_supplies_and_saves_nothing(monkeypatch, caplog):
+    """Both sides learn the ISA at construction: no service contact, nothing claimed even where records exist,
+    nothing saved, every report and describe() name the refusal, one warning for both sides of the process."""
+    pytest.importorskip("vllm")
+    import logging
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kmesh.vllm import connector as connector_mod
+    from kmesh.vllm.connector import KMeshConnector
+
+    honest, store = _scheduler({})                        # an engine KMesh addresses (ISA vec/vec16) ...
+    assert honest.refused is None
+    _amx(monkeypatch)
+    monkeypatch.setattr(connector_mod, "_REFUSALS_WARNED", set())
+    monkeypatch.setattr(connector_mod, "shared_link", lambda *a, **k: pytest.fail("the service was contacted"))
+    prompt = [5] * (2 * BS_SCHED + 1)
+    with caplog.at_level(logging.WARNING, logger="kmesh.vllm"):
+        cfg = _config({"socket": "/nonexistent/kmesh.sock"}, torch.bfloat16, 32, 64)
+        sched = KMeshConnector(cfg, KVConnectorRole.SCHEDULER)
+        worker = KMeshConnector(cfg, KVConnectorRole.WORKER)
+    _step(honest, store, {"h": prompt})                   # ... stores a prefix the AMX engine could claim
+    assert store
+    sched._read_record = store.get
+    assert _step(sched, store, {"a": prompt}) == ({"a": 0}, [])          # nothing claimed, nothing saved
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(request_id="a2", prompt_token_ids=prompt, kv_transfer_params=None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    report = sched.request_finished(req, [])[1]["kmesh"]
+    assert report["tokens_supplied"] == 0 and "ISA 'amx'" in report["refused"]
+    assert report["service"] == "not contacted"
+    for conn in (sched, worker):
+        assert conn.cpu_isa == "amx" and conn.link.closed and "ISA 'amx'" in conn.describe()["refused"]
+    worker.register_kv_caches({})                       # refused before it reads the caches: no engine, no windows
+    assert worker.engine is None and not worker.link.windows
+    warned = [r.getMessage() for r in caplog.records if "connector off" in r.getMessage()]
+    assert len(warned) == 1 and "ISA 'amx'" in warned[0] and "model dtype torch.bfloat16" in warned[0], warned
+
+
+def test_worker_refuses_caches_whose_layers_say_amx(monkeypatch, caplog):
+    """Where the connector could not tell the ISA up front, the layers' `isa` (set by vLLM's metadata builder
+    before it registers the caches) refuses at registration: no engine, one warning, no crash."""
+    pytest.importorskip("vllm")
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kmesh.stages.vllm import refusals as rf
+    from kmesh.vllm import connector as connector_mod
+    from kmesh.vllm.connector import KMeshConnector
+
+    monkeypatch.setattr(connector_mod, "_REFUSALS_WARNED", set())
+    monkeypatch.setattr(connector_mod, "engine_cpu_isa", lambda cfg: (None, ""))
+    cfg = _config({})
+    cfg.parallel_config = None
+    cfg.model_config.get_num_kv_heads = lambda pc: rf.H
+    cfg.model_config.get_num_layers = lambda pc: rf.L
+    cfg.model_config.get_head_size = lambda: rf.D
+    cfg.model_config.hf_text_config = {"head_dim": rf.D, "max_position_embeddings": 4096}
+    cfg.compilation_config = SimpleNamespace(static_forward_context=rf._layers("CPU_ATTN", "amx"))
+    with caplog.at_level(logging.WARNING, logger="kmesh.vllm"):
+        worker = KMeshConnector(cfg, KVConnectorRole.WORKER)
+        assert worker.refused is None
+        worker.register_kv_caches(rf._views())
+    assert worker.engine is None and "ISA 'amx'" in worker.refused
+    assert [r.getMessage() for r in caplog.records if "connector off" in r.getMessage()] == \
+        [f"kmesh: connector off: {worker.refused}; vLLM computes every token itself"]
+    # the same caches with the vec ISA are accepted
+    cfg.compilation_config.static_forward_context = rf._layers("CPU_ATTN", "vec")
+    ok = KMeshConnector(cfg, KVConnectorRole.WORKER)
+    ok.register_kv_caches(rf._views())
+    assert ok.engine is not None and ok.engine.layout.packing == "cpu" and ok.refused is None
 
 
 # -- the stage's agreement checks (engine-free): they must fail on a connector that lies ------------------
@@ -365,6 +474,8 @@ def test_unknown_arrangements_refused_at_registration():
     why = refusals()
     assert set(why) == set(CASES) and all(why.values()), why
     assert "FLASHINFER_MLA" in why["unknown_backend"] and "uint8" in why["fp8_cache"]
+    assert "ISA 'amx'" in why["cpu_isa_amx"] and "AMX tiles" in why["cpu_isa_amx"]
+    assert "cannot tell which ISA" in why["cpu_isa_unknown"]
     assert accepted() == ("cpu", "LBHNC")
 
 
@@ -426,6 +537,40 @@ def test_arrangement_detected_and_windows_registered(rig):
     assert len(regs) == 3 and all(r["state"] == "active" for r in regs)
     assert {r["alloc_id"] for r in regs} >= {st["engine_address"], st["engine_address"] + 1}
     assert len({r["gen"] for r in regs}) == 3                         # every registration its own generation
+
+
+@pytest.mark.vllm
+def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(rig, model_dir):
+    """A bfloat16 engine: on a CPU with AMX tiles vLLM's CPU backend packs for ISA "amx" and the connector turns
+    itself off (one warning naming the ISA, no service contact, nothing supplied or saved on a repeated prompt,
+    vLLM computes); elsewhere (ISA vec) it reads the arrangement as for float32."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kmesh.vllm.engine import EngineProcess
+
+    expected = _get_attn_isa(torch.bfloat16, 128, 64, "auto")            # SmolLM2: head size 64, block size 128
+    log = rig["logs"] / "kmesh-bf16.log"
+    extra = {"socket": str(rig["sp"].socket_path), "staging_blocks": 4, "retry_s": 0.5}
+    eng = EngineProcess(model_dir, extra, dtype="bfloat16", log_path=log)
+    try:
+        prompt = _prompt(rig, 11, 300)
+        outs = [eng.generate([prompt], 4)[0] for _ in range(2)]
+        st = eng.stats()
+    finally:
+        eng.close()
+    assert st["cpu_isa"] == expected
+    warned = [line for line in log.read_text(errors="replace").splitlines() if "kmesh: connector off" in line]
+    if expected == "amx":
+        assert st["refused"] and "ISA 'amx'" in st["refused"] and st.get("backend") is None
+        assert len(warned) == 1 and "ISA 'amx'" in warned[0], warned
+        assert [o["kmesh"]["tokens_supplied"] for o in outs] == [0, 0] and st["saved"] == 0
+        assert all("ISA 'amx'" in o["kmesh"]["refused"] for o in outs)
+        assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 4
+        assert st["link"]["closed"] and st["link"]["sessions"] == 0
+    else:
+        assert st["refused"] is None and not warned and st["backend"] == "CPU_ATTN"
+        assert outs[1]["kmesh"]["tokens_supplied"] == 256                # the second one loads 2 saved blocks
 
 
 @pytest.mark.vllm

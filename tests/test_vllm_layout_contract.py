@@ -8,6 +8,12 @@ then, bit for bit:
   reverse  vLLM writes the tokens (its cache writer where one runs on CPU: the CPU attention backend's
            do_kv_cache_update, the CPU MLA writer; else through its split views) -> KMesh reads (capture).
 The splits are also checked against vLLM's backend sources, so a changed arrangement fails here loudly.
+
+The CPU backend packs by the ISA vLLM's `_get_attn_isa` picks for the engine's settings. Each CPU case asks it
+for its own settings on this host: where KMesh supports the ISA (kmesh.vllm.arrangement.CPU_ISAS_CHECKED) the
+case is bit for bit as above; where it does not ("amx": a bfloat16 engine on a CPU with AMX tiles), the case
+asserts that vLLM's writer really packs otherwise AND that KMesh refuses such an engine at registration
+(UnsupportedCpuIsaError naming the ISA) — never a pass that checked nothing.
 """
 import importlib.util
 import math
@@ -93,6 +99,11 @@ def test_attention_backends_split_kv_the_way_kmesh_assumes():
     assert "kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in cpu
     assert "key_cache, value_cache = kv_cache.chunk(2, dim=2)" in cpu
     assert "return (KVCacheLayout.LBHNC,)" in cpu
+    # ... packed by the ISA the metadata builder gets from _get_attn_isa and sets on every layer, which the cache
+    # writer passes on: what kmesh.vllm.arrangement reads (layer.isa) and the connector recomputes at start
+    assert "self.isa = _get_attn_isa(\n            self.dtype,\n            self.block_size,\n" \
+           "            self.head_dim,\n            self.kv_cache_dtype,\n        )" in cpu
+    assert "layer.isa = self.isa" in cpu and cpu.count("layer.isa,  # type: ignore") == 2
     # MLA: latent = [kv_c | k_pe], rope part last
     assert "k_pe_cache = kv_c_and_k_pe_cache[..., self.kv_lora_rank :]" in _source(
         "vllm.v1.attention.backends.mla.flashattn_mla")
@@ -202,14 +213,34 @@ def _cpu_write(cpu, views, k, val, slots, isa, kv_cache_dtype="auto", k_scale=1.
                                                        view, slots)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("block_size", [32, 64, 128])
-def test_cpu_backend_arrangement_bit_for_bit(block_size, dtype):
+def _refuses(isa: str) -> bool:
+    from kmesh.vllm.arrangement import CPU_ISAS_CHECKED
+
+    return isa not in CPU_ISAS_CHECKED
+
+
+def _assert_kmesh_refuses(views, isa: str, H: int, D: int) -> None:
+    """KMesh refuses, at registration, CPU-backend caches that vLLM packs for `isa`: the specific error, naming it.
+    Both ways KMesh learns the ISA: the layers' `isa` (vLLM's metadata builder sets it), and vLLM's _get_attn_isa
+    for the engine's settings (the connector's, for layers without one)."""
+    from kmesh.vllm.arrangement import UnsupportedCpuIsaError, detect
+
+    cpu = _cpu_backend()
+    for layer_isa, engine_isa in ((isa, None), (None, isa), (isa, isa)):
+        extra = {} if layer_isa is None else {"isa": layer_isa}
+        layers = {n: SimpleNamespace(attn_backend=cpu.CPUAttentionBackend, **extra) for n in LAYERS}
+        with pytest.raises(UnsupportedCpuIsaError, match=f"uses ISA '{isa}'") as refused:
+            detect(dict(zip(LAYERS, views)), layers, H, D, len(LAYERS), cpu_isa=engine_isa)
+        assert refused.value.isa == isa
+
+
+def _cpu_arrangement_bit_for_bit(block_size: int, dtype: str, D: int) -> str:
+    """The CPU backend's arrangement for these settings on this host, against vLLM's writer; the ISA vLLM picks."""
     v, cpu = _vllm(), _cpu_backend()
     order = cpu.get_supported_kv_cache_layouts([cpu.CPUAttentionBackend])[0].name
     assert order == "LBHNC"
     assert cpu.select_common_block_size(block_size, [cpu.CPUAttentionBackend]) == block_size
-    H, D, T = 2, 64, block_size + 21
+    H, T = 2, block_size + 21
     torch_dtype = KV_DTYPES[dtype]
     isa = cpu._get_attn_isa(torch_dtype, block_size, D, "auto")
     spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=H, head_size=D, dtype=torch_dtype)
@@ -232,46 +263,72 @@ def test_cpu_backend_arrangement_bit_for_bit(block_size, dtype):
     vllm_bytes = raw.clone()
     keep = slots >= 0
     seg = capture(raw, lay, slots[keep], pos[keep])
-    assert torch.equal(_bits(seg.k), _bits(k[keep])), f"K plane packing differs from vLLM's (isa={isa})"
-    assert torch.equal(_bits(seg.v), _bits(val[keep]))
+    same = torch.equal(_bits(seg.k), _bits(k[keep])), torch.equal(_bits(seg.v), _bits(val[keep]))
+    if _refuses(isa):
+        # the refusal is needed (vLLM's writer does not store KMesh's planes for this ISA) and it happens
+        assert same == (False, False), f"vLLM's {isa!r} writer stores KMesh's cpu planes now: lift the refusal?"
+        _assert_kmesh_refuses(views, isa, H, D)
+        return isa
+    assert same[0], f"K plane packing differs from vLLM's (isa={isa})"
+    assert same[1], f"V plane packing differs from vLLM's (isa={isa})"
 
     # forward: KMesh writes the same tokens into the same poisoned buffer -> identical bytes, everywhere
     raw.copy_(poison)
     restore(raw, lay, KVSegment(k, val, pos, dtype), slots, pos, RopeConfig(D, D, 1e4, "neox", None, 4096))
     assert torch.equal(raw, vllm_bytes), f"{int((raw != vllm_bytes).sum())} bytes differ from vLLM's writer"
+    return isa
 
 
-def test_cpu_attention_kernel_reads_what_kmesh_wrote():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+def test_cpu_backend_arrangement_bit_for_bit(block_size, dtype):
+    isa = _cpu_arrangement_bit_for_bit(block_size, dtype, 64)
+    assert isa in ("vec", "amx"), isa          # head size 64: vLLM's x86 choices (what this case covers)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_backend_vec16_head_size_bit_for_bit(dtype):
+    """Head size 80 (a multiple of 16, not of 32): vLLM picks "vec16" for every dtype, AMX or not."""
+    assert _cpu_arrangement_bit_for_bit(32, dtype, 80) == "vec16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cpu_attention_kernel_reads_what_kmesh_wrote(dtype):
     """vLLM's CPU attention kernel on a KMesh-restored cache (keys moved to new positions) attends to the
-    keys a float64 reference computes — the reader side of the contract, with a real shift."""
+    keys a float64 reference computes — the reader side of the contract, with a real shift. Where KMesh
+    refuses the ISA vLLM picks (bfloat16 on AMX), the refusal is what is checked."""
     from vllm import _custom_ops as ops
 
     from kmesh.rope import rotate
 
     v, cpu = _vllm(), _cpu_backend()
     H, Hq, D, N, S = 2, 4, 64, 32, 75
-    isa = cpu._get_attn_isa(torch.bfloat16, N, D, "auto")
-    spec = v.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    torch_dtype = KV_DTYPES[dtype]
+    isa = cpu._get_attn_isa(torch_dtype, N, D, "auto")
+    spec = v.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch_dtype)
     views, cfg = _allocate("LBHNC", spec)
+    if _refuses(isa):
+        _assert_kmesh_refuses(views, isa, H, D)
+        return
     raw = storage_bytes(views[0])
-    lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, "bfloat16")
+    lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, dtype)
     rope = RopeConfig(D, D, 1e4, "neox", None, 4096)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(S, len(LAYERS), H, D, generator=gen, dtype=torch.float64)   # un-rotated keys
     old, new = torch.arange(200, 200 + S), torch.arange(S)
-    k_old = rotate(x.reshape(S, -1, D), old, rope).reshape(x.shape).to(torch.bfloat16)
-    val = torch.randn(S, len(LAYERS), H, D, generator=gen).to(torch.bfloat16)
+    k_old = rotate(x.reshape(S, -1, D), old, rope).reshape(x.shape).to(torch_dtype)
+    val = torch.randn(S, len(LAYERS), H, D, generator=gen).to(torch_dtype)
     table = torch.randperm(cfg.num_blocks, generator=gen)[: math.ceil(S / N)].to(torch.int32)
     slots = table[new // N].long() * N + new % N
-    restore(raw, lay, KVSegment(k_old, val, old, "bfloat16"), slots, new, rope)
+    restore(raw, lay, KVSegment(k_old, val, old, dtype), slots, new, rope)
 
     layer = 1
     kc, vc = views[layer].view(cfg.num_blocks, H, 2 * N, D).chunk(2, dim=2)
-    q = torch.randn(1, Hq, D, generator=gen).to(torch.bfloat16)
-    out = torch.empty(1, Hq, D, dtype=torch.bfloat16)
+    q = torch.randn(1, Hq, D, generator=gen).to(torch_dtype)
+    out = torch.empty(1, Hq, D, dtype=torch_dtype)
     qsl, seql = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([S], dtype=torch.int32)
     md = ops.cpu_attn_get_scheduler_metadata(num_reqs=1, num_heads=Hq, num_kv_heads=H, head_dim=D, seq_lens=seql,
-                                             dtype=torch.bfloat16, query_start_loc=qsl, causal=True,
+                                             dtype=torch_dtype, query_start_loc=qsl, causal=True,
                                              sliding_window_size=-1, isa=isa, enable_kv_split=False)
     scale = 1 / math.sqrt(D)
     ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
@@ -331,13 +388,16 @@ def test_only_vllms_fp8_refusal_turns_into_a_skip():
     assert fp8_refusal(NotImplementedError("FP8 KV cache requires head_size divisible by 32 on CPU.")) is None
 
 
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
-    """Where this CPU runs vLLM's fp8 CPU cache (AVX-512/AMX), its bytes are KMesh's fp8(x / scale)."""
+def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype, model_dtype):
+    """Where this CPU runs vLLM's fp8 CPU cache (AVX-512/AMX), its bytes are KMesh's fp8(x / scale) — for an
+    ISA KMesh supports; for one it refuses (bfloat16 on AMX), they are not, and KMesh refuses the engine."""
     v, cpu = _vllm(), _cpu_backend()
     H, D, N, T = 2, 64, 32, 40
+    x_dtype = KV_DTYPES[model_dtype]
     try:
-        isa = cpu._get_attn_isa(torch.bfloat16, N, D, kv_cache_dtype)
+        isa = cpu._get_attn_isa(x_dtype, N, D, kv_cache_dtype)
     except NotImplementedError as e:
         if (why := fp8_refusal(e)) is None:
             raise
@@ -346,8 +406,8 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
     views, cfg = _allocate("LBHNC", spec)
     raw = storage_bytes(views[0])
     gen = torch.Generator().manual_seed(9)
-    k = torch.randn(T, len(LAYERS), H, D, generator=gen).to(torch.bfloat16)
-    val = torch.randn(T, len(LAYERS), H, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(T, len(LAYERS), H, D, generator=gen).to(x_dtype)
+    val = torch.randn(T, len(LAYERS), H, D, generator=gen).to(x_dtype)
     slots = _slots(cfg.num_blocks * N, T, gen)
     try:
         _cpu_write(cpu, views, k, val, slots, isa, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
@@ -357,19 +417,29 @@ def test_cpu_backend_fp8_quantizer_matches_kmesh(kv_cache_dtype):
         pytest.skip(f"vLLM's CPU fp8 cache writer does not run on this CPU: {why}")
     lay = KVLayout.cpu(len(LAYERS), cfg.num_blocks, N, H, D, kv_cache_dtype, k_scale=0.05, v_scale=0.025)
     seg = capture(raw, lay, slots, torch.arange(T))
+    step = 2.0**-3 if kv_cache_dtype == "fp8_e4m3" else 2.0**-2   # one code apart, relative (2u)
+    verdicts = []
     for got, x, scale in ((seg.k, k, 0.05), (seg.v, val, 0.025)):
         ours = quantize(x.float(), lay.fp8_dtype, 1 / scale)     # round to nearest even
         # vLLM's bytes decode, with KMesh's scale semantics (stored = fp8(x / scale)), to x within one fp8 step ...
         back = dequantize(got, lay.fp8_dtype, scale)
-        step = 2.0**-3 if kv_cache_dtype == "fp8_e4m3" else 2.0**-2   # one code apart, relative (2u)
-        assert float(((back - x.float()).abs() / x.float().abs().clamp(min=scale * 2.0**-6)).max()) <= step
+        worst = float(((back - x.float()).abs() / x.float().abs().clamp(min=scale * 2.0**-6)).max())
         # ... and are one encoding consistently: KMesh's own (RNE), or that value rounded toward zero. vLLM's CPU
         # writer truncates on the AVX-512 "vec" ISA (measured: |decoded| <= |x / scale| everywhere, half the
         # codes one below KMesh's); a third rule, or a mix, fails.
         toward_zero = _fp8_toward_zero(x.float() / scale, ours, lay.fp8_dtype)
         rne, trunc = torch.equal(got, ours), torch.equal(got, toward_zero)
-        assert rne or trunc, {"differs_from_rne": int((got != ours).sum()),
-                              "differs_from_toward_zero": int((got != toward_zero).sum()), "isa": isa}
+        verdicts.append({"worst_relative_error": worst, "rne": rne, "toward_zero": trunc,
+                         "differs_from_rne": int((got != ours).sum()),
+                         "differs_from_toward_zero": int((got != toward_zero).sum()), "isa": isa})
+    if _refuses(isa):
+        # read as KMesh's cpu planes, this ISA's bytes are other tokens' codes: refused, and rightly
+        assert all(not (d["rne"] or d["toward_zero"]) and d["worst_relative_error"] > 1 for d in verdicts), verdicts
+        _assert_kmesh_refuses(views, isa, H, D)
+        return
+    for d in verdicts:
+        assert d["worst_relative_error"] <= step, d
+        assert d["rne"] or d["toward_zero"], d
 
 
 def _fp8_toward_zero(exact: torch.Tensor, rne: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:

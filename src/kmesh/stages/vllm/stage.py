@@ -5,7 +5,8 @@ Three engine processes, each started once (kmesh.vllm.engine), all at once: `bas
 as a liar: negative_control "skip_write", kmesh.vllm.connector) for the two negative controls only, closed
 right after them; all pinned alike (thread binding, enforce_eager, dtype, no prefix cache). Cases:
   arrangement-refusals  engine-free: an unknown backend, fp8, MLA, wrong heads, separate allocations, a missing
-                    layer are refused with an ArrangementError; the CPU backend's views are read as cpu/LBHNC
+                    layer, the CPU backend packing for AMX (ISA "amx") or for an ISA it cannot tell are refused
+                    with an ArrangementError; the CPU backend's views are read as cpu/LBHNC
   arrangement       the connector read the engine's arrangement off its caches (backend, order, packing) and
                     registered its windows with the service (allocation id = engine cache address, generation)
   exact-reuse       each child prompt: a cold request (computes, saves its full blocks) then a warm one (loads
@@ -98,6 +99,8 @@ def run(cfg: Config) -> Result:
         case.record("messages", why)
         case.check("every_unknown_arrangement_refused", all(why.values()),
                    value=[k for k, v in why.items() if not v])
+        case.check("amx_packing_refused_naming_the_isa", "ISA 'amx'" in (why.get("cpu_isa_amx") or ""),
+                   value=why.get("cpu_isa_amx"))
         case.check("cpu_backend_views_accepted", accepted() == ("cpu", "LBHNC"), value=accepted())
     if not sec["enabled"]:
         res.extra["engine"] = "disabled by vllm.enabled (this host has no vLLM)"
@@ -186,6 +189,8 @@ def _arrangement(res: Result, kmesh: EngineProcess, admin: Any) -> dict[str, Any
         stats = kmesh.stats()
         layout = stats.get("layout") or {}
         case.record("layout", layout)
+        case.record("cpu_isa", stats.get("cpu_isa"))          # vLLM's _get_attn_isa for the engine's settings
+        case.record("refused", stats.get("refused"))          # why the connector turned itself off, if it did
         case.check("backend_detected", stats.get("backend") == "CPU_ATTN", value=stats.get("backend"))
         case.check("cpu_packing_lbhnc", (layout.get("packing"), layout.get("order")) == ("cpu", "LBHNC"),
                    value=[layout.get("packing"), layout.get("order")])
