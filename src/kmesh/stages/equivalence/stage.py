@@ -12,16 +12,21 @@ Cases:
                                every layer, next-token logits, generated tokens, recompute masks at every layer —
                                bit for bit; registration released, nothing leaked
   originals-unchanged          after every child: each original still hashes to its committed digest
-  negative-controls            one flipped bit in K, V, logits, a mask or a staged byte is caught
+  negative-controls            a second run of child A compares identical; one flipped bit in K, V, logits, a mask
+                               or a staged byte is caught
   control-<name> (7)           missing, corrupt, truncated object, wrong layout descriptor, service killed
-                               mid-load, failure after device work was submitted, cancelled child: each falls
-                               back safely (kmesh.child), tokens equal the full-recompute reference, no leak
+                               mid-load, failure after device work was submitted, cancelled child (kmesh.stages.
+                               equivalence.controls): each fails at segment 1 with segment 0 already restored, and
+                               the recompute over that partially written state equals the pre-failure reference
+                               bit for bit; nothing pending before it, nothing leaked (the killed service: this
+                               process's own mapping and fd of the staging memory gone)
   quality                      arms full / naive / stock / stock-matched / repair on the same prompts
                                (kmesh.model.quality): first-token and teacher-forced KL and top-1, generation
                                up to end-of-turn, recomputed fractions; stock-matched = stock's selection rule
                                with exactly the repair arm's recomputed count for that child
-  ttft-<T>                     time to first token, matched pairs (kmesh.bench): repair vs full
-                               recompute, and full recompute vs transformers' own forward
+  ttft-<T>                     time to first token, matched pairs (kmesh.bench): repair only vs full recompute,
+                               end to end (request to first token through a real service: kmesh.stages.
+                               equivalence.endtoend) vs full recompute, and full vs transformers' own forward
 """
 from __future__ import annotations
 
