@@ -370,14 +370,7 @@ def _control_exact(res: Result, workload: Workload, control: EngineProcess, exac
         probe = Case("exact-reuse[control]")
         agree = warm_checks(probe, exact["ref"], got, exact["expect"], bound)
         detected, why = control_verdict(probe, "warm_supplied_full_blocks", "warm_tokens_equal_plain_vllm")
-        case.check("fault_named_in_every_report", all(o["kmesh"].get("negative_control") == CONTROL_FAULT
-                                                      for o in got), value=[o["kmesh"] for o in got])
-        case.check("output_differs_for_every_prompt", not any(a.within(bound) for a in agree),
-                   value=[a.describe() for a in agree])
-        case.check("exact_reuse_checks_fail_on_a_lying_connector", detected, value=why)
-        case.record("writes_skipped", control.stats().get("writes_skipped"))
-        out = {"detected": detected, "tokens_supplied": [o["kmesh"]["tokens_supplied"] for o in got],
-               "first_divergence": [a.first_divergence for a in agree]}
+        out = _control_outcome(case, control, got, agree, bound, detected, why, "prompt", "exact_reuse")
     return out
 
 
@@ -395,17 +388,24 @@ def _control_interior(res: Result, workload: Workload, control: EngineProcess, i
         probe = Case("interior[control]")
         agree = interior_checks(probe, workload, got, repairs, refs, bound)
         detected, why = control_verdict(probe, "span_handed_over", "tokens_equal_runner_repair")
-        case.check("fault_named_in_every_report", all(o["kmesh"].get("negative_control") == CONTROL_FAULT
-                                                      for o in got), value=[o["kmesh"] for o in got])
         case.check("repaired_as_usual", probe.checks["segments_loaded_and_repaired"]["ok"] is True,
                    value=probe.checks["segments_loaded_and_repaired"]["value"])
-        case.check("output_differs_for_every_child", not any(a.within(bound) for a in agree),
-                   value=[a.describe() for a in agree])
-        case.check("interior_checks_fail_on_a_lying_connector", detected, value=why)
-        case.record("writes_skipped", control.stats().get("writes_skipped"))
-        out = {"detected": detected, "tokens_supplied": [o["kmesh"]["tokens_supplied"] for o in got],
-               "first_divergence": [a.first_divergence for a in agree]}
+        out = _control_outcome(case, control, got, agree, bound, detected, why, "child", "interior")
     return out
+
+
+def _control_outcome(case: Case, control: EngineProcess, got: list[dict[str, Any]], agree: list[Any], bound: float,
+                     detected: bool, why: Any, unit: str, checks: str) -> dict[str, Any]:
+    """What both negative controls check once the stage's own checks ran on the lying engine's outputs: the fault
+    is named in every report, every output differs from the correct one, and those checks failed."""
+    case.check("fault_named_in_every_report", all(o["kmesh"].get("negative_control") == CONTROL_FAULT
+                                                  for o in got), value=[o["kmesh"] for o in got])
+    case.check(f"output_differs_for_every_{unit}", not any(a.within(bound) for a in agree),
+               value=[a.describe() for a in agree])
+    case.check(f"{checks}_checks_fail_on_a_lying_connector", detected, value=why)
+    case.record("writes_skipped", control.stats().get("writes_skipped"))
+    return {"detected": detected, "tokens_supplied": [o["kmesh"]["tokens_supplied"] for o in got],
+            "first_divergence": [a.first_divergence for a in agree]}
 
 
 def _corrupt(res: Result, workload: Workload, base: EngineProcess, kmesh: EngineProcess, sock: str,
