@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from kmesh.bench import Intervals, TimingError, alternate, paired_stats, run_pairs
+from kmesh.bench import Intervals, TimingError, alternate, paired_stats, rotate, run_pairs
 
 
 def test_paired_stats_known_values():
@@ -76,6 +76,37 @@ def test_alternate_orders_discards_warmup_and_runs_both_arms_every_round():
     assert d["design"]["pairs"] == 3 and d["design"]["warmup"] == 2 and d["arms"] == {"A": "A", "B": "B"}
     with pytest.raises(TimingError):
         alternate(("A", "B"), pairs=0, warmup=0, run_arm=run_arm)
+
+
+def test_rotate_shares_rounds_and_every_pairing_alternates():
+    """Three arms in shared rounds (the TTFT's full / repair / end-to-end): each round runs every arm once, listed
+    order then reversed; any two arms' pairs alternate which goes first; a pairing takes its arms' times of the same
+    round and names the arms it shared them with."""
+    calls = []
+
+    def run_arm(arm, round_index):
+        calls.append((arm, round_index))
+        return {"t": [float(round_index) + {"F": 0.0, "R": 0.5, "E": 0.25}[arm]]}
+
+    rounds = rotate(("F", "R", "E"), pairs=4, warmup=1, run_arm=run_arm)
+    # round 0 is the warm-up, reversed so that the first kept round runs the listed order
+    assert calls[:6] == [("E", 0), ("R", 0), ("F", 0), ("F", 1), ("R", 1), ("E", 1)]
+    assert len(calls) == 15 and len(rounds.records) == 4
+    for a, b in (("F", "R"), ("F", "E"), ("R", "E")):
+        t = rounds.paired(a, b)
+        assert [p["order"][0] for p in t.pairs] == [a, b, a, b]
+        assert [p[a]["t"][0] - p[b]["t"][0] for p in t.pairs] == [t.pairs[0][a]["t"][0] - t.pairs[0][b]["t"][0]] * 4
+        d = t.to_dict()
+        assert d["design"]["order"] == "alternating, A first in pair 0"
+        assert d["design"]["rounds_shared_with"] == [x for x in ("F", "R", "E") if x not in (a, b)]
+    assert rounds.paired("E", "F").to_dict()["design"]["order"] == "alternating, B first in pair 0"
+    assert rounds.paired("F", "E").summary()["t"]["median_diff"] == 0.25
+    with pytest.raises(TimingError):
+        rounds.paired("F", "X")
+    with pytest.raises(TimingError):
+        rotate(("F", "F"), pairs=1, warmup=0, run_arm=run_arm)
+    with pytest.raises(TimingError):
+        rotate(("F", "R"), pairs=0, warmup=0, run_arm=run_arm)
 
 
 def test_run_pairs_is_alternate_over_children():

@@ -439,9 +439,10 @@ def test_decode_stops_at_end_of_turn(tiny):
     assert r.decode(r.new_cache(48), 40, first, 8, stop_ids=(tokens[0],)) == tokens[:1]
 
 
-def test_teacher_forced_follows_decode_bit_for_bit(tiny):
-    """Teacher forcing a state with its own greedy tokens gives exactly the logits decode saw; with other tokens
-    row 0 is still the prefill's logits and the rest differ."""
+def test_teacher_forced_follows_decode(tiny):
+    """Teacher forcing a state with its own greedy tokens (one batched forward) gives the logits decode saw step by
+    step, up to float rounding, with the same greedy tokens and the same K/V written; row 0 is the prefill's own
+    logits exactly; with other tokens the rest differ."""
     r = tiny.runner
     ids = _ids(40, 2)
     cache = r.new_cache(48)
@@ -449,9 +450,18 @@ def test_teacher_forced_follows_decode_bit_for_bit(tiny):
     prompt = r.cache_over(cache.raw.clone(), cache.layout, fill=None)
     seen: list[torch.Tensor] = []
     tokens = r.decode(cache, 40, first, 8, step_logits=seen)
-    forced = r.teacher_forced(r.cache_over(prompt.raw.clone(), prompt.layout, fill=None), 40, first, tokens)
+    forced_cache = r.cache_over(prompt.raw.clone(), prompt.layout, fill=None)
+    forced = r.teacher_forced(forced_cache, 40, first, tokens)
     assert forced.shape == (8, TINY["vocab_size"])
-    assert torch.equal(forced, torch.stack([first, *seen]))
+    assert torch.equal(forced[0], first)
+    stepped = torch.stack([first, *seen])
+    torch.testing.assert_close(forced, stepped, rtol=1e-5, atol=1e-5)
+    assert forced.argmax(-1).tolist() == tokens
+    # the fed tokens' K/V (all but the last token, which is never fed) are decode's
+    k_forced, v_forced = forced_cache.stacked(47)
+    k_dec, v_dec = cache.stacked(47)
+    torch.testing.assert_close(k_forced, k_dec, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_forced, v_dec, rtol=1e-5, atol=1e-5)
     other = [(t + 1) % TINY["vocab_size"] for t in tokens]
     forced_other = r.teacher_forced(r.cache_over(prompt.raw.clone(), prompt.layout, fill=None), 40, first, other)
     assert torch.equal(forced_other[0], first) and not torch.equal(forced_other[1:], forced[1:])

@@ -84,6 +84,11 @@ def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
         timing = res.timings[f"ttft_{tokens}_full_vs_end_to_end"]
         assert timing["arms"] == {"A": "full", "B": "end-to-end"} and set(timing["summary"]) == {"ttft"}
         assert [p["order"] for p in timing["raw"]] == [["full", "end-to-end"], ["end-to-end", "full"]]
+        # one set of rounds for both pairings: the repair-only and end-to-end arms are paired with the same full runs
+        repair_timing = res.timings[f"ttft_{tokens}_full_vs_repair"]
+        assert [p["full"] for p in repair_timing["raw"]] == [p["full"] for p in timing["raw"]]
+        assert timing["design"]["rounds_shared_with"] == ["repair"]
+        assert repair_timing["design"]["rounds_shared_with"] == ["end-to-end"]
         comparisons = case.checks["end_to_end_vs_repair_only"]["value"]
         assert set(comparisons) == {c.name for c in setup.workload.children}
         assert all(c["max_abs_diff"] == 0.0 and c["logits_equal"] for c in comparisons.values())
@@ -134,13 +139,14 @@ def test_end_to_end_arm_checks_the_digest_on_arrival(setup):
     """The service holds other bytes than the catalog's digests say (one flipped bit of segment 1): the end-to-end
     arm's digest check on arrival refuses them, the case fails with SegmentCorruptError — no timing of wrong
     bytes, no recompute under the arm's name."""
-    arms, full = _arms(setup)
+    arms, _ = _arms(setup)
     raw = setup.export.raw.clone()
     raw[setup.export.catalog.entries[1].offset + 5] ^= 0x10
     res = Result("equivalence", "test", provenance={})
     with res.case("ttft-corrupt") as case:
-        endtoend.end_to_end_pairs(case, setup, Export(raw, setup.export.catalog), setup.workload.children, arms,
-                                  full, "repair", 1, 0, "cpu")
+        with endtoend.end_to_end_arm(case, setup, Export(raw, setup.export.catalog), setup.workload.children, arms,
+                                     "repair", 0, "cpu"):
+            raise AssertionError("the arm must refuse the corrupt segment before it is timed")
     case = res.cases[0]
     assert case.error.startswith("SegmentCorruptError") and "segment-1" in case.error
     assert case.checks["end_to_end_service_holds_the_segments"]["ok"] is False

@@ -3,6 +3,9 @@
 Design, stated in every table the report renders:
 - n matched pairs (default 7) after `warmup` discarded pairs; within a pair both arms run the same
   children; the arm that goes first alternates (pair 0: A first, pair 1: B first, ...).
+- Several arms compared with one of them (e.g. full vs repair and full vs end-to-end) may share rounds
+  (kmesh.bench.rotate): each round runs every arm once, in the listed order, then reversed in the next round,
+  so within every pairing drawn from the rounds the arm that goes first alternates just the same.
 - Each arm's run of one child records named intervals, possibly nested (read ⊂ restore ⊂ outer).
   A part that occurs several times in one child run is summed (e.g. four object reads).
 - Per pair and part: the median over children for each arm. Across pairs: the median of the n
@@ -103,6 +106,7 @@ class PairedTiming:
     pairs: list[dict[str, Any]] = field(default_factory=list)   # {"order": [...], arm: {part: [s per child]}}
     parents: dict[str, str | None] = field(default_factory=dict)
     warmup: int = 0
+    shared_with: tuple[str, ...] = ()   # the other arms that ran in the same rounds (kmesh.bench.rotate)
 
     def parts(self) -> list[str]:
         seen: list[str] = []
@@ -126,9 +130,13 @@ class PairedTiming:
                 for part in self.parts()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "paired", "arms": {"A": self.arm_a, "B": self.arm_b},
-                "design": {"pairs": len(self.pairs), "warmup": self.warmup, "order": "alternating, A first in pair 0",
-                           "per_pair": "median over children", "nesting": self.parents},
+        first = self.pairs[0]["order"][0] if self.pairs else self.arm_a
+        design: dict[str, Any] = {"pairs": len(self.pairs), "warmup": self.warmup,
+                                  "order": f"alternating, {'A' if first == self.arm_a else 'B'} first in pair 0",
+                                  "per_pair": "median over children", "nesting": self.parents}
+        if self.shared_with:
+            design["rounds_shared_with"] = list(self.shared_with)
+        return {"kind": "paired", "arms": {"A": self.arm_a, "B": self.arm_b}, "design": design,
                 "summary": self.summary(), "raw": self.pairs}
 
 
@@ -136,29 +144,59 @@ RunFn = Callable[[str, Any, Intervals], None]
 ArmRun = Callable[[str, int], dict[str, list[float]]]
 
 
-def alternate(arms: tuple[str, str], pairs: int, warmup: int, run_arm: ArmRun, progress: bool = False,
-              label: str | None = None) -> PairedTiming:
-    """The paired-run loop: `warmup + pairs` rounds, in each `run_arm(arm, round)` once per arm, the arm that goes
-    first alternating (A first in the first kept pair); the warm-up rounds' times are discarded.
+@dataclass
+class Rounds:
+    """The kept rounds of kmesh.bench.rotate: per round the order run and each arm's seconds per part."""
+
+    arms: tuple[str, ...]
+    warmup: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def paired(self, arm_a: str, arm_b: str) -> PairedTiming:
+        """The matched pairs of two of the arms, one pair per round (the rounds' other arms named in the design)."""
+        unknown = {arm_a, arm_b} - set(self.arms)
+        if unknown or arm_a == arm_b:
+            raise TimingError(f"pairing {arm_a!r} with {arm_b!r}: the rounds ran {list(self.arms)}")
+        pairs = [{"order": [a for a in r["order"] if a in (arm_a, arm_b)], arm_a: r[arm_a], arm_b: r[arm_b]}
+                 for r in self.records]
+        return PairedTiming(arm_a, arm_b, pairs, warmup=self.warmup,
+                            shared_with=tuple(a for a in self.arms if a not in (arm_a, arm_b)))
+
+
+def rotate(arms: tuple[str, ...], pairs: int, warmup: int, run_arm: ArmRun, progress: bool = False,
+           label: str | None = None) -> Rounds:
+    """`warmup + pairs` rounds, in each `run_arm(arm, round)` once per arm: in the listed order in even rounds,
+    reversed in odd ones, so for ANY two arms the one that goes first alternates from round to round (the first
+    listed of the two first in the first kept round); the warm-up rounds' times are discarded.
 
     `run_arm` returns the arm's seconds per part, one value per child (a whole-group arm may return a list of
-    one); `round` runs from 0, the first `warmup` rounds being the discarded ones. The caller sets the timing's
-    `parents` (nesting) if its parts nest.
+    one); `round` runs from 0, the first `warmup` rounds being the discarded ones. Rounds.paired draws the pairs
+    of two arms; the caller sets each timing's `parents` (nesting) if its parts nest.
     """
     if pairs < 1:
         raise TimingError("pairs must be ≥ 1")
-    arm_a, arm_b = arms
-    result = PairedTiming(arm_a, arm_b, warmup=warmup)
+    if len(arms) < 2 or len(set(arms)) != len(arms):
+        raise TimingError(f"rounds need at least two distinct arms, got {list(arms)}")
+    result = Rounds(tuple(arms), warmup)
     from kmesh.progress import track
 
-    for index in track(range(warmup + pairs), label or f"pairs {arm_a} vs {arm_b}", enabled=progress):
-        order = [arm_a, arm_b] if (index - warmup) % 2 == 0 else [arm_b, arm_a]
+    for index in track(range(warmup + pairs), label or "rounds " + " / ".join(arms), enabled=progress):
+        order = list(arms) if (index - warmup) % 2 == 0 else list(reversed(arms))
         record: dict[str, Any] = {"order": order}
         for arm in order:
             record[arm] = run_arm(arm, index)
         if index >= warmup:
-            result.pairs.append(record)
+            result.records.append(record)
     return result
+
+
+def alternate(arms: tuple[str, str], pairs: int, warmup: int, run_arm: ArmRun, progress: bool = False,
+              label: str | None = None) -> PairedTiming:
+    """The paired-run loop of two arms (kmesh.bench.rotate with two: A first in the first kept pair, then the
+    order alternating); the warm-up rounds' times are discarded."""
+    arm_a, arm_b = arms
+    return rotate((arm_a, arm_b), pairs, warmup, run_arm, progress,
+                  label or f"pairs {arm_a} vs {arm_b}").paired(arm_a, arm_b)
 
 
 def run_pairs(

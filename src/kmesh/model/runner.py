@@ -341,7 +341,27 @@ class LayerRunner:
             raise ModelError("teacher forcing needs at least one token")
         if length + len(tokens) > cache.capacity + 1:
             raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {len(tokens)} tokens")
-        rows = [first_logits]
-        for i, token in enumerate(tokens[:-1]):
-            rows.append(self.decode_step(cache, length + i, int(token)))
-        return torch.stack(rows)
+        fed = tokens[:-1]
+        if not fed:
+            return first_logits[None]
+        # one forward over every fed token at once (causal among them, each seeing the whole prefix): the same
+        # logits a decode step per token gives, up to float rounding of the larger matrix products, in one pass
+        return torch.cat([first_logits[None], self.extend(cache, length, torch.tensor(
+            [int(t) for t in fed], device=self.device))])
+
+    @torch.no_grad()
+    def extend(self, cache: KVCache, length: int, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ids [n] at positions length..length+n-1 after a prefill of `length` positions (their K/V written
+        into the cache; query i sees every slot up to its own position): next-token logits [n, vocab]."""
+        n = ids.shape[0]
+        if length + n > cache.capacity:
+            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {n} tokens")
+        pos = torch.arange(length, length + n, device=self.device)
+        rot = self.rotary(pos)
+        h = self.embed(ids)
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, pos, rot)
+            cache.write(layer, pos, k, v)
+            kc, vc = cache.layer_kv(layer, length + n)
+            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc))
+        return self.logits(h)

@@ -6,13 +6,12 @@ path, beside the repair-only pairs of kmesh.stages.equivalence.ttft.
                  arrival, the private copy, the restore, the repair prefill, the first token id on the host:
                  kmesh.child.prefill_from_segments, run_child's own steps up to the first token (not a copy)
 
-Paired with the full-recompute arm like the repair-only arm (kmesh.bench.alternate: matched pairs, order
-alternating, warm-up pairs discarded; per pair the median over the children), compared on the part both arms time:
-`ttft`. The end-to-end arm's own parts, nested inside its ttft — stage ⊃ load, private-copy, restore, repair — are
-recorded for every kept run beside the pairs (the full arm has none of them, so they are not paired), and with
-them the share of each run's ttft spent on what the repair-only arm does not do (stage + private-copy): the two
-arms' speedups over full come from separate pairings, each with its own full runs, so on a busy machine they may
-differ by more than the loading costs; that share, measured inside each run, is what compares them.
+Timed in the same rounds as the full-recompute and repair-only arms (kmesh.bench.rotate: every round runs the
+three, the order reversed from round to round, warm-up rounds discarded; per round the median over the children),
+and paired with the full arm of the same round, compared on the part both arms time: `ttft`. The end-to-end arm's
+own parts, nested inside its ttft — stage ⊃ load, private-copy, restore, repair — are recorded for every kept run
+beside the pairs (the full arm has none of them, so they are not paired), and with them the share of each run's
+ttft spent on what the repair-only arm does not do (stage + private-copy).
 
 The same footing for every arm: each arm's model state (cache) is allocated before the timed part; the model
 process's staging buffer is registered with the service once, before any request (a child process registers its
@@ -31,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 
-from kmesh.bench import Intervals, alternate
+from kmesh.bench import Intervals, PairedTiming
 from kmesh.child import prefill_from_segments
 from kmesh.errors import StageError
 from kmesh.model.blend import BlendResult
@@ -95,11 +95,13 @@ def staged_events(export: Export) -> list[str]:
             for step in ("staged", "private-copy-drained", "restored")]
 
 
-def end_to_end_pairs(case: Case, setup: ModelSetup, export: Export, children: tuple[Child, ...],
-                     repair_only: dict[str, RepairOnlyArm], full_runs: dict[str, Callable[[], torch.Tensor]],
-                     arm: str, pairs: int, warmup: int, device: str) -> dict[str, Any]:
-    """The end-to-end arm of one ttft-<T> case vs the full arm (`full_runs`: the case's own full prefills), with
-    its checks recorded on `case`. Returns the paired timing (`timing`) and the end-to-end parts."""
+@contextmanager
+def end_to_end_arm(case: Case, setup: ModelSetup, export: Export, children: tuple[Child, ...],
+                   repair_only: dict[str, RepairOnlyArm], arm: str, warmup: int,
+                   device: str) -> Iterator["EndToEndArm"]:
+    """The end-to-end arm of one ttft-<T> case, ready to be timed while the context is open (its service running,
+    the leader's segments saved into it, its staging registered, its state checked against the repair-only arm's),
+    with its checks recorded on `case`. The caller times it in its rounds and then calls EndToEndArm.finish."""
     sec = setup.sec
     ctx = dataclasses.replace(setup.ctx, catalog=export.catalog)
     prompt_tokens = len(children[0].ids)
@@ -124,22 +126,65 @@ def end_to_end_pairs(case: Case, setup: ModelSetup, export: Export, children: tu
 
             reference_tokens = _states_equal(case, children, repair_only, caches, child_path, expected_events,
                                              prompt_tokens)
-            timing, kept_parts, problems = _timed(children, full_runs, child_path, expected_events,
-                                                  reference_tokens, pairs, warmup, device)
+            yield EndToEndArm(children, child_path, expected_events, reference_tokens, warmup, device)
         case.check("end_to_end_service_released_no_leaks", svc.no_leaks(), value=svc.leaks())
-    case.check("end_to_end_every_timed_run_staged_and_first_token_equal", not problems["runs"],
-               value=problems["runs"][:8])
-    case.check("end_to_end_parts_nested_and_present", not problems["parts"] and len(kept_parts) == pairs * len(children),
-               value={"problems": problems["parts"][:8], "runs": len(kept_parts), "nesting": PARTS})
-    case.check("end_to_end_pairs_recorded", len(timing.pairs) == pairs, value=len(timing.pairs))
-    parts_ms = {name: statistics.median(run[name] for run in kept_parts) * 1e3 for name in PARTS
-                if kept_parts and all(name in run for run in kept_parts)}
-    # what the end-to-end arm does beyond the repair-only arm, as a share of its own ttft in the same run: the two
-    # arms' speedups come from separate pairings with their own full runs, so this is the figure to compare them by
-    loading = [(run["stage"] + run["private-copy"]) / run["ttft"] for run in kept_parts
-               if {"stage", "private-copy", "ttft"} <= set(run) and run["ttft"] > 0]
-    return {"timing": timing.to_dict(), "parts_ms_median": parts_ms,
-            "loading_fraction_median": statistics.median(loading) if loading else None}
+
+
+@dataclass
+class EndToEndArm:
+    """The end-to-end arm's timed runs (`run`: one round, every child) and what they recorded."""
+
+    children: tuple[Child, ...]
+    child_path: Callable[..., tuple[torch.Tensor, BlendResult]]
+    expected_events: list[str]
+    reference_tokens: dict[str, int]
+    warmup: int
+    device: str
+    kept_parts: list[dict[str, float]] = field(default_factory=list)
+    problems: dict[str, list[Any]] = field(default_factory=lambda: {"runs": [], "parts": []})
+
+    @torch.no_grad()
+    def run(self, round_index: int) -> dict[str, list[float]]:
+        """One round of the arm: every child's path to its first token, timed as `ttft` with its parts inside,
+        each run checked (staged every segment in order, first token equal to the repair-only arm's)."""
+        ttft: list[float] = []
+        for child in self.children:
+            intervals = Intervals(self.device)
+            events: list[str] = []
+            with intervals.part("ttft"):
+                _, result = self.child_path(child, events, intervals.part)
+                token = int(result.logits.argmax())   # the first token on the host ends it
+            seconds = intervals.seconds()
+            ttft.append(seconds["ttft"])
+            if events != self.expected_events or token != self.reference_tokens[child.name]:
+                self.problems["runs"].append({"round": round_index, "child": child.name, "events": events,
+                                              "token": token, "expected_token": self.reference_tokens[child.name]})
+            if intervals.parents != PARTS or set(seconds) != set(PARTS):
+                self.problems["parts"].append({"round": round_index, "child": child.name,
+                                               "parents": intervals.parents})
+            elif not _nested(seconds):
+                self.problems["parts"].append({"round": round_index, "child": child.name, "seconds": seconds})
+            if round_index >= self.warmup:
+                self.kept_parts.append(seconds)
+        return {"ttft": ttft}
+
+    def finish(self, case: Case, timing: PairedTiming) -> dict[str, Any]:
+        """The arm's checks over its timed runs, on `case`; returns its parts' medians and loading share."""
+        pairs = len(timing.pairs)
+        if not self.kept_parts and pairs:
+            raise EndToEndError("the end-to-end arm recorded no timed run")
+        kept = self.kept_parts
+        case.check("end_to_end_every_timed_run_staged_and_first_token_equal", not self.problems["runs"],
+                   value=self.problems["runs"][:8])
+        case.check("end_to_end_parts_nested_and_present",
+                   not self.problems["parts"] and len(kept) == pairs * len(self.children),
+                   value={"problems": self.problems["parts"][:8], "runs": len(kept), "nesting": PARTS})
+        parts_ms = {name: statistics.median(run[name] for run in kept) * 1e3 for name in PARTS
+                    if kept and all(name in run for run in kept)}
+        # what the end-to-end arm does beyond the repair-only arm, as a share of its own ttft in the same run
+        loading = [(run["stage"] + run["private-copy"]) / run["ttft"] for run in kept
+                   if {"stage", "private-copy", "ttft"} <= set(run) and run["ttft"] > 0]
+        return {"parts_ms_median": parts_ms, "loading_fraction_median": statistics.median(loading) if loading else None}
 
 
 def _states_equal(case: Case, children: tuple[Child, ...], repair_only: dict[str, RepairOnlyArm],
@@ -169,48 +214,6 @@ def _states_equal(case: Case, children: tuple[Child, ...], repair_only: dict[str
     case.check("end_to_end_staged_and_digest_checked_every_segment",
                all(events == expected_events for events in events_seen.values()), value=events_seen)
     return tokens
-
-
-def _timed(children: tuple[Child, ...], full_runs: dict[str, Callable[[], torch.Tensor]],
-           child_path: Callable[..., tuple[torch.Tensor, BlendResult]], expected_events: list[str],
-           reference_tokens: dict[str, int], pairs: int, warmup: int,
-           device: str) -> tuple[Any, list[dict[str, float]], dict[str, list[Any]]]:
-    """full vs end-to-end in matched pairs; the pairs compare `ttft`, the end-to-end parts are kept per run."""
-    kept_parts: list[dict[str, float]] = []
-    problems: dict[str, list[Any]] = {"runs": [], "parts": []}
-
-    @torch.no_grad()
-    def run_arm(which: str, round_index: int) -> dict[str, list[float]]:
-        ttft: list[float] = []
-        for child in children:
-            intervals = Intervals(device)
-            events: list[str] = []
-            with intervals.part("ttft"):
-                if which == FULL:
-                    token = int(full_runs[child.name]().argmax())   # the first token on the host ends it
-                else:
-                    _, result = child_path(child, events, intervals.part)
-                    token = int(result.logits.argmax())
-            seconds = intervals.seconds()
-            ttft.append(seconds["ttft"])
-            if which == END_TO_END:
-                if events != expected_events or token != reference_tokens[child.name]:
-                    problems["runs"].append({"round": round_index, "child": child.name, "events": events,
-                                             "token": token, "expected_token": reference_tokens[child.name]})
-                if intervals.parents != PARTS or set(seconds) != set(PARTS):
-                    problems["parts"].append({"round": round_index, "child": child.name,
-                                              "parents": intervals.parents})
-                elif not _nested(seconds):
-                    problems["parts"].append({"round": round_index, "child": child.name, "seconds": seconds})
-                if round_index >= warmup:
-                    kept_parts.append(seconds)
-        return {"ttft": ttft}
-
-    timing = alternate((FULL, END_TO_END), pairs, warmup, run_arm)
-    timing.parents.update({"ttft": None})
-    if not kept_parts and pairs:
-        raise EndToEndError("the end-to-end arm recorded no timed run")
-    return timing, kept_parts, problems
 
 
 NESTING_SLACK_S = 1e-6   # per part: CUDA event times resolve to about half a microsecond (exact on the CPU)

@@ -1,6 +1,8 @@
 """Time to first token of the equivalence workload, matched pairs (kmesh.bench, DESIGN §5).
 
-Three comparisons per prompt length, children = the workload's four:
+Three comparisons per prompt length, children = the workload's four, the first two drawn from the same rounds
+(kmesh.bench.rotate: full, repair, end-to-end once each per round, the order reversed from round to round, so each
+pairing alternates its first arm and both share the round's full run):
   full vs repair         full recompute vs KMesh repair only (restore with the RoPE shift + blend from the
                          leader's export in memory), same runner, same execution (eager on CPU; on CUDA each arm's
                          whole prefill is one CUDA graph, verified bit-identical to its eager run before any timing)
@@ -21,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kmesh.bench import Intervals, run_pairs
+from kmesh.bench import Intervals, rotate, run_pairs
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
 from kmesh.modelsetup import ModelSetup, leader_prefill
 from kmesh.segments import Export, restore_child
-from kmesh.stages.equivalence.endtoend import EndToEndError, RepairOnlyArm, end_to_end_pairs
+from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, EndToEndError, RepairOnlyArm, end_to_end_arm
 from kmesh.workload import Child, build
 
 if TYPE_CHECKING:
@@ -112,8 +114,29 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                         runs[("restore", child.name)]()
                     int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
-            repair_timing = run_pairs(run_arm, ("full", "repair"), workload.children, pairs=pairs, warmup=warmup,
-                                     device=dev, progress=False)
+            # full, repair-only and end-to-end in shared rounds; the end-to-end arm's service runs meanwhile
+            with end_to_end_arm(case, setup, export, workload.children, repair_only, "repair", warmup,
+                                dev) as end_to_end:
+
+                @torch.no_grad()
+                def run_round(arm: str, round_index: int) -> dict[str, list[float]]:
+                    if arm == END_TO_END:
+                        return end_to_end.run(round_index)
+                    ttft: list[float] = []
+                    for child in workload.children:
+                        intervals = Intervals(dev)
+                        run_arm(arm, child, intervals)
+                        ttft.append(intervals.seconds()["ttft"])
+                    return {"ttft": ttft}
+
+                rounds = rotate((FULL, "repair", END_TO_END), pairs, warmup, run_round)
+            repair_timing = rounds.paired(FULL, "repair")
+            end_to_end_timing = rounds.paired(FULL, END_TO_END)
+            for timing in (repair_timing, end_to_end_timing):
+                timing.parents.update({"ttft": None})
+            end_to_end_parts = end_to_end.finish(case, end_to_end_timing)
+            case.check("end_to_end_pairs_recorded", len(end_to_end_timing.pairs) == pairs,
+                       value=len(end_to_end_timing.pairs))
             # transformers' own forward as a third reference arm (the issue's bar for the full arm); the cpu
             # profile leaves it out for its time budget (ttft.compare_transformers)
             tf_timing = (run_pairs(run_arm, ("transformers", "full"), workload.children, pairs=pairs, warmup=warmup,
@@ -142,18 +165,14 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                 case.record("goal_full_not_slower_than_transformers",
                             {"measured_ratio_full_over_transformers": full_vs_tf["median_ratio_b_over_a"],
                              "met": full_vs_tf["median_ratio_b_over_a"] <= 1.0})
-            # the end-to-end arm, after the repair-only pairs: its own service, its own pairs with the full arm
-            end_to_end = end_to_end_pairs(case, setup, export, workload.children, repair_only,
-                                          {child.name: runs[("full", child.name)] for child in workload.children},
-                                          "repair", pairs, warmup, dev)
-            res.timings[f"ttft_{prompt_tokens}_full_vs_end_to_end"] = end_to_end["timing"]
-            end_to_end_vs_full = _speedup(end_to_end["timing"])
+            res.timings[f"ttft_{prompt_tokens}_full_vs_end_to_end"] = end_to_end_timing.to_dict()
+            end_to_end_vs_full = _speedup(end_to_end_timing.to_dict())
             row["end_to_end_vs_full"] = end_to_end_vs_full
-            row["end_to_end_parts_ms_median"] = end_to_end["parts_ms_median"]
-            row["end_to_end_loading_fraction_median"] = end_to_end["loading_fraction_median"]
+            row["end_to_end_parts_ms_median"] = end_to_end_parts["parts_ms_median"]
+            row["end_to_end_loading_fraction_median"] = end_to_end_parts["loading_fraction_median"]
             case.record("end_to_end_vs_full", end_to_end_vs_full)
-            case.record("end_to_end_parts_ms_median", end_to_end["parts_ms_median"])
-            case.record("end_to_end_loading_fraction_median", end_to_end["loading_fraction_median"])
+            case.record("end_to_end_parts_ms_median", end_to_end_parts["parts_ms_median"])
+            case.record("end_to_end_loading_fraction_median", end_to_end_parts["loading_fraction_median"])
             speedup = end_to_end_vs_full["median_speedup_a_over_b"]
             row["goal_ttft_3x"] = {"goal": TTFT_GOAL, "read_against": "end-to-end", "measured_speedup": speedup,
                                    "met": speedup >= TTFT_GOAL,
