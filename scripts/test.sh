@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# `make check`: every stage of the cpu pipeline AND the test suite, side by side (not yet CI's command: too slow
-# for its 12 min budget on 2 cores).
-# Stages run one at a time (--cores 1, each stage single-threaded as Snakemake runs it) into their own results dir
-# (results/test by default, so the published results/cpu are never timed beside the suite), while pytest uses the
-# other core; then tests/test_stage_results.py checks every stage's result: present, ok, current for this code.
+# `make test` (CI's command): every stage of the cpu pipeline AND the test suite, side by side on the machine's cores.
+#   1. the cpu pipeline with config/overlays/test.yaml (reduced sizes and repetitions, the same cases and checks) into
+#      its own results dir (results/test: the published results/cpu are never timed beside the suite);
+#   2. the SLURM profile's test (tests/test_slurm_profile.py: it mostly waits on a real SLURM cluster's jobs);
+#   3. the rest of the suite, less the tests marked covered_by_stage (a stage case asserts the same behaviour);
+#   then tests/test_stage_results.py: every stage's result present, ok and current for this code, and every case a
+#   covered_by_stage test names passed.
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
-#   KMESH_TEST_OVERLAY  its overlay over the cpu profile (default: config/overlays/test.yaml: fewer timed pairs)
-#   args                passed to the first pytest run (e.g. tests/test_bench.py -x)
+#   KMESH_TEST_OVERLAY  its overlay over the cpu profile (default: config/overlays/test.yaml)
+#   args                passed to the suite's pytest run (e.g. -x); `make test-all` runs the whole suite alone
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 results="${KMESH_TEST_RESULTS:-results/test}"
-overlay="${KMESH_TEST_OVERLAY:-config/overlays/test.yaml}"   # fewer timed repetitions, same cases and checks
+overlay="${KMESH_TEST_OVERLAY:-config/overlays/test.yaml}"
 mkdir -p "$results"
 console="$results/pipeline-console.log"
+slurm_log="$results/slurm-test.log"
+start=$(date +%s)
 
-python -m kmesh pipeline --cores 1 --config "results_dir=$results" "overlay=$overlay" > "$console" 2>&1 &
+python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$overlay" > "$console" 2>&1 &
 pipeline=$!
-KMESH_REQUIRE_VLLM=1 python -m pytest -q --ignore=tests/test_stage_results.py "$@"
+python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py > "$slurm_log" 2>&1 &
+slurm=$!
+KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 python -m pytest -q -m "not slurm" \
+  --ignore=tests/test_stage_results.py --ignore=tests/test_slurm_profile.py "$@"
 suite=$?
+wait "$slurm"
+slurm_rc=$?
+echo "--- the SLURM profile's test beside the suite ($slurm_log) ---"
+tail -n 15 "$slurm_log"
 wait "$pipeline"
 stages=$?
 echo "--- the pipeline beside the suite ($console) ---"
 cat "$console"
-KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" python -m pytest -q tests/test_stage_results.py
+KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" \
+  python -m pytest -q -p no:cacheprovider tests/test_stage_results.py
 checked=$?
-echo "[kmesh] make test: suite exit $suite, pipeline exit $stages, stage results exit $checked"
-exit $(( suite || stages || checked ))
+echo "[kmesh] make test: suite exit $suite, slurm test exit $slurm_rc, pipeline exit $stages," \
+  "stage results exit $checked, $(( $(date +%s) - start )) s"
+exit $(( suite || slurm_rc || stages || checked ))

@@ -22,6 +22,13 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # make test (scripts/test.sh) runs every stage beside the suite: a test whose behaviour a stage case asserts is
+    # left out there, and tests/test_stage_results.py requires that case to have passed instead
+    if os.environ.get("KMESH_STAGES_RUN_BESIDE") == "1":
+        covered = [item for item in items if item.get_closest_marker("covered_by_stage")]
+        if covered:
+            config.hook.pytest_deselected(items=covered)
+            items[:] = [item for item in items if not item.get_closest_marker("covered_by_stage")]
     has_cuda = _cuda_available()
     has_vllm = importlib.util.find_spec("vllm") is not None
     require_vllm = os.environ.get("KMESH_REQUIRE_VLLM") == "1"

@@ -494,27 +494,36 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def rig(model_dir, tmp_path_factory):
+def service_rig(model_dir, tmp_path_factory):
+    """A cache service process, a log folder for engines and the model's tokenizer (no engine yet)."""
     import tempfile
 
     from kmesh.service import process
-    from kmesh.vllm.engine import EngineProcess
 
     rt = Path(tempfile.mkdtemp(prefix="kmesh-vt-"))          # short: socket path limit
     logs = tmp_path_factory.mktemp("engines")
     sp = process.start(rt / "svc", store_bytes=1 << 30)
+    from transformers import AutoTokenizer
+
+    state = {"sp": sp, "logs": logs, "tok": AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)}
+    yield state
+    sp.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(service_rig, model_dir):
+    """service_rig plus two engines: plain vLLM (`base`) and vLLM with KMeshConnector (`kmesh`)."""
+    from kmesh.vllm.engine import EngineProcess
+
+    sp, logs = service_rig["sp"], service_rig["logs"]
     extra = {"socket": str(sp.socket_path), "staging_blocks": 4, "retry_s": 0.5, "repair_model": str(model_dir)}
     base = EngineProcess(model_dir, None, log_path=logs / "base.log", wait=False)
     kmesh = EngineProcess(model_dir, extra, log_path=logs / "kmesh.log", wait=False)
-    state = {"sp": sp, "base": base.ready(), "kmesh": kmesh.ready(), "logs": logs}
-    from transformers import AutoTokenizer
-
-    state["tok"] = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    state = {**service_rig, "base": base.ready(), "kmesh": kmesh.ready()}
     yield state
     for e in (state["kmesh"], base):
         if e is not None:
             e.close()
-    state["sp"].stop()
 
 
 def _prompt(rig, seed: int, n: int) -> list[int]:
@@ -527,6 +536,7 @@ def _clients(st, pid):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "arrangement")
 def test_arrangement_detected_and_windows_registered(rig):
     st = rig["kmesh"].stats()
     assert st["backend"] == "CPU_ATTN"
@@ -540,7 +550,7 @@ def test_arrangement_detected_and_windows_registered(rig):
 
 
 @pytest.mark.vllm
-def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(rig, model_dir):
+def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(service_rig, model_dir):
     """A bfloat16 engine: on a CPU with AMX tiles vLLM's CPU backend packs for ISA "amx" and the connector turns
     itself off (one warning naming the ISA, no service contact, nothing supplied or saved on a repeated prompt,
     vLLM computes); elsewhere (ISA vec) it reads the arrangement as for float32."""
@@ -550,11 +560,11 @@ def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(rig, model_dir
     from kmesh.vllm.engine import EngineProcess
 
     expected = _get_attn_isa(torch.bfloat16, 128, 64, "auto")            # SmolLM2: head size 64, block size 128
-    log = rig["logs"] / "kmesh-bf16.log"
-    extra = {"socket": str(rig["sp"].socket_path), "staging_blocks": 4, "retry_s": 0.5}
+    log = service_rig["logs"] / "kmesh-bf16.log"
+    extra = {"socket": str(service_rig["sp"].socket_path), "staging_blocks": 4, "retry_s": 0.5}
     eng = EngineProcess(model_dir, extra, dtype="bfloat16", log_path=log)
     try:
-        prompt = _prompt(rig, 11, 300)
+        prompt = _prompt(service_rig, 11, 300)
         outs = [eng.generate([prompt], 4)[0] for _ in range(2)]
         st = eng.stats()
     finally:
@@ -574,6 +584,7 @@ def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(rig, model_dir
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "exact-reuse")
 def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
     p = _prompt(rig, 1, 300)
     ref = rig["base"].generate([p], MAX_NEW)[0]
@@ -590,6 +601,7 @@ def test_exact_prefix_reuse_same_tokens_and_supplied(rig):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "negative-control-exact")
 def test_loaded_kv_is_really_used(rig):
     """Negative control: a record + payload of the right size and digest but WRONG content (finite random K/V
     filed under this prompt's key) is loaded and changes the output — so the equality above is not vacuous."""
@@ -605,6 +617,7 @@ def test_loaded_kv_is_really_used(rig):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "interior")
 def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.model.blend import RepairConfig
     from kmesh.stages.vllm import prompts as vp
@@ -637,6 +650,7 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "corrupt-object")
 def test_corrupt_and_missing_objects_are_not_loaded(rig):
     from kmesh.stages.vllm.faults import store_bad_prefix
 
@@ -655,6 +669,7 @@ def test_corrupt_and_missing_objects_are_not_loaded(rig):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "service-down", "service-back")
 def test_service_down_engine_computes_then_reconnects(rig):
     from kmesh.service import process
 
@@ -681,6 +696,7 @@ def test_service_down_engine_computes_then_reconnects(rig):
 
 
 @pytest.mark.vllm
+@pytest.mark.covered_by_stage("vllm", "engine-exit")
 def test_engine_exit_closes_and_drains_registrations(rig):
     pid = rig["kmesh"].info["pid"]
     with rig["sp"].admin_client(name="t") as a:
