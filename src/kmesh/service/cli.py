@@ -26,6 +26,11 @@ def add_service_parser(subparsers: Any) -> None:
                    help="disk tier under the host-RAM tier: commits spill object files here; a restart re-adopts them")
     s.add_argument("--no-adopt", action="store_true",
                    help="start with an empty store although --disk-dir holds a previous run's object files")
+    s.add_argument("--eviction", choices=("lru", "none"), default="lru",
+                   help="a full RAM tier evicts the least recently used originals nobody holds (lru, the default: to "
+                        "the disk tier, or forgotten without one) or refuses the save (none)")
+    s.add_argument("--high-watermark", type=float, default=1.0, help="evict when RAM would pass this fraction")
+    s.add_argument("--low-watermark", type=float, default=0.9, help="... down to this fraction")
     s.add_argument("--foreground", action="store_true", help="run in this process (logs to stderr)")
     s.set_defaults(func=_start)
 
@@ -50,9 +55,11 @@ def _start(a: argparse.Namespace) -> int:
 
         disk = ["--disk-dir", str(a.disk_dir)] + (["--no-adopt"] if a.no_adopt else []) if a.disk_dir else []
         return main(["--runtime-dir", str(rd), "--device", a.device, "--heartbeat-timeout",
-                     str(a.heartbeat_timeout), "--store-bytes", str(a.store_bytes), *disk])
+                     str(a.heartbeat_timeout), "--store-bytes", str(a.store_bytes), *disk, "--eviction", a.eviction,
+                     "--high-watermark", str(a.high_watermark), "--low-watermark", str(a.low_watermark)])
     sp = process.start(rd, device=a.device, heartbeat_timeout_s=a.heartbeat_timeout, store_bytes=a.store_bytes,
-                       detach=True, disk_dir=a.disk_dir, adopt=not a.no_adopt)
+                       detach=True, disk_dir=a.disk_dir, adopt=not a.no_adopt, eviction=a.eviction,
+                       high_watermark=a.high_watermark, low_watermark=a.low_watermark)
     print(f"kmesh service pid {sp.pid} listening on {sp.socket_path} (log {sp.log_path})")
     return 0
 

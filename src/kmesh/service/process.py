@@ -140,11 +140,14 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           faults: list[str] | None = None, max_objects: int | None = None, max_jobs: int | None = None,
           max_regs: int | None = None, max_regs_per_client: int | None = None,
           max_tombstones: int | None = None, disk_dir: Path | None = None, adopt: bool = True,
-          disk_read_gate_fd: int | None = None, max_disk_reads: int | None = None) -> ServiceProcess:
+          disk_read_gate_fd: int | None = None, max_disk_reads: int | None = None,
+          eviction: str | None = None, high_watermark: float | None = None,
+          low_watermark: float | None = None) -> ServiceProcess:
     """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
     server's defaults) bound the store, the job history and the registry (tests use small ones). adopt=False:
     start with an empty store although disk_dir holds a previous run's object files. disk_read_gate_fd: a
-    ChunkGate read end that holds every disk read-back until the controller grants it (tests)."""
+    ChunkGate read end that holds every disk read-back until the controller grants it (tests). eviction /
+    high_watermark / low_watermark: how a full RAM tier makes room (kmesh.service.store; None: the defaults)."""
     rd = Path(runtime_dir or default_runtime_dir())
     cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
            "--heartbeat-timeout", str(heartbeat_timeout_s), "--chunk-bytes", str(chunk_bytes),
@@ -155,6 +158,10 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
     for flag, v in limits.items():
         if v is not None:
             cmd += [flag, str(int(v))]
+    for flag, value in {"--eviction": eviction, "--high-watermark": high_watermark,
+                        "--low-watermark": low_watermark}.items():
+        if value is not None:
+            cmd += [flag, str(value)]
     if disk_dir is not None:
         cmd += ["--disk-dir", str(disk_dir)] + ([] if adopt else ["--no-adopt"])
     for uid in allow_uids or ():

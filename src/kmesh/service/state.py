@@ -64,12 +64,18 @@ class ServiceOptions:
     disk_read_threads: int = 2            # reader pool for read-backs of evicted originals
     max_disk_reads: int = 64              # read-backs in flight (one per object; joined loads not counted)
     disk_read_gate_fd: int | None = None  # test hook: a ChunkGate pipe, one token per read-back
+    eviction: str = "lru"                 # a full RAM tier evicts LRU originals nobody holds (kmesh.service.store)
+    high_watermark: float = 1.0           # ... when a reservation would pass this fraction of --store-bytes
+    low_watermark: float = 0.9            # ... down to this fraction
 
     def check(self) -> None:
         """Every collection the service keeps has a limit of at least one (ServiceError otherwise)."""
         for name in ("max_regs_per_client", "max_regs", "max_tombstones", "max_objects", "max_jobs"):
             if getattr(self, name) < 1:
                 raise ServiceError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ServiceError(f"watermarks must satisfy 0 < low <= high <= 1, got low {self.low_watermark}, "
+                               f"high {self.high_watermark}")
         if self.max_regs_per_client > MAX_REGS_PER_CLIENT:
             raise ServiceError(f"max_regs_per_client {self.max_regs_per_client} > {MAX_REGS_PER_CLIENT}")
 
@@ -96,6 +102,11 @@ class ServiceOptions:
         p.add_argument("--disk-read-threads", type=int, default=2)
         p.add_argument("--max-disk-reads", type=int, default=64)
         p.add_argument("--disk-read-gate-fd", type=int, default=None, help=argparse.SUPPRESS)
+        p.add_argument("--eviction", choices=("lru", "none"), default="lru",
+                       help="lru: a full RAM tier makes room by evicting the least recently used originals nobody "
+                            "holds (to the disk tier, or forgotten without one); none: refuse the save")
+        p.add_argument("--high-watermark", type=float, default=1.0)
+        p.add_argument("--low-watermark", type=float, default=0.9)
         p.add_argument("--log-level", default="INFO")
         p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
         a = p.parse_args(argv)
@@ -105,7 +116,8 @@ class ServiceOptions:
                    max_tombstones=a.max_tombstones, max_objects=a.max_objects, max_jobs=a.max_jobs,
                    faults=tuple(a.fault), disk_dir=a.disk_dir, adopt=not a.no_adopt,
                    disk_read_threads=a.disk_read_threads, max_disk_reads=a.max_disk_reads,
-                   disk_read_gate_fd=a.disk_read_gate_fd)
+                   disk_read_gate_fd=a.disk_read_gate_fd, eviction=a.eviction,
+                   high_watermark=a.high_watermark, low_watermark=a.low_watermark)
         return opts, a.log_level
 
 
@@ -165,7 +177,8 @@ class ServiceState:
         registry = Registry(release, max_regs_per_client=opts.max_regs_per_client, max_regs=opts.max_regs,
                             max_tombstones=opts.max_tombstones, ignore_in_flight="ignore_in_flight" in opts.faults)
         store = Store(opts.store_capacity_bytes, pinned=opts.device.startswith("cuda"),
-                      max_objects=opts.max_objects, disk_dir=opts.disk_dir, adopt=opts.adopt)
+                      max_objects=opts.max_objects, disk_dir=opts.disk_dir, adopt=opts.adopt,
+                      eviction=opts.eviction, high_watermark=opts.high_watermark, low_watermark=opts.low_watermark)
         reads = DiskReads(opts.disk_dir, opts.disk_read_threads, opts.max_disk_reads,
                           opts.disk_read_gate_fd, on_caller="read_on_loop" in opts.faults) \
             if opts.disk_dir is not None else None

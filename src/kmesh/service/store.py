@@ -17,6 +17,16 @@ the RAM copy (or returns the capacity and raises DiskReadError). `acquire()` of 
 synchronously, for in-process users; the server never calls it on one. `disk_reads` per object counts what
 storage really served, `joins` the loads that shared a read already running.
 
+Making room (`eviction="lru"`, the default): a save or read-back that would take the RAM tier past its high
+watermark (a fraction of its capacity) first evicts the least recently used originals that nobody holds — not
+pinned by a load, not retained by a group, not being read back or saved — until the RAM in use is at the low
+watermark or nothing more may go: an original the disk tier holds (written through at its commit, so nothing is
+written now) loses only its RAM copy and stays loadable; without a disk tier it is forgotten (a cache may forget,
+never corrupt). The object-count limit makes room the same way, forgetting the least recently used original
+(and its file). A save is refused only when no tier can take it, with a CapacityError that says what holds the
+room. `eviction="none"`: the store refuses instead (the service's old behaviour). Counters: `lru_spilled` (RAM
+copies dropped, on disk), `lru_forgotten` (originals dropped), `lru_refused` (saves or read-backs refused).
+
 Restart: with `adopt=True` (the default) a store over a disk dir that holds object files re-adopts each valid
 one as a committed object on disk, not in RAM (its header checked now, its payload digest when it is read
 back); a file that is not ours, damaged or truncated is left where it is, not adopted, and listed in
@@ -43,6 +53,7 @@ HEADER_VERSION = 1
 MAX_REJECTED_LISTED = 32            # disk_rejected entries kept for status (the count is complete)
 _OBJ_NAME = re.compile(r"^([0-9a-f]*)\.kmo$")
 _TMP_NAME = re.compile(r"^\.[0-9a-f]*\.kmo\.tmp-(\d+)-[0-9a-f]+$")   # kmesh.storage.objfile.write_object's
+EVICTION_POLICIES = ("lru", "none")
 
 
 @dataclass(eq=False)
@@ -61,6 +72,7 @@ class Original:
     joins: int = 0             # loads that joined a read-back already running instead of reading again
     reading: bool = False      # a read-back is in flight (capacity reserved; not evictable meanwhile)
     adopted: bool = False      # found on disk at start (a previous run's commit)
+    last_used: int = 0         # the store's use clock at its latest save, load or read-back (LRU order)
 
     @property
     def in_ram(self) -> bool:
@@ -154,7 +166,16 @@ class GroupRetention(RetentionPolicy):
 
 class Store:
     def __init__(self, capacity_bytes: int, pinned: bool = False, retention: RetentionPolicy | None = None,
-                 max_objects: int = 65536, disk_dir: Path | None = None, adopt: bool = True) -> None:
+                 max_objects: int = 65536, disk_dir: Path | None = None, adopt: bool = True,
+                 eviction: str = "lru", high_watermark: float = 1.0, low_watermark: float = 0.9) -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {list(EVICTION_POLICIES)}, not {eviction!r}")
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got low {low_watermark!r}, "
+                             f"high {high_watermark!r}")
+        self.eviction = eviction
+        self.high_watermark, self.low_watermark = high_watermark, low_watermark
+        self._clock = itertools.count(1)
         self.capacity_bytes = capacity_bytes
         self.max_objects = max_objects  # every list the service keeps has a limit; this is the store's
         self.pinned = pinned  # page-locked host memory (fast async H2D/D2H on a CUDA service)
@@ -163,7 +184,7 @@ class Store:
         self.used_bytes = 0
         self.counters = {"committed": 0, "aborted": 0, "evicted": 0, "evicted_ram": 0, "disk_reads": 0,
                          "disk_writes": 0, "disk_read_failures": 0, "joins": 0, "adopted": 0, "disk_rejected": 0,
-                         "disk_temp_removed": 0}
+                         "disk_temp_removed": 0, "lru_spilled": 0, "lru_forgotten": 0, "lru_refused": 0}
         self.disk_rejected: list[dict[str, str]] = []   # the first MAX_REJECTED_LISTED: {file, reason}
         self.disk = None
         self._seq = itertools.count(1)
@@ -237,11 +258,18 @@ class Store:
             raise ObjectExistsError(f"object {key[:64]!r} exists ({self.objects[key].state}); originals are "
                                     f"immutable, evict it first")
         if len(self.objects) >= self.max_objects:
-            raise CapacityError(f"store full: {len(self.objects)} objects, limit {self.max_objects}")
+            self._forget_for_a_slot()
+        if len(self.objects) >= self.max_objects:
+            self.counters["lru_refused"] += self.eviction == "lru"
+            raise CapacityError(f"store full: {len(self.objects)} objects, limit {self.max_objects}"
+                                + self._held_note())
+        self._make_room(nbytes)
         if self.used_bytes + nbytes > self.capacity_bytes:
-            raise CapacityError(f"store full: {self.used_bytes} + {nbytes} > {self.capacity_bytes} bytes")
+            self.counters["lru_refused"] += self.eviction == "lru"
+            raise CapacityError(f"store full: {self.used_bytes} + {nbytes} > {self.capacity_bytes} bytes"
+                                + self._held_note())
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        obj = Original(key, nbytes, layout, geometry, t, seq=next(self._seq))
+        obj = Original(key, nbytes, layout, geometry, t, seq=next(self._seq), last_used=next(self._clock))
         self.objects[key] = obj
         self.used_bytes += nbytes
         return obj
@@ -284,6 +312,7 @@ class Store:
                 error = e
             self.end_read_back(obj, t, digest, error)
         obj.pins += 1
+        obj.last_used = next(self._clock)
         return obj
 
     def begin_read_back(self, obj: Original) -> torch.Tensor:
@@ -291,9 +320,12 @@ class Store:
         if obj.in_ram or obj.reading or self.disk is None or not obj.on_disk:
             raise ValueError(f"object {obj.key[:64]!r} needs no read-back (in_ram {obj.in_ram}, reading "
                              f"{obj.reading}, on_disk {obj.on_disk})")
+        self._make_room(obj.nbytes)
         if self.used_bytes + obj.nbytes > self.capacity_bytes:
+            self.counters["lru_refused"] += self.eviction == "lru"
             raise CapacityError(f"store full: {self.used_bytes} + {obj.nbytes} > {self.capacity_bytes} bytes "
-                                f"(reading {obj.key[:64]!r} back from disk)")
+                                f"(reading {obj.key[:64]!r} back from disk)" + self._held_note())
+        obj.last_used = next(self._clock)
         t = torch.empty(obj.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         self.used_bytes += obj.nbytes
         obj.reading = True
@@ -357,6 +389,47 @@ class Store:
                 evicted.append(k)
         return {"evicted": evicted, "kept": kept}
 
+    # -- making room (module doc) -------------------------------------------------------------------------------
+    def _lru(self, in_ram_only: bool) -> list[Original]:
+        """What ordinary eviction may drop now, least recently used first."""
+        return sorted((o for o in self.objects.values() if (o.in_ram or not in_ram_only)
+                       and self.retention.may_evict(o)), key=lambda o: (o.last_used, o.seq))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before `nbytes` of RAM are reserved: past the high watermark, evict LRU down to the low one."""
+        if self.eviction != "lru" or self.used_bytes + nbytes <= self.high_watermark * self.capacity_bytes:
+            return
+        target = self.low_watermark * self.capacity_bytes - nbytes
+        for obj in self._lru(in_ram_only=True):
+            if self.used_bytes <= target:
+                break
+            if obj.on_disk and self.disk is not None:   # written through at commit: only the RAM copy goes
+                obj.tensor = None
+                self.used_bytes -= obj.nbytes
+                self.counters["lru_spilled"] += 1
+            else:
+                self._drop(obj)
+                self.counters["lru_forgotten"] += 1
+
+    def _forget_for_a_slot(self) -> None:
+        """At the object-count limit: forget the least recently used original that nobody holds."""
+        if self.eviction != "lru":
+            return
+        candidates = self._lru(in_ram_only=False)
+        if candidates:
+            self._drop(candidates[0])
+            self.counters["lru_forgotten"] += 1
+
+    def _held_note(self) -> str:
+        """Why nothing more could go (for the CapacityError of a refused save or read-back)."""
+        if self.eviction != "lru":
+            return " (eviction: none)"
+        held = [o for o in self.objects.values() if (o.in_ram or o.reading) and not self.retention.may_evict(o)]
+        return (f"; no tier can take it: the RAM in use is held by {len(held)} original(s) that may not be evicted "
+                f"(pinned by loads {sum(o.pins > 0 for o in held)}, being saved "
+                f"{sum(o.state == 'pending' for o in held)}, being read back {sum(o.reading for o in held)}, the "
+                f"rest retained by groups)")
+
     def _drop(self, obj: Original) -> None:
         del self.objects[obj.key]
         if obj.in_ram:
@@ -371,4 +444,6 @@ class Store:
                 "reading": sum(o.reading for o in self.objects.values()),
                 "in_ram": sum(o.in_ram for o in self.objects.values()),
                 "disk_dir": str(self.disk.directory) if self.disk is not None else None,
+                "eviction": {"policy": self.eviction, "high_watermark": self.high_watermark,
+                             "low_watermark": self.low_watermark},
                 "counters": dict(self.counters), "disk_rejected": list(self.disk_rejected)}
