@@ -94,6 +94,14 @@ def test_the_object_limit_forgets_the_least_recently_used(tmp_path):
     assert not (tmp_path / "disk" / f"{b'k0'.hex()}.kmo").exists()   # its file went with it
 
 
+def test_an_original_larger_than_the_ram_tier_is_refused_without_evicting_anything():
+    s = Store(2 * N)
+    _save(s, b"a", 1)
+    with pytest.raises(CapacityError, match="larger than the RAM tier"):
+        s.begin_put(b"huge", 3 * N, LAYOUT, GEOMETRY)
+    assert set(s.objects) == {b"a"} and s.counters["lru_forgotten"] == 0
+
+
 def test_eviction_none_refuses_as_before():
     s = Store(2 * N, eviction="none")
     _save(s, b"a", 1)

@@ -263,6 +263,9 @@ class Store:
             self.counters["lru_refused"] += self.eviction == "lru"
             raise CapacityError(f"store full: {len(self.objects)} objects, limit {self.max_objects}"
                                 + self._held_note())
+        if nbytes > self.capacity_bytes:   # no eviction could make room: refuse before evicting anything
+            raise CapacityError(f"an original of {nbytes} bytes is larger than the RAM tier "
+                                f"({self.capacity_bytes} bytes)")
         self._make_room(nbytes)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.counters["lru_refused"] += self.eviction == "lru"
@@ -320,7 +323,8 @@ class Store:
         if obj.in_ram or obj.reading or self.disk is None or not obj.on_disk:
             raise ValueError(f"object {obj.key[:64]!r} needs no read-back (in_ram {obj.in_ram}, reading "
                              f"{obj.reading}, on_disk {obj.on_disk})")
-        self._make_room(obj.nbytes)
+        if obj.nbytes <= self.capacity_bytes:
+            self._make_room(obj.nbytes)
         if self.used_bytes + obj.nbytes > self.capacity_bytes:
             self.counters["lru_refused"] += self.eviction == "lru"
             raise CapacityError(f"store full: {self.used_bytes} + {obj.nbytes} > {self.capacity_bytes} bytes "
