@@ -24,6 +24,8 @@ else
   # --no-compile: byte-compiling the ~370 MB of .py in the venv takes ~90 s on one core; Python compiles (and caches)
   # only what is imported, when it is first imported
   quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$lock"
+  # ... so compile once what nearly every process imports, before several start at once (each would compile it)
+  "$venv/bin/python" -c "import torch, transformers, snakemake, msgpack, yaml" > /dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
 # The project itself, editable, so a rerun after a source change needs no reinstall.

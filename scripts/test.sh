@@ -3,7 +3,7 @@
 #   1. the cpu pipeline with config/overlays/test.yaml (reduced sizes and repetitions, the same cases and checks) into
 #      its own results dir (results/test: the published results/cpu are never timed beside the suite);
 #   2. the SLURM profile's test (tests/test_slurm_profile.py: it mostly waits on a real SLURM cluster's jobs);
-#   3. the rest of the suite, less the tests marked covered_by_stage (a stage case asserts the same behaviour);
+#   3. the rest of the suite, less the tests marked covered_by_stage (a stage case asserts the same behaviour) or slow;
 #   then tests/test_stage_results.py: every stage's result present, ok and current for this code, and every case a
 #   covered_by_stage test names passed.
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
@@ -22,7 +22,7 @@ python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$o
 pipeline=$!
 python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py > "$slurm_log" 2>&1 &
 slurm=$!
-KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 python -m pytest -q -m "not slurm" \
+KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 python -m pytest -q -m "not slurm and not slow" \
   --ignore=tests/test_stage_results.py --ignore=tests/test_slurm_profile.py "$@"
 suite=$?
 wait "$slurm"

@@ -273,6 +273,7 @@ def _pipeline(*args: str, path_prefix: Path | None = None) -> subprocess.Complet
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow   # a real pipeline run (~12 s): make test-all; make test runs its whole pipeline through the console
 def test_a_real_run_prints_a_few_lines_and_keeps_the_full_log(results):
     out = _pipeline("--cores", "1", "--config", f"results_dir={results}", "--", f"{results}/cpu/sources/result.json")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -18,6 +18,8 @@ def cfg(tmp_path):
     return load_config(profile="cpu", overrides={"results_dir": str(tmp_path), "drain": {"bench_reps": 3}})
 
 
+@pytest.mark.covered_by_stage("drain", "d2h-success", "d2h-error_completable", "d2h-refused_then_ok", "h2d-success",
+                                "h2d-error_completable", "h2d-refused_then_ok", "client-sigkill")
 def test_drain_stage_all_cases_pass_across_processes(cfg):
     res = drain.run(cfg)
     by_id = {c.id: c for c in res.cases}

@@ -26,6 +26,7 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
+@pytest.mark.covered_by_stage("kernels", "compile:blake3", "compile:sha256", "compile:sha256_tree")
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_compiles_for_sm90(name, tmp_path):
     src = ROOT / "kernels" / f"{name}.cu"

@@ -37,6 +37,7 @@ def smol(tmp_path_factory):
     return SimpleNamespace(gguf=gguf, ids=ids, logits=logits, tokens=tokens, text=text, folder=folder, conv=conv)
 
 
+@pytest.mark.covered_by_stage("model", "smollm2-gguf", "smollm2-reload-logits")
 def test_converted_model_reproduces_gguf_logits_bit_for_bit(smol):
     assert not smol.conv.reused and smol.conv.why_converted.startswith("no valid manifest.json")
     model, tok = smollm2.load_converted(smol.folder)
@@ -51,6 +52,7 @@ def test_converted_model_reproduces_gguf_logits_bit_for_bit(smol):
         assert not torch.equal(model(ids).logits, smol.logits)
 
 
+@pytest.mark.covered_by_stage("model", "smollm2-answer")
 def test_converted_model_answers_the_fixed_prompt(smol):
     model, tok = smollm2.load_converted(smol.folder)
     tokens, text = smollm2.greedy(model, tok, smollm2.chat_ids(tok, PROMPT), 12)
@@ -58,6 +60,7 @@ def test_converted_model_answers_the_fixed_prompt(smol):
     assert tokens == smol.tokens and text == smol.text
 
 
+@pytest.mark.slow   # the session conversion (~25 s): make test-all; the model stage converts in make test
 def test_conversion_is_cached_by_manifest(smol, monkeypatch):
     m = read_manifest(smol.folder)
     assert m["source"]["sha256"] == sha256_file(smol.gguf) and m["dtype"] == "float32"
@@ -71,12 +74,11 @@ def test_conversion_is_cached_by_manifest(smol, monkeypatch):
     assert again.reused and again.why_converted is None
 
 
-def test_a_second_converter_waits_for_the_first_and_reuses_its_folder(smol, monkeypatch, tmp_path):
+def test_a_second_converter_waits_for_the_first_and_reuses_its_folder(monkeypatch, tmp_path):
     """Two processes converting into one folder (the suite beside the pipeline): the second waits on the lock
     the first holds, then finds its conversion and reuses it — it neither converts again nor reads a half-written
     folder."""
     import fcntl
-    import shutil
     import threading
 
     def no_convert(*_a, **_k):
@@ -84,15 +86,18 @@ def test_a_second_converter_waits_for_the_first_and_reuses_its_folder(smol, monk
 
     monkeypatch.setattr(smollm2, "convert", no_convert)
     folder = tmp_path / "models" / "smollm2"
+    # a folder is valid here once it exists (the manifest check itself: test_manifest_names_what_changed)
+    monkeypatch.setattr(smollm2, "manifest_problem", lambda f, want: None if f.is_dir() else "no folder")
     folder.parent.mkdir()
+    gguf = smollm2.gguf_file()
     got = {}
     with open(folder.parent / f".{folder.name}.lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)          # the first converter, mid-conversion
-        second = threading.Thread(target=lambda: got.update(conv=smollm2.ensure_converted(folder, smol.gguf)))
+        second = threading.Thread(target=lambda: got.update(conv=smollm2.ensure_converted(folder, gguf)))
         second.start()
         second.join(timeout=2.0)
         assert second.is_alive() and not got           # waiting, not converting
-        shutil.copytree(smol.folder, folder)            # what the first one's conversion leaves
+        folder.mkdir()                                  # what the first one's conversion leaves
     second.join(timeout=60)
     assert not second.is_alive() and got["conv"].reused and got["conv"].why_converted is None
 

@@ -26,6 +26,11 @@ def _run_stage(tmp_path, profile: str, timeout: int) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.covered_by_stage(
+    "ownership", "register-use-close/memfd", "private-copies/memfd", "same-address-new-gen/memfd",
+    "replacement-same-instance/memfd", "close-in-flight/memfd", "cancel-running-copy/memfd",
+    "heartbeat-lost-mid-copy/memfd", "foreign-client/memfd", "sigkill-mid-copy/memfd", "death-seen-by-pidfd",
+    "eviction-keeps-pinned")
 def test_ownership_stage_passes_across_processes(tmp_path):
     res = _run_stage(tmp_path, "cpu", timeout=300)
     by_id = {c["id"]: c for c in res["cases"]}

@@ -550,6 +550,9 @@ def test_arrangement_detected_and_windows_registered(rig):
 
 
 @pytest.mark.vllm
+# an engine start and the SmolLM2 conversion (~40 s of CPU): make test-all; in make test the connector's AMX refusal
+# is the monkeypatched tests above (test_connector_refuses_an_amx_engine_..., test_worker_refuses_caches_...)
+@pytest.mark.slow
 def test_bfloat16_engine_refused_exactly_where_vllm_packs_for_amx(service_rig, model_dir):
     """A bfloat16 engine: on a CPU with AMX tiles vLLM's CPU backend packs for ISA "amx" and the connector turns
     itself off (one warning naming the ISA, no service contact, nothing supplied or saved on a repeated prompt,

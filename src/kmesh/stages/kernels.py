@@ -33,12 +33,14 @@ def nvcc_version(nvcc: str) -> str | None:
 
 
 def compile_cubin(nvcc: str, gencode: str, src: Path, out: Path) -> dict[str, object]:
-    """nvcc -cubin; returns the command, ptxas resource report and return code."""
+    """nvcc -cubin; returns the command, the ptxas resource report (its last lines), the entry functions ptxas
+    compiled (all of them) and the return code."""
     cmd = [nvcc, "-cubin", "-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v", *shlex.split(gencode),
            str(src), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return {"cmd": " ".join(cmd), "returncode": proc.returncode,
             "ptxas": [ln.strip() for ln in proc.stderr.splitlines() if "ptxas" in ln][-12:],
+            "compiled_entry_functions": sorted(set(re.findall(r"Compiling entry function '(\w+)'", proc.stderr))),
             "stderr_tail": proc.stderr[-2000:] if proc.returncode else ""}
 
 
@@ -80,6 +82,10 @@ def run(cfg: Config) -> Result:
             case.check("nvcc_ok", info["returncode"] == 0, info["stderr_tail"] or None)
             case.check("cubin_written", cubin.is_file() and cubin.stat().st_size > 0,
                        cubin.stat().st_size if cubin.is_file() else None)
+            # every entry point the source declares is one ptxas compiled (none dropped by the preprocessor)
+            missing = sorted(set(kernel_entry_points(src.read_text())) - set(info["compiled_entry_functions"]))
+            case.check("ptxas_compiled_every_entry_point", not missing,
+                       {"missing": missing, "compiled": len(info["compiled_entry_functions"])})
         with res.case(f"load:{src.stem}", {"cubin": str(cubin)}) as case:
             if cfg.profile != "cuda" or not cuda_ok:
                 case.skip("no CUDA device in this profile/machine: compiled only")
