@@ -135,6 +135,36 @@ def test_lying_headers(tmp_path, lie, err):
         of.read_object(p)
 
 
+def test_an_unaligned_padded_size_is_a_lie_even_when_the_file_matches_it(tmp_path):
+    """The alignment check itself (not the size check after it): the file cut to exactly what the header claims."""
+    p, _ = _write(tmp_path)
+    _rewrite_header(p, lambda d: d.update(padded_nbytes=d["padded_nbytes"] - 1))
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-1])                     # header + padded - 1 bytes: the size the lie claims
+    with pytest.raises(HeaderLieError, match=r"not a 4096 B multiple"):
+        of.read_object(p)
+
+
+def test_header_json_may_fill_the_block_exactly_and_not_one_byte_more(tmp_path):
+    room = of.HEADER_BYTES - struct.calcsize("<8sII32s")
+
+    def fill(extra):
+        def mutate(d):
+            d["layout"]["note"] = ""
+            d["layout"]["note"] = "x" * (room + extra - len(json.dumps(d, sort_keys=True).encode()))
+        return mutate
+
+    p, _ = _write(tmp_path)
+    _rewrite_header(p, fill(0))
+    header, payload = of.read_object(p)         # exactly the block: read as written
+    assert bytes(payload[:len(PAYLOAD)]) == PAYLOAD and len(header.layout["note"]) > 0
+    raw = bytearray(p.read_bytes())
+    raw[8 + 4:8 + 8] = struct.pack("<I", room + 1)   # one byte more than the block holds
+    p.write_bytes(raw)
+    with pytest.raises(HeaderCorruptError, match="overruns"):
+        of.read_object(p)
+
+
 def test_unknown_algorithm_refused_at_write(tmp_path):
     with pytest.raises(ObjectAlgorithmError):
         of.write_object(tmp_path / "x", b"abc", b"k", algorithm="no-such-algo")
