@@ -1,6 +1,7 @@
 """Object files: round trip, atomic write, and every kind of bad file refused with its own error."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -44,7 +45,30 @@ def test_round_trip_layout_and_padding(tmp_path):
     assert h.digest == hashlib.sha256(raw[of.HEADER_BYTES:]).digest()
     h2, buf = of.read_object(p)
     assert h2 == h and bytes(buf[:len(PAYLOAD)]) == PAYLOAD
+    assert h2.layout == {"order": "BLNHC"} and h2.key == b"seg/0"     # what was written, not just self-consistent
     assert not [x for x in os.listdir(tmp_path) if ".tmp-" in x]      # no temp file left behind
+    assert os.stat(p).st_mode & 0o777 == 0o644 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_parametrized_algorithm_round_trips_with_its_params(tmp_path):
+    """sha256-tree with its chunk size: the digest written is the one the reader recomputes with those params."""
+    p, h = _write(tmp_path, algorithm="sha256-tree", params={"chunk_bytes": 1024})
+    h2, buf = of.read_object(p)
+    assert h2.params == {"chunk_bytes": 1024} and h2.digest == h.digest
+    assert bytes(buf[:len(PAYLOAD)]) == PAYLOAD
+
+
+def test_empty_payload_and_a_pad_equal_to_the_payload(tmp_path):
+    _, h = _write(tmp_path, payload=b"")
+    assert h.padded_nbytes == 0 and h.payload_nbytes == 0
+    _, h = _write(tmp_path, payload=bytes(8192), pad_to=8192)     # exactly the payload: allowed
+    assert h.padded_nbytes == 8192
 
 
 def test_pad_to_fixed_size_and_bad_pad(tmp_path):
@@ -165,6 +189,20 @@ def test_header_json_may_fill_the_block_exactly_and_not_one_byte_more(tmp_path):
         of.read_object(p)
 
 
+def test_a_header_that_fills_the_block_exactly_is_written_and_one_byte_more_is_refused(tmp_path):
+    import dataclasses
+
+    _, h = _write(tmp_path)
+    room = of.HEADER_BYTES - struct.calcsize("<8sII32s")
+    base = len(dataclasses.replace(h, layout={"note": ""}).to_json())
+    exact = {"note": "x" * (room - base)}
+    p = tmp_path / "exact.kmo"
+    written = of.write_object(p, PAYLOAD, b"seg/0", exact)
+    assert len(written.to_json()) == room and of.read_object(p)[0].layout == exact
+    with pytest.raises(StorageError, match="does not fit"):
+        of.write_object(p, PAYLOAD, b"seg/0", {"note": "x" * (room - base + 1)})
+
+
 def test_unknown_algorithm_refused_at_write(tmp_path):
     with pytest.raises(ObjectAlgorithmError):
         of.write_object(tmp_path / "x", b"abc", b"k", algorithm="no-such-algo")
@@ -202,6 +240,7 @@ def test_o_direct_open_reads_header(tmp_path):
         pytest.skip(f"no O_DIRECT on this filesystem: {e}")
     with f:
         assert f.header == h
+        assert fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT      # the route reads through O_DIRECT indeed
 
 
 def test_fuzzed_headers_never_escape_as_other_errors(tmp_path):
