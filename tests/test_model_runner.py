@@ -696,3 +696,19 @@ def test_gpu_attention_calls_are_reproducible():
     for name, fn in calls.items():
         first = fn()
         assert all(torch.equal(first, fn()) for _ in range(50)), name
+
+
+def test_pick_ranks_a_nan_deviation_above_every_number_and_below_the_forced_rows():
+    """Broken restored data gives a NaN deviation: that row must be recomputed (ranked above any finite
+    deviation), but never instead of a forced row (repair's unrestored positions)."""
+    from types import SimpleNamespace
+
+    from kmesh.model.blend import pick
+
+    dev = torch.tensor([0.1, float("nan"), 0.5, 0.2])
+    assert pick(SimpleNamespace(keep=[1]), 0, dev, None).tolist() == [1]
+    assert pick(SimpleNamespace(keep=[2]), 0, dev, None).tolist() == [1, 2]
+    forced = torch.tensor([False, False, False, True])
+    assert pick(SimpleNamespace(keep=[1]), 0, dev, forced).tolist() == [3]
+    assert pick(SimpleNamespace(keep=[2]), 0, dev, forced).tolist() == [1, 3]
+    assert pick(SimpleNamespace(keep=[9]), 0, dev, forced).tolist() == [0, 1, 2, 3]   # k capped at the rows
