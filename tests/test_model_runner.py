@@ -422,6 +422,9 @@ def test_recompute_counts_errors(tiny):
         with pytest.raises(RepairConfigError, match="stock arm"):
             plan(arm, c.restored, RepairConfig(recompute_counts=(5,)), 4, torch.device("cpu"))
     assert plan("stock", c.restored, RepairConfig(recompute_counts=(c.T,)), 4, torch.device("cpu")).keep == (c.T,)
+    # the smallest budgets are allowed: one position, equal counts at two check layers
+    assert plan("stock", c.restored, RepairConfig(recompute_counts=(1,)), 4, torch.device("cpu")).keep == (1,)
+    RepairConfig(check_layers=(1, 2), recompute_counts=(1, 1)).validate(4)
 
 
 def test_decode_stops_at_end_of_turn(tiny):
