@@ -65,8 +65,9 @@ def test_a_parametrized_algorithm_round_trips_with_its_params(tmp_path):
 
 
 def test_empty_payload_and_a_pad_equal_to_the_payload(tmp_path):
-    _, h = _write(tmp_path, payload=b"")
+    p, h = _write(tmp_path, payload=b"")
     assert h.padded_nbytes == 0 and h.payload_nbytes == 0
+    assert of.read_object(p)[0] == h                                # a header-only file reads back
     _, h = _write(tmp_path, payload=bytes(8192), pad_to=8192)     # exactly the payload: allowed
     assert h.padded_nbytes == 8192
 
@@ -241,6 +242,7 @@ def test_o_direct_open_reads_header(tmp_path):
     with f:
         assert f.header == h
         assert fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT      # the route reads through O_DIRECT indeed
+    f.close()                                                       # closing again is harmless
 
 
 def test_fuzzed_headers_never_escape_as_other_errors(tmp_path):
