@@ -89,9 +89,28 @@ def test_ttft_cases_pair_the_end_to_end_arm_with_full(setup):
         assert [p["full"] for p in repair_timing["raw"]] == [p["full"] for p in timing["raw"]]
         assert timing["design"]["rounds_shared_with"] == ["repair"]
         assert repair_timing["design"]["rounds_shared_with"] == ["end-to-end"]
+        assert f"ttft_{tokens}_transformers_vs_full" not in res.timings      # off in this setup
         comparisons = case.checks["end_to_end_vs_repair_only"]["value"]
         assert set(comparisons) == {c.name for c in setup.workload.children}
         assert all(c["max_abs_diff"] == 0.0 and c["logits_equal"] for c in comparisons.values())
+
+
+def test_transformers_arm_joins_the_same_rounds(setup):
+    """Where enabled (cuda profile), transformers' own forward is a fourth arm of the same rounds: its pairs with
+    full use the very full runs the other pairings use, order alternating with full first in pair 0."""
+    import copy
+
+    one = copy.copy(setup)
+    one.sec = {**setup.sec, "ttft": {"prompt_tokens": [352], "compare_transformers": True}}
+    res = Result("equivalence", "test", provenance={})
+    ttft_cases(res, one)
+    case = res.cases[0]
+    assert case.passed is True, (case.error, {k: v for k, v in case.checks.items() if v["ok"] is False})
+    tf, repair = res.timings["ttft_352_transformers_vs_full"], res.timings["ttft_352_full_vs_repair"]
+    assert tf["arms"] == {"A": "transformers", "B": "full"} and tf["design"]["order"] == "alternating, B first in pair 0"
+    assert [p["full"] for p in tf["raw"]] == [p["full"] for p in repair["raw"]]
+    assert sorted(tf["design"]["rounds_shared_with"]) == ["end-to-end", "repair"]
+    assert case.checks["pairs_recorded_transformers"]["ok"] is True
 
 
 def _arms(setup, arm: str = "repair"):

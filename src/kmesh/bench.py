@@ -216,9 +216,22 @@ def run_pairs(
     """
     if pairs < 1:
         raise TimingError("pairs must be ≥ 1")
+    parents: dict[str, str | None] = {}
+    result = alternate(arms, pairs, warmup, over_children(fn, children, device, parents, between),
+                       progress=progress)
+    result.parents.update(parents)
+    return result
+
+
+def over_children(fn: RunFn, children: Sequence[Any], device: str = "cpu",
+                  parents: dict[str, str | None] | None = None,
+                  between: Callable[[], None] | None = None) -> ArmRun:
+    """An ArmRun (for kmesh.bench.alternate / rotate) that runs `fn(arm, child, intervals)` once per child and
+    returns each part's seconds, one per child; the parts' nesting is collected into `parents`. `between` runs
+    before every child run (e.g. forced eviction so each read is cold)."""
     if not children:
         raise TimingError("need at least one child")
-    parents: dict[str, str | None] = {}
+    nesting = parents if parents is not None else {}
 
     def run_arm(arm: str, _round: int) -> dict[str, list[float]]:
         per_part: dict[str, list[float]] = {}
@@ -230,9 +243,7 @@ def run_pairs(
             for name, seconds in iv.seconds().items():
                 per_part.setdefault(name, []).append(seconds)
             for name, parent in iv.parents.items():
-                parents.setdefault(name, parent)
+                nesting.setdefault(name, parent)
         return per_part
 
-    result = alternate(arms, pairs, warmup, run_arm, progress=progress)
-    result.parents.update(parents)
-    return result
+    return run_arm

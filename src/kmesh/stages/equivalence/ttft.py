@@ -1,8 +1,8 @@
 """Time to first token of the equivalence workload, matched pairs (kmesh.bench, DESIGN §5).
 
-Three comparisons per prompt length, children = the workload's four, the first two drawn from the same rounds
-(kmesh.bench.rotate: full, repair, end-to-end once each per round, the order reversed from round to round, so each
-pairing alternates its first arm and both share the round's full run):
+Three comparisons per prompt length, children = the workload's four, all drawn from the same rounds
+(kmesh.bench.rotate: full, repair, end-to-end and, where enabled, transformers once each per round, the order
+reversed from round to round, so each pairing alternates its first arm and all share the round's full run):
   full vs repair         full recompute vs KMesh repair only (restore with the RoPE shift + blend from the
                          leader's export in memory), same runner, same execution (eager on CPU; on CUDA each arm's
                          whole prefill is one CUDA graph, verified bit-identical to its eager run before any timing)
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kmesh.bench import Intervals, rotate, run_pairs
+from kmesh.bench import Intervals, over_children, rotate
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
@@ -114,33 +114,24 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                         runs[("restore", child.name)]()
                     int(runs[(arm, child.name)]().argmax())   # the first token on the host ends the interval
 
-            # full, repair-only and end-to-end in shared rounds; the end-to-end arm's service runs meanwhile
+            # full, repair-only, end-to-end (and transformers' own forward, where enabled: the issue's bar for the
+            # full arm; the cpu profile leaves it out for its time budget) in shared rounds, each round's full run
+            # paired with each of the others; the end-to-end arm's service runs meanwhile
+            arms = (FULL, "repair", END_TO_END) + (("transformers",) if compare_tf else ())
+            per_child = over_children(run_arm, workload.children, dev)
             with end_to_end_arm(case, setup, export, workload.children, repair_only, "repair", warmup,
                                 dev) as end_to_end:
-
-                @torch.no_grad()
-                def run_round(arm: str, round_index: int) -> dict[str, list[float]]:
-                    if arm == END_TO_END:
-                        return end_to_end.run(round_index)
-                    ttft: list[float] = []
-                    for child in workload.children:
-                        intervals = Intervals(dev)
-                        run_arm(arm, child, intervals)
-                        ttft.append(intervals.seconds()["ttft"])
-                    return {"ttft": ttft}
-
-                rounds = rotate((FULL, "repair", END_TO_END), pairs, warmup, run_round)
+                rounds = rotate(arms, pairs, warmup, lambda arm, round_index: (
+                    end_to_end.run(round_index) if arm == END_TO_END else per_child(arm, round_index)))
             repair_timing = rounds.paired(FULL, "repair")
             end_to_end_timing = rounds.paired(FULL, END_TO_END)
-            for timing in (repair_timing, end_to_end_timing):
-                timing.parents.update({"ttft": None})
+            tf_timing = rounds.paired("transformers", FULL) if compare_tf else None
+            for timing in (repair_timing, end_to_end_timing, tf_timing):
+                if timing is not None:
+                    timing.parents.update({"ttft": None})
             end_to_end_parts = end_to_end.finish(case, end_to_end_timing)
             case.check("end_to_end_pairs_recorded", len(end_to_end_timing.pairs) == pairs,
                        value=len(end_to_end_timing.pairs))
-            # transformers' own forward as a third reference arm (the issue's bar for the full arm); the cpu
-            # profile leaves it out for its time budget (ttft.compare_transformers)
-            tf_timing = (run_pairs(run_arm, ("transformers", "full"), workload.children, pairs=pairs, warmup=warmup,
-                                   device=dev, progress=False) if compare_tf else None)
             # The restore alone, timed the same way after the pairs (a part of the repair arm, not a third arm).
             restore_s: list[float] = []
             for child in workload.children:
