@@ -11,7 +11,10 @@
 //   everything else (values, non-rotary key channels, keys of tokens that do not move) copied as bits.
 //
 // Memory layout
-//   src_k [T, L, H, Dk] and src_v [T, L, H, Dv], contiguous, storage type S (uint8 for fp8).
+//   src_k [T, L, H, Dk] and src_v [T, L, H, Dv], contiguous, storage type S (uint8 for fp8); or, with
+//   src_tok set, gathered straight from a paged source (a child's private copy of the export buffer): token t's
+//   (layer l, head h) key row at src_k + src_tok[t] + l·sk_L + h·sk_H (values: src_v, sv_*), channels
+//   contiguous, so a restore is one launch with no separate capture copy.
 //   cos, sin [T, rot/2] float32; slots [T] int64 (−1 = padding, skipped); moved [T] uint8.
 //   dst: flat cache of S. K element (layer l, block b, head h, token-in-block n, channel c) at
 //     k_off + (layer_base + l)·k_sL + b·k_sB + h·k_sH + n·k_sN + c·k_sC   (V likewise with v_*),
@@ -180,7 +183,23 @@ struct Args {  // kernel parameters, in launch order
     // divisors of units per token, rotary units per row, copy units per row, heads, block size
     unsigned units, rot_units, kp_units;
     FastDiv per_token, rot_row, cp_row, heads, bsz;
+    // gather from a paged source (null: the contiguous segment above): token t's (layer 0, head 0) row at
+    // src_k + src_tok[t] (V: src_v + src_tok[t]), layer l and head h at + l·s*_L + h·s*_H, channels contiguous
+    const long long* src_tok;
+    long long sk_L, sk_H, sv_L, sv_H;
 };
+
+// First element of the (token t, layer l, head h) row of the segment's keys (values: v = true).
+template <class S>
+__device__ __forceinline__ const S* src_row(const Args& a, unsigned long long t, long long l, long long h,
+                                            unsigned long long srow, bool v) {
+    if (a.src_tok != nullptr) {
+        const long long base = __ldg(a.src_tok + t);
+        return v ? static_cast<const S*>(a.src_v) + base + l * a.sv_L + h * a.sv_H
+                 : static_cast<const S*>(a.src_k) + base + l * a.sk_L + h * a.sk_H;
+    }
+    return v ? static_cast<const S*>(a.src_v) + srow * a.dv : static_cast<const S*>(a.src_k) + srow * a.dk;
+}
 
 __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& o1, float& o2) {
     o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
@@ -333,8 +352,8 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
             c = (int)(j - a.kp_units) * VEC;
         }
         const unsigned srow = t * LH + r;
-        const S* src = k == 2 ? static_cast<const S*>(a.src_v) + (unsigned long long)srow * a.dv + c
-                              : static_cast<const S*>(a.src_k) + (unsigned long long)srow * a.dk + c;
+        const unsigned sl = fdiv(r, a.heads);
+        const S* src = src_row<S>(a, t, sl, r - sl * a.heads.d, srow, k == 2) + c;
         slot[g] = __ldg(a.slots + t);
         if (k == 0) {
             p[g].u = IoR::ld(src);
@@ -389,8 +408,6 @@ __device__ __forceinline__ void slow_token(const Args& a, int t) {
     const bool moved = __ldg(a.moved + t) != 0;
     using S = typename Tr::S;
     S* dst = static_cast<S*>(a.dst);
-    const S* sk = static_cast<const S*>(a.src_k);
-    const S* sv = static_cast<const S*>(a.src_v);
     const int LH = a.n_layers * a.n_heads;
     const int half = a.rot / 2;
     const int n_kp = a.dk - a.rot;
@@ -404,11 +421,12 @@ __device__ __forceinline__ void slow_token(const Args& a, int t) {
             const int l = r / a.n_heads, h = r - l * a.n_heads;
             const long long lk = a.layer_base + l;
             const long long srow = (long long)t * LH + r;
+            const S* sk = src_row<S>(a, t, l, h, srow, false);
             const long long kb = kcell + lk * a.k_sL + h * a.k_sH;
             if (item < half) {
                 const int c1 = a.neox ? a.rot_start + item : a.rot_start + 2 * item;
                 const int c2 = a.neox ? c1 + half : c1 + 1;
-                S p = sk[srow * a.dk + c1], q = sk[srow * a.dk + c2];
+                S p = sk[c1], q = sk[c2];
                 if (moved) {
                     float o1, o2;
                     rotate_pair(Tr::load(p, a.scale), Tr::load(q, a.scale), a.cos_t[(long long)t * half + item],
@@ -421,10 +439,10 @@ __device__ __forceinline__ void slow_token(const Args& a, int t) {
             } else if (item < half + n_kp) {
                 const int pch = item - half;
                 const int c = pch < a.rot_start ? pch : pch + a.rot;
-                dst[kb + (long long)c * a.k_sC] = sk[srow * a.dk + c];
+                dst[kb + (long long)c * a.k_sC] = sk[c];
             } else {
                 const int c = item - half - n_kp;
-                dst[vcell + lk * a.v_sL + h * a.v_sH + (long long)c * a.v_sC] = sv[srow * a.dv + c];
+                dst[vcell + lk * a.v_sL + h * a.v_sH + (long long)c * a.v_sC] = src_row<S>(a, t, l, h, srow, true)[c];
             }
         }
     }
@@ -449,14 +467,14 @@ __device__ __forceinline__ void restore_rope_elements(const Args& a) {
         float inv_scale, unsigned units, unsigned rot_units, unsigned kp_units, unsigned tok_d,              \
         unsigned tok_m, unsigned tok_s, unsigned rr_d, unsigned rr_m, unsigned rr_s, unsigned cr_d,          \
         unsigned cr_m, unsigned cr_s, unsigned h_d, unsigned h_m, unsigned h_s, unsigned bs_d, unsigned bs_m, \
-        unsigned bs_s
+        unsigned bs_s, const long long *src_tok, long long sk_L, long long sk_H, long long sv_L, long long sv_H
 #define RESTORE_ROPE_ARGS                                                                                   \
     Args{dst,       src_k,     src_v,    slots,    moved,    cos_t,     sin_t,       k_off,     k_sL,         \
          k_sB,      k_sH,      k_sN,     k_sC,     v_off,    v_sL,      v_sB,        v_sH,      v_sN,         \
          v_sC,      n_tokens,  n_layers, n_heads,  dk,       dv,        block_size,  layer_base, rot_start,   \
          rot,       neox,      scale,    inv_scale, units,    rot_units, kp_units,                             \
          FastDiv{tok_d, tok_m, tok_s}, FastDiv{rr_d, rr_m, rr_s}, FastDiv{cr_d, cr_m, cr_s},                  \
-         FastDiv{h_d, h_m, h_s}, FastDiv{bs_d, bs_m, bs_s}}
+         FastDiv{h_d, h_m, h_s}, FastDiv{bs_d, bs_m, bs_s}, src_tok, sk_L, sk_H, sv_L, sv_H}
 
 // Entry points: restore_rope_<type> = vector path, restore_rope_<type>_elem = element path (separate
 // kernels so that each gets the registers it needs, not the larger of the two).

@@ -109,7 +109,8 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
     from kmesh.stages.vllm.stage import ENGINE_CASES
 
     assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests"),
-                              ("integrity", "bench-big-gpu-sha256"), ("model", "qwen2-checkpoint")}
+                              ("integrity", "bench-big-gpu-sha256"), ("model", "qwen2-checkpoint"),
+                              ("restore_bench", "child-restore")}   # the one-launch restore is a GPU measurement
     # a switch the profile turns off (model.smollm2.enabled, vllm.enabled) skips its cases: allowed here, with why
     assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*"),
                                ("storage", "arrival-direct"),   # only when cuFile cannot run there

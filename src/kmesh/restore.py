@@ -173,22 +173,9 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
         raise SegmentError(f"segment must be a KVSegment, got {type(segment).__name__}")
     if segment.k.device != dev:
         raise DeviceMismatchError(f"segment on {segment.k.device}, cache on {dev}")
-    if segment.dtype != layout.dtype:
-        raise DtypeMismatchError(f"segment dtype {segment.dtype}, cache dtype {layout.dtype}")
     T, L, H, Dk = segment.k.shape
-    if H != layout.num_kv_heads:
-        raise HeadCountError(f"segment has {H} kv-heads, cache has {layout.num_kv_heads}")
-    if Dk != layout.head_dim:
-        raise HeadDimError(f"segment keys have {Dk} channels, cache keys {layout.head_dim}")
-    Dv = 0 if segment.v is None else segment.v.shape[3]
-    if Dv != layout.head_dim_v:
-        raise HeadDimError(f"segment values have {Dv} channels, cache values {layout.head_dim_v}")
-    if rope.head_dim != layout.head_dim - layout.rope_offset:
-        raise HeadDimError(f"rope covers {rope.head_dim} channels, cache keys have "
-                           f"{layout.head_dim - layout.rope_offset} from channel {layout.rope_offset}")
-    if layout.fp8_dtype is not None and (segment.k_scale != layout.k_scale or segment.v_scale != layout.v_scale):
-        raise ScaleMismatchError(f"segment scales k={segment.k_scale} v={segment.v_scale}, cache scales "
-                                 f"k={layout.k_scale} v={layout.v_scale}")
+    check_compatible(layout, segment.dtype, H, Dk, 0 if segment.v is None else segment.v.shape[3],
+                     segment.k_scale, segment.v_scale, rope)
     if not isinstance(first_layer, numbers.Integral) or isinstance(first_layer, (bool, np.bool_)):
         raise LayerRangeError(f"first_layer must be an integer, got {type(first_layer).__name__}")
     first_layer = operator.index(first_layer)  # numpy / other Integral -> int (the CUDA launch packs it)
@@ -218,6 +205,26 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
     inv = torch.tensor(float(1.0 / layout.k_scale), dtype=torch.float32, device=dev)
     return RestorePlan(layout, segment, rope, flat, slots_t, old_t != new_t, cos.contiguous(), sin.contiguous(),
                        first_layer, scale, inv)
+
+
+def check_compatible(layout: KVLayout, dtype: str, heads: int, head_dim: int, head_dim_v: int, k_scale: float,
+                     v_scale: float, rope: RopeConfig) -> None:
+    """A segment of this dtype / geometry / fp8 scales fits the cache `layout` under `rope`, else the specific
+    RestoreError (shared by plan_restore and kmesh.restore_gather, so both refuse alike)."""
+    if dtype != layout.dtype:
+        raise DtypeMismatchError(f"segment dtype {dtype}, cache dtype {layout.dtype}")
+    if heads != layout.num_kv_heads:
+        raise HeadCountError(f"segment has {heads} kv-heads, cache has {layout.num_kv_heads}")
+    if head_dim != layout.head_dim:
+        raise HeadDimError(f"segment keys have {head_dim} channels, cache keys {layout.head_dim}")
+    if head_dim_v != layout.head_dim_v:
+        raise HeadDimError(f"segment values have {head_dim_v} channels, cache values {layout.head_dim_v}")
+    if rope.head_dim != layout.head_dim - layout.rope_offset:
+        raise HeadDimError(f"rope covers {rope.head_dim} channels, cache keys have "
+                           f"{layout.head_dim - layout.rope_offset} from channel {layout.rope_offset}")
+    if layout.fp8_dtype is not None and (k_scale != layout.k_scale or v_scale != layout.v_scale):
+        raise ScaleMismatchError(f"segment scales k={k_scale} v={v_scale}, cache scales "
+                                 f"k={layout.k_scale} v={layout.v_scale}")
 
 
 def restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: Index, new_positions: Index,

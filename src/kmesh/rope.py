@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
+import numpy as np
 import torch
 
 from kmesh.errors import KMeshError
@@ -31,6 +32,7 @@ __all__ = [
     "RopeConfig",
     "rotate",
     "shift_tables",
+    "host_shift_tables",
     "apply_rotation",
     "shift",
     "measure_accuracy",
@@ -326,6 +328,14 @@ def shift_tables(old_pos: torch.Tensor, new_pos: torch.Tensor, rope: RopeConfig)
         raise RopeError(f"old_pos on {old_pos.device} but new_pos on {new_pos.device}")
     delta = new_pos.to(torch.int64) - old_pos.to(torch.int64)
     return _tables(delta, rope, torch.float32)
+
+
+def host_shift_tables(old_pos: np.ndarray, new_pos: np.ndarray, rope: RopeConfig) -> tuple[np.ndarray, np.ndarray]:
+    """shift_tables computed on the host from host positions (int64 arrays): float32 [T, rotary_dim // 2] numpy
+    arrays, the same numbers as shift_tables on CPU tensors; raises what it raises. For plans that must not
+    wait on a device (kmesh.restore_gather)."""
+    cos, sin = shift_tables(torch.from_numpy(old_pos), torch.from_numpy(new_pos), rope)
+    return cos.numpy(), sin.numpy()
 
 
 def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -23,12 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol
 
+import numpy as np
 import torch
 
 from kmesh.errors import KMeshError
 from kmesh.layout import KVLayout
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.restore import capture, restore
+from kmesh.restore_gather import gather_supported, plan_gather
 from kmesh.sources.digest import sha256_tensor
 from kmesh.transfer.engine import TransferEngine
 from kmesh.workload import Child, Workload
@@ -333,12 +335,20 @@ def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child
     slices = [s for s in child.segment_slices() if segments is None or s[0] in segments]
     if not slices:
         return restored
-    # All the segments asked for in one capture + one restore: one validation and one kernel launch.
-    src = torch.cat([catalog.entries[seg].slots(dev) for seg, _, _ in slices])
-    old = torch.cat([catalog.entries[seg].leader_positions(dev) for seg, _, _ in slices])
-    new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in slices])
-    saved = capture(private, catalog.layout, src, old)
-    restore(cache.raw, cache.layout, saved, new, new, runner.rope, backend=backend)  # child slot = position
+    if backend == "cuda" and gather_supported(catalog.layout):
+        # Planned on the host from the catalog (no device sync), one launch reading the rows in place.
+        entries = [catalog.entries[seg] for seg, _, _ in slices]
+        src = np.concatenate([np.arange(e.first_slot, e.first_slot + e.tokens) for e in entries])
+        old = np.concatenate([np.arange(e.leader_start, e.leader_start + e.tokens) for e in entries])
+        new = np.concatenate([np.arange(a, b) for _, a, b in slices])
+        plan_gather(cache.raw, cache.layout, private, catalog.layout, src, old, new, new, runner.rope).run("cuda")
+    else:
+        # The reference: one capture (a copy out of the private buffer) + one restore, checked on the device.
+        src = torch.cat([catalog.entries[seg].slots(dev) for seg, _, _ in slices])
+        old = torch.cat([catalog.entries[seg].leader_positions(dev) for seg, _, _ in slices])
+        new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in slices])
+        saved = capture(private, catalog.layout, src, old)
+        restore(cache.raw, cache.layout, saved, new, new, runner.rope, backend=backend)  # child slot = position
     for _, a, b in slices:
         restored[a:b] = True
     return restored

@@ -8,6 +8,7 @@ Launches go on torch's current stream.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,15 +69,50 @@ _INT32 = 2**31 - 1
 _streams: dict[int, Any] = {}
 
 
-def vector_path_ok(plan: "RestorePlan") -> bool:
+@dataclass(frozen=True)
+class Source:
+    """Where the kernel reads a plan's segment rows: a contiguous [T, L, H, D] segment (tok = None), or rows
+    gathered from a paged source buffer (tok: int64 [T] element offsets, per-layer/head element strides)."""
+
+    rows: tuple[int, int, int]           # T, L, H
+    k_ptr: int
+    v_ptr: int                           # 0: no values (MLA)
+    tok: torch.Tensor | None
+    strides: tuple[int, int, int, int]   # sk_L, sk_H, sv_L, sv_H (elements; gather only)
+    row_starts: tuple[int, ...]          # element strides/offsets every row start is a combination of
+
+
+def source_of(plan: Any, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> Source:
+    """The plan's Source: a GatherPlan reads in place; a RestorePlan reads its segment (`k`, `v`: the contiguous
+    tensors the caller keeps alive, default the segment's own)."""
+    lay = plan.layout
+    if getattr(plan, "src_tok", None) is not None:
+        sl = plan.src_layout
+        es, base = sl.element_size, plan.src_flat.data_ptr()
+        ks = sl.k_strides()
+        vs = sl.v_strides() if sl.head_dim_v else None
+        starts = (ks.offset, ks.layer, ks.head, ks.block, ks.token) + \
+            ((vs.offset, vs.layer, vs.head) if vs else ())
+        return Source((plan.tokens, sl.num_layers, sl.num_kv_heads), base + ks.offset * es,
+                      base + vs.offset * es if vs else 0, plan.src_tok,
+                      (ks.layer, ks.head, vs.layer if vs else 0, vs.head if vs else 0), starts)
+    k = plan.segment.k if k is None else k
+    v = plan.segment.v if v is None else v
+    T, L, H, _ = k.shape
+    return Source((T, L, H), k.data_ptr(), 0 if v is None else v.data_ptr(), None, (0, 0, 0, 0),
+                  (lay.head_dim, lay.head_dim_v))
+
+
+def vector_path_ok(plan: "RestorePlan", src: Source | None = None) -> bool:
     """True when every K/V access can be a 16-byte load/store (channel stride 1, widths and offsets aligned)."""
     lay, rope = plan.layout, plan.rope
+    src = source_of(plan) if src is None else src
     vec = chunk_elements(lay)
     ks = lay.k_strides()
     if ks.channel != 1:
         return False
     # offset, layer, block, head, token strides (channel strides are 1 here)
-    st = list(ks.as_tuple()[:5])
+    st = list(ks.as_tuple()[:5]) + list(src.row_starts)
     if lay.head_dim_v:
         vs = lay.v_strides()
         if vs.channel != 1:
@@ -84,9 +120,9 @@ def vector_path_ok(plan: "RestorePlan") -> bool:
         st += list(vs.as_tuple()[:5])
     widths = [lay.head_dim, lay.head_dim_v, lay.rope_offset, lay.head_dim - lay.rope_offset - rope.rotary_dim,
               rope.rotary_dim // 2 if rope.style == "neox" else rope.rotary_dim]
-    ptrs = [plan.flat.data_ptr(), plan.segment.k.data_ptr(), plan.cos.data_ptr(), plan.sin.data_ptr()]
-    if plan.segment.v is not None:
-        ptrs.append(plan.segment.v.data_ptr())
+    ptrs = [plan.flat.data_ptr(), src.k_ptr, plan.cos.data_ptr(), plan.sin.data_ptr()]
+    if src.v_ptr:
+        ptrs.append(src.v_ptr)
     return (all(w % vec == 0 for w in widths) and all(s % vec == 0 for s in st)
             and all(p % (vec * lay.element_size) == 0 for p in ptrs) and all(p % 16 == 0 for p in ptrs[2:4]))
 
@@ -105,7 +141,7 @@ def launch_shape(plan: "RestorePlan", fast: bool) -> tuple[tuple[int, int, int],
     (RESTORE_THREADS·RESTORE_G units per block); element path: one block z-slice per token, x over a row's
     items (one pair or element each), y over its L·H rows."""
     lay, rope = plan.layout, plan.rope
-    T, L, H, _ = plan.segment.k.shape
+    T, L, H = source_of(plan).rows
     rows = L * H
     if fast:
         items = sum(units_per_row(plan))
@@ -136,7 +172,7 @@ def token_ranges(plan: "RestorePlan", fast: bool) -> list[tuple[int, int, tuple[
     from kmesh.restore_errors import RestoreError
 
     grid, _, items = launch_shape(plan, fast)
-    T, L, H, _ = plan.segment.k.shape
+    T, L, H = source_of(plan).rows
     if not fast:
         return [(0, T, grid)]
     per_token = L * H * items
@@ -149,26 +185,30 @@ def token_ranges(plan: "RestorePlan", fast: bool) -> list[tuple[int, int, tuple[
             for t0 in range(0, T, step)]
 
 
-def kernel_args(plan: "RestorePlan", k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
-                moved: torch.Tensor, fast: bool, t0: int, nt: int) -> tuple:
-    """The kernel's parameters (RESTORE_ROPE_PARAMS order) for tokens [t0, t0 + nt) of `plan`; k, v, slots,
-    moved: contiguous tensors the caller keeps alive until the launch (moved: bool, one byte 0/1 per token).
-    Pointers into the segment, slots, flags and tables start at token t0."""
+def kernel_args(plan: "RestorePlan", src: Source, slots: torch.Tensor, moved: torch.Tensor, fast: bool, t0: int,
+                nt: int) -> tuple:
+    """The kernel's parameters (RESTORE_ROPE_PARAMS order) for tokens [t0, t0 + nt) of `plan`, reading `src`;
+    slots, moved: contiguous tensors the caller keeps alive until the launch (moved: bool, one byte per token).
+    Pointers into the segment (or the gather's offsets), slots, flags and tables start at token t0."""
     lay, rope = plan.layout, plan.rope
-    T, L, H, _ = k.shape
+    _, L, H = src.rows
     half = rope.rotary_dim // 2
     ks, vs = lay.k_strides(), (lay.v_strides() if lay.head_dim_v else None)
-    if not (k.is_contiguous() and slots.is_contiguous() and moved.is_contiguous() and plan.cos.is_contiguous()
-            and plan.sin.is_contiguous() and (v is None or v.is_contiguous())):
-        raise ValueError("kernel_args needs contiguous segment, slot, flag and table tensors")
+    if not (slots.is_contiguous() and moved.is_contiguous() and plan.cos.is_contiguous()
+            and plan.sin.is_contiguous() and (src.tok is None or src.tok.is_contiguous())):
+        raise ValueError("kernel_args needs contiguous slot, flag, offset and table tensors")
 
     def ptr(t: torch.Tensor | None, per_token: int) -> np.uint64:
         return np.uint64(0 if t is None else t.data_ptr() + t0 * per_token * t.element_size())
 
+    def seg(p: int, per_token: int) -> np.uint64:   # contiguous segment: start at token t0; gather: the base
+        return np.uint64(0 if p == 0 else p + (0 if src.tok is not None else t0 * per_token * lay.element_size))
+
     n_rot, n_kp, n_v = units_per_row(plan) if fast else (0, 0, 0)
     per_token = L * H * (n_rot + n_kp + n_v)
     divisors = (per_token, n_rot, n_kp + n_v, H) if fast else (1, 1, 1, 1)
-    return (np.uint64(plan.flat.data_ptr()), ptr(k, L * H * lay.head_dim), ptr(v, L * H * lay.head_dim_v),
+    return (np.uint64(plan.flat.data_ptr()), seg(src.k_ptr, L * H * lay.head_dim),
+            seg(src.v_ptr, L * H * lay.head_dim_v),
             ptr(slots, 1), ptr(moved, 1), ptr(plan.cos, half), ptr(plan.sin, half),
             *(np.int64(x) for x in ks.as_tuple()),
             *(np.int64(x) for x in (vs.as_tuple() if vs else (0,) * 6)),
@@ -178,29 +218,38 @@ def kernel_args(plan: "RestorePlan", k: torch.Tensor, v: torch.Tensor | None, sl
             np.float32(float(lay.k_scale)), np.float32(float(1.0 / lay.k_scale)),
             *(np.uint32(x) for x in (nt * per_token, L * H * n_rot, n_kp)),
             *(np.uint32(x) for d in divisors for x in fast_div(max(d, 1))),   # a 0 divisor is never used
-            *(np.uint32(x) for x in fast_div(lay.block_size)))
+            *(np.uint32(x) for x in fast_div(lay.block_size)),
+            ptr(src.tok, 1), *(np.int64(x) for x in src.strides))
 
 
 def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, Any]:
     """Run the kernel for `plan`; returns the launch it made (entry point, path, grid, block)."""
     from kmesh.restore_errors import DeviceMismatchError, RestoreError
 
-    lay, seg = plan.layout, plan.segment
+    lay = plan.layout
     dev = plan.flat.device
     if dev.type != "cuda":
         raise DeviceMismatchError(f"the cuda backend needs a CUDA cache, got {dev}")
-    k = seg.k.contiguous()
-    v = seg.v.contiguous() if seg.v is not None else None
-    tensors = [k, plan.slots, plan.cos, plan.sin] + ([v] if v is not None else [])
+    gather = getattr(plan, "src_tok", None) is not None
+    if gather:
+        if not plan.gather_ok:
+            raise RestoreError(f"the kernel cannot gather from a {plan.src_layout.packing} source "
+                               f"(channels strided, or K and V at different token strides): capture it first")
+        k = v = None
+        tensors = [plan.src_flat, plan.src_tok, plan.slots, plan.cos, plan.sin]
+    else:
+        k = plan.segment.k.contiguous()
+        v = plan.segment.v.contiguous() if plan.segment.v is not None else None
+        tensors = [k, plan.slots, plan.cos, plan.sin] + ([v] if v is not None else [])
     if any(t.device != dev for t in tensors):
         raise DeviceMismatchError(f"every restore input must be on {dev}")
-    T, L, H, _ = k.shape
+    src = source_of(plan, k, v)
+    T, L, H = src.rows
     if T * L * H == 0:
         return {"rows": 0}
     if T > _INT32 or T * L * H > _INT32 or lay.num_slots > _INT32:
         raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
-    fast = (not force_slow) and vector_path_ok(plan) and k.data_ptr() % 16 == 0 and \
-        (v is None or v.data_ptr() % 16 == 0)
+    fast = (not force_slow) and vector_path_ok(plan, src) and src.k_ptr % 16 == 0 and src.v_ptr % 16 == 0
     _, block, items = launch_shape(plan, fast)
     entry = ENTRY[lay.dtype] + ("" if fast else ELEMENT_SUFFIX)
     fn = get_function(KERNEL, entry, dev.index or 0)
@@ -211,11 +260,11 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
     try:
         with cupy.cuda.Device(dev.index or 0), _stream(dev):
             for t0, nt, grid in ranges:
-                fn(grid, block, kernel_args(plan, k, v, slots, moved, fast, t0, nt))
+                fn(grid, block, kernel_args(plan, src, slots, moved, fast, t0, nt))
     except KernelLoadError:
         raise
     except Exception as e:
         raise RestoreError(f"restore_rope launch failed: {type(e).__name__}: {e}") from e
-    return {"entry": entry, "path": "vector" if fast else "element", "grid": ranges[0][2], "launches": len(ranges),
+    return {"entry": entry, "path": "vector" if fast else "element", "source": "gather" if gather else "segment", "grid": ranges[0][2], "launches": len(ranges),
             "block": block, "items_per_row": items, "chunk_elements": chunk_elements(lay) if fast else 1,
             "rot_chunk_elements": rot_chunk_elements(lay) if fast else 1, "tunables": tunables()}

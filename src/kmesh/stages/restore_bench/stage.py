@@ -33,6 +33,7 @@ from kmesh.stages.restore_bench.cases import Bench, build, check_restored, shape
 
 GOAL_BANDWIDTH = 0.85   # kernel / copy bandwidth (issue 3)
 GOAL_SPEEDUP = 20.0     # torch time / kernel time
+CHILD_CASE = "child-restore"   # kmesh.stages.restore_bench.child: one child's restore, host work included (cuda)
 
 
 def _medians(timing: PairedTiming, arm: str, reps: int) -> list[float]:
@@ -159,6 +160,15 @@ def run(cfg: Config) -> Result:
             if device == "cuda":
                 torch.cuda.empty_cache()
     res.extra["shapes"] = shapes
+    if device == "cuda":
+        from kmesh.stages.restore_bench.child import run_child_case
+
+        with res.case(CHILD_CASE, dict(sec.get("child") or {})) as case:
+            res.extra["child"] = run_child_case(sec, pairs, warmup, cfg.seed, res, case)
+    else:
+        res.skip_case(CHILD_CASE, dict(sec.get("child") or {}), "restore_bench.device is cpu: the one-launch child "
+                      "restore is the CUDA kernel's (its host plan and refusals are tested on the CPU by "
+                      "tests/test_restore_gather.py)")
     res.extra["goals"] = {"kernel_vs_copy": GOAL_BANDWIDTH, "speedup_vs_torch": GOAL_SPEEDUP}
     if device == "cuda":
         from kmesh.cuda import kernel_info
