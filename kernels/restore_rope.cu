@@ -87,7 +87,7 @@
 #define RESTORE_STREAMING 1
 #endif
 #ifndef RESTORE_FP8_STREAMING
-#define RESTORE_FP8_STREAMING 0
+#define RESTORE_FP8_STREAMING 1
 #endif
 #ifndef RESTORE_MIN_BLOCKS
 #define RESTORE_MIN_BLOCKS 1
@@ -189,11 +189,12 @@ struct Args {  // kernel parameters, in launch order
     long long sk_L, sk_H, sv_L, sv_H;
 };
 
-// First element of the (token t, layer l, head h) row of the segment's keys (values: v = true).
-template <class S>
+// First element of the (token t, layer l, head h) row of the segment's keys (values: v = true). GATHER: the
+// source is paged (src_tok); -1: decided at run time from src_tok (element path); 0: the contiguous segment.
+template <class S, int GATHER = -1>
 __device__ __forceinline__ const S* src_row(const Args& a, unsigned long long t, long long l, long long h,
                                             unsigned long long srow, bool v) {
-    if (a.src_tok != nullptr) {
+    if (GATHER == 1 || (GATHER == -1 && a.src_tok != nullptr)) {
         const long long base = __ldg(a.src_tok + t);
         return v ? static_cast<const S*>(a.src_v) + base + l * a.sv_L + h * a.sv_H
                  : static_cast<const S*>(a.src_k) + base + l * a.sk_L + h * a.sk_H;
@@ -308,7 +309,7 @@ __device__ __forceinline__ void rotate_unit(const Args& a, const float* cs, cons
 // (unit g of thread x = block·THREADS·G + g·THREADS + x, so a warp's accesses stay contiguous).
 // All loads of all its units (slot, flag, data and, with RESTORE_EARLY_TABLES, the shift tables) are
 // issued before anything waits on them.
-template <class Tr>
+template <class Tr, bool GATHER>
 __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsigned thread) {
     using S = typename Tr::S;
     constexpr int VEC = 16 / sizeof(S);
@@ -352,8 +353,13 @@ __device__ __forceinline__ void fast_units(const Args& a, unsigned block, unsign
             c = (int)(j - a.kp_units) * VEC;
         }
         const unsigned srow = t * LH + r;
-        const unsigned sl = fdiv(r, a.heads);
-        const S* src = src_row<S>(a, t, sl, r - sl * a.heads.d, srow, k == 2) + c;
+        const S* src;
+        if constexpr (GATHER) {
+            const unsigned sl = fdiv(r, a.heads);
+            src = src_row<S, 1>(a, t, sl, r - sl * a.heads.d, srow, k == 2) + c;
+        } else {
+            src = src_row<S, 0>(a, t, 0, 0, srow, k == 2) + c;
+        }
         slot[g] = __ldg(a.slots + t);
         if (k == 0) {
             p[g].u = IoR::ld(src);
@@ -476,34 +482,50 @@ __device__ __forceinline__ void restore_rope_elements(const Args& a) {
          FastDiv{tok_d, tok_m, tok_s}, FastDiv{rr_d, rr_m, rr_s}, FastDiv{cr_d, cr_m, cr_s},                  \
          FastDiv{h_d, h_m, h_s}, FastDiv{bs_d, bs_m, bs_s}, src_tok, sk_L, sk_H, sv_L, sv_H}
 
-// Entry points: restore_rope_<type> = vector path, restore_rope_<type>_elem = element path (separate
-// kernels so that each gets the registers it needs, not the larger of the two).
+// Entry points: restore_rope_<type> = vector path, restore_rope_<type>_gather = vector path gathering from a
+// paged source (src_tok), restore_rope_<type>_elem = element path, either source (separate kernels so that each
+// gets the registers it needs, and the contiguous path pays nothing for the gather).
 extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f32(RESTORE_ROPE_PARAMS) {
-    fast_units<F32>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+    fast_units<F32, false>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f32_gather(RESTORE_ROPE_PARAMS) {
+    fast_units<F32, true>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
 extern "C" __global__ __launch_bounds__(256) void restore_rope_f32_elem(RESTORE_ROPE_PARAMS) {
     restore_rope_elements<F32>(RESTORE_ROPE_ARGS);
 }
 extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f16(RESTORE_ROPE_PARAMS) {
-    fast_units<F16>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+    fast_units<F16, false>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_f16_gather(RESTORE_ROPE_PARAMS) {
+    fast_units<F16, true>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
 extern "C" __global__ __launch_bounds__(256) void restore_rope_f16_elem(RESTORE_ROPE_PARAMS) {
     restore_rope_elements<F16>(RESTORE_ROPE_ARGS);
 }
 extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_bf16(RESTORE_ROPE_PARAMS) {
-    fast_units<BF16>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+    fast_units<BF16, false>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_bf16_gather(RESTORE_ROPE_PARAMS) {
+    fast_units<BF16, true>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
 extern "C" __global__ __launch_bounds__(256) void restore_rope_bf16_elem(RESTORE_ROPE_PARAMS) {
     restore_rope_elements<BF16>(RESTORE_ROPE_ARGS);
 }
 extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e4m3(RESTORE_ROPE_PARAMS) {
-    fast_units<FP8<__NV_E4M3>>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+    fast_units<FP8<__NV_E4M3>, false>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e4m3_gather(RESTORE_ROPE_PARAMS) {
+    fast_units<FP8<__NV_E4M3>, true>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
 extern "C" __global__ __launch_bounds__(256) void restore_rope_e4m3_elem(RESTORE_ROPE_PARAMS) {
     restore_rope_elements<FP8<__NV_E4M3>>(RESTORE_ROPE_ARGS);
 }
 extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e5m2(RESTORE_ROPE_PARAMS) {
-    fast_units<FP8<__NV_E5M2>>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+    fast_units<FP8<__NV_E5M2>, false>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
+}
+extern "C" __global__ __launch_bounds__(RESTORE_THREADS, RESTORE_MIN_BLOCKS) void restore_rope_e5m2_gather(RESTORE_ROPE_PARAMS) {
+    fast_units<FP8<__NV_E5M2>, true>(RESTORE_ROPE_ARGS, blockIdx.x, threadIdx.x);
 }
 extern "C" __global__ __launch_bounds__(256) void restore_rope_e5m2_elem(RESTORE_ROPE_PARAMS) {
     restore_rope_elements<FP8<__NV_E5M2>>(RESTORE_ROPE_ARGS);

@@ -10,7 +10,8 @@ from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchE
                            HeadCountError, HeadDimError, LayerRangeError, NonContiguousDestinationError,
                            PositionError, RestoreError, ScaleMismatchError, SegmentError, SlotError, SlotRangeError,
                            capture, plan_restore)
-from kmesh.restore_gather import gather_supported, plan_gather
+from kmesh.restore_gather import PLAN_CACHE_ENTRIES, clear_plan_cache, gather_supported, plan_gather
+import kmesh.restore_gather as rg
 from kmesh.rope import RopeConfig, RopeRangeError
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)
@@ -92,6 +93,53 @@ def test_gather_of_no_tokens_writes_nothing():
     before = raw.clone()
     plan_gather(raw, DST, _bytes(SRC, 1), SRC, [], [], [], [], ROPE).run("torch")
     assert torch.equal(raw, before)
+
+
+def test_plans_of_one_arrangement_share_checked_tables_and_others_do_not():
+    clear_plan_cache()
+    src_slots, old, slots, new = _indices(SRC, DST, 30, 4)
+    src_raw = _bytes(SRC, 1)
+    a = plan_gather(_bytes(DST, 2), DST, src_raw, SRC, src_slots, old, slots, new, ROPE)
+    b = plan_gather(_bytes(DST, 5), DST, src_raw, SRC, src_slots.copy(), old.copy(), slots.copy(), new.copy(), ROPE)
+    assert b.slots.data_ptr() == a.slots.data_ptr() and len(rg._plan_cache) == 1    # same bytes: one entry
+    new2 = new.copy()
+    new2[0] += 1
+    c = plan_gather(_bytes(DST, 2), DST, src_raw, SRC, src_slots, old, slots, new2, ROPE)
+    assert c.slots.data_ptr() != a.slots.data_ptr() and len(rg._plan_cache) == 2
+    # the caller's arrays may change after planning: the plan (and the cache) hold their own copies
+    kept = slots.copy()
+    slots[:] = 0
+    assert np.array_equal(a.host_slots, kept) and np.array_equal(b.host_slots, kept)
+    slots[:] = kept
+    # a cached plan restores what a fresh one does (and what capture + restore do)
+    ref, out = _bytes(DST, 3), _bytes(DST, 3)
+    _reference(ref, DST, src_raw, SRC, src_slots, old, slots, new2, ROPE)
+    plan_gather(out, DST, src_raw, SRC, src_slots, old, slots, new2, ROPE).run("torch")
+    assert torch.equal(out, ref)
+
+
+def test_a_refused_plan_is_refused_every_time_and_never_cached():
+    clear_plan_cache()
+    a = _args(**BAD["dst-slot-duplicate"])
+    for _ in range(2):
+        with pytest.raises(DuplicateSlotError):
+            _new_path(a)
+    assert len(rg._plan_cache) == 0
+    # and the buffers are checked on every call, cached geometry or not
+    good = _args()
+    _new_path(good)
+    with pytest.raises(DestinationError):
+        _new_path({**good, "raw": torch.zeros(DST.nbytes - 2, dtype=torch.uint8)})
+
+
+def test_plan_cache_is_bounded():
+    clear_plan_cache()
+    src_raw, raw = _bytes(SRC, 1), _bytes(DST, 2)
+    for i in range(PLAN_CACHE_ENTRIES + 5):
+        plan_gather(raw, DST, src_raw, SRC, np.array([i]), np.array([0]), np.array([i]), np.array([1]), ROPE)
+    assert len(rg._plan_cache) == PLAN_CACHE_ENTRIES
+    clear_plan_cache()
+    assert len(rg._plan_cache) == 0
 
 
 # ------------------------------------------------------------------------------------------- refusal parity
@@ -227,6 +275,7 @@ def test_gather_kernel_equals_both_references(src, dst):
         torch.cuda.synchronize()
         paths.add(info["path"])
         assert info["source"] == "gather" and info["launches"] == 1
+        assert info["entry"].endswith("_gather") == (info["path"] == "vector"), info
         assert torch.equal(out, ref), f"{info}: {(out != ref).sum().item()} bytes differ"
     assert ("vector" in paths) == (dst.packing != "cpu")
 
@@ -253,7 +302,9 @@ def test_gather_restore_makes_no_host_synchronisation():
     done = _busy_device()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        clear_plan_cache()      # the whole plan: checks, tables, their upload, the launch
         plan_gather(out, DST, src_raw, SRC, src_slots, old, slots, new, ROPE).run("cuda")
+        plan_gather(out, DST, src_raw, SRC, src_slots, old, slots, new, ROPE).run("cuda")   # and a cached one
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not done.query(), "the restore waited for the device"

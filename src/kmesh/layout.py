@@ -285,13 +285,25 @@ class KVLayout:
 
     def k_strides(self) -> Strides:
         """Element strides of K (for the kernel and the strided views)."""
+        cached = self.__dict__.get("_k_strides")   # a frozen layout's strides never change; launches ask often
+        if cached is None:
+            cached = self.__dict__["_k_strides"] = self._k_strides()
+        return cached
+
+    def v_strides(self) -> Strides:
+        cached = self.__dict__.get("_v_strides")
+        if cached is None:
+            cached = self.__dict__["_v_strides"] = self._v_strides()
+        return cached
+
+    def _k_strides(self) -> Strides:
         L, B, H, N = (self._element(a) for a in "LBHN")
         off = self.offset // self.element_size
         if self.packing == "cpu":  # K plane stored transposed: [c, n] at c·N + n
             return Strides(off, L, B, H, 1, self.block_size)
         return Strides(off, L, B, H, N, 1)
 
-    def v_strides(self) -> Strides:
+    def _v_strides(self) -> Strides:
         if self.head_dim_v == 0:
             raise LayoutError("this layout has no V (MLA)")
         L, B, H, N = (self._element(a) for a in "LBHN")

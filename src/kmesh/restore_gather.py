@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from kmesh.restore_errors import (DeviceMismatchError, DuplicateSlotError, Layer
                                   RestoreError, SegmentError, SlotError, SlotRangeError)
 from kmesh.rope import RopeConfig, host_shift_tables
 
-__all__ = ["GatherPlan", "plan_gather", "gather_supported"]
+__all__ = ["GatherPlan", "plan_gather", "gather_supported", "clear_plan_cache", "PLAN_CACHE_ENTRIES"]
 
 Backend = Literal["torch", "cuda"]
 _ALIGN = 16  # bytes: every table in the packed buffer starts 16-byte aligned (the kernel loads float4 tables)
@@ -68,6 +69,7 @@ class GatherPlan:
     k_scale: torch.Tensor         # float32 scalars
     k_inv_scale: torch.Tensor
     _tables: torch.Tensor = field(repr=False, default=None)  # the device buffer the views above share
+    launch_memo: dict | None = field(repr=False, default=None)  # launches made for these tables (kernel launcher)
 
     @property
     def gather_ok(self) -> bool:
@@ -115,16 +117,77 @@ def gather_supported(src_layout: KVLayout) -> bool:
     return ks.channel == 1 and vs.channel == 1 and ks.block == vs.block and ks.token == vs.token
 
 
+@dataclass
+class _Tables:
+    """What a plan's indices give, checked and uploaded once (kept per geometry: see plan_gather)."""
+
+    host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]   # slots, src slots, old positions, moved
+    buf: torch.Tensor
+    views: list[torch.Tensor]
+    stream: Any = None      # CUDA: the stream the upload was queued on, and an event after it
+    uploaded: Any = None
+    launches: dict = field(default_factory=dict)   # kmesh.cuda.restore_rope's launches of these tables
+
+
+PLAN_CACHE_ENTRIES = 64
+_plan_cache: OrderedDict[tuple, _Tables] = OrderedDict()
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (the next plan_gather of any geometry checks and uploads anew)."""
+    _plan_cache.clear()
+
+
+def _cache_key(layout: KVLayout, src_layout: KVLayout, rope: RopeConfig, first_layer: object, dev: torch.device,
+               indices: tuple) -> tuple | None:
+    parts = []
+    for x in indices:
+        if not (isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1):
+            return None   # only int64 host arrays are keyed by their bytes (others are checked each time)
+        parts.append(x.tobytes())
+    if type(first_layer) is not int:
+        return None
+    return (layout, src_layout, rope, first_layer, str(dev), *parts)
+
+
 def plan_gather(raw: torch.Tensor, layout: KVLayout, src_raw: torch.Tensor, src_layout: KVLayout,
                 src_slots: Index, old_positions: Index, slots: Index, new_positions: Index, rope: RopeConfig,
                 first_layer: int = 0) -> GatherPlan:
     """Check a restore of source rows `src_slots` (saved at `old_positions`, every layer of `src_layout`) into
-    `slots` of `raw` at `new_positions`, on the host; raise what capture + plan_restore would raise."""
+    `slots` of `raw` at `new_positions`, on the host; raise what capture + plan_restore would raise.
+
+    The checked indices and their device tables are kept per geometry (layouts, rope, first layer, device and
+    the index arrays' bytes, for int64 numpy indices; the last PLAN_CACHE_ENTRIES), so a child arrangement seen
+    before costs only the buffer checks and the launch; the buffers themselves are checked every time."""
     flat = _destination(raw, layout)
     src_flat = _destination(src_raw, src_layout)
     dev = raw.device
     if src_raw.device != dev:
         raise DeviceMismatchError(f"source on {src_raw.device}, cache on {dev}")
+    key = _cache_key(layout, src_layout, rope, first_layer, dev, (src_slots, old_positions, slots, new_positions))
+    tables = _plan_cache.get(key) if key is not None else None
+    if tables is None:
+        tables = _check_and_upload(layout, src_layout, src_slots, old_positions, slots, new_positions, rope,
+                                   first_layer, dev)
+        if key is not None:
+            _plan_cache[key] = tables
+            while len(_plan_cache) > PLAN_CACHE_ENTRIES:
+                _plan_cache.popitem(last=False)
+    else:
+        _plan_cache.move_to_end(key)
+        if tables.stream is not None and torch.cuda.current_stream(dev) != tables.stream:
+            torch.cuda.current_stream(dev).wait_event(tables.uploaded)   # queued, not waited for on the host
+    slots_h, src_slots_h, old_h, moved_h = tables.host
+    d_slots, d_tok, d_moved, d_cos, d_sin, d_scales = tables.views
+    half = rope.rotary_dim // 2
+    T = int(slots_h.size)
+    return GatherPlan(layout, flat, src_layout, src_flat, rope, int(first_layer), T, slots_h, src_slots_h, old_h,
+                      moved_h, d_slots, d_tok, d_moved.view(torch.bool), d_cos.view(T, half), d_sin.view(T, half),
+                      d_scales[0], d_scales[1], tables.buf, tables.launches)
+
+
+def _check_and_upload(layout: KVLayout, src_layout: KVLayout, src_slots: Index, old_positions: Index, slots: Index,
+                      new_positions: Index, rope: RopeConfig, first_layer: object, dev: torch.device) -> _Tables:
     src_slots_h = _host_index(src_slots, "slots", SlotError)
     if src_slots_h.size and (int(src_slots_h.min()) < 0 or int(src_slots_h.max()) >= src_layout.num_slots):
         raise SlotRangeError(f"capture slots must be in [0, {src_layout.num_slots})")
@@ -162,13 +225,14 @@ def plan_gather(raw: torch.Tensor, layout: KVLayout, src_raw: torch.Tensor, src_
     moved_h = old_h != new_h
     ks = src_layout.k_strides()
     src_tok = src_slots_h // src_layout.block_size * ks.block + src_slots_h % src_layout.block_size * ks.token
-    tables = _upload(dev, [slots_h, src_tok, moved_h.astype(np.uint8), cos, sin,
-                           np.array([layout.k_scale, 1.0 / layout.k_scale], dtype=np.float32)])
-    d_slots, d_tok, d_moved, d_cos, d_sin, d_scales = tables[1]
-    half = rope.rotary_dim // 2
-    return GatherPlan(layout, flat, src_layout, src_flat, rope, first_layer, T, slots_h, src_slots_h, old_h, moved_h,
-                      d_slots, d_tok, d_moved.view(torch.bool), d_cos.view(T, half), d_sin.view(T, half),
-                      d_scales[0], d_scales[1], tables[0])
+    buf, views = _upload(dev, [slots_h, src_tok, moved_h.astype(np.uint8), cos, sin,
+                               np.array([layout.k_scale, 1.0 / layout.k_scale], dtype=np.float32)])
+    tables = _Tables((slots_h, src_slots_h, old_h, moved_h), buf, views)
+    if dev.type == "cuda":
+        tables.stream = torch.cuda.current_stream(dev)
+        tables.uploaded = torch.cuda.Event()
+        tables.uploaded.record(tables.stream)
+    return tables
 
 
 def _upload(device: torch.device, arrays: list[np.ndarray]) -> tuple[torch.Tensor, list[torch.Tensor]]:

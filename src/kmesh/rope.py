@@ -94,8 +94,12 @@ class RopeConfig:
         object.__setattr__(self, "_mscale", _compute_mscale(self.scaling))
 
     def __hash__(self) -> int:  # scaling is a dict, so the generated hash would fail
-        items = tuple(sorted((k, repr(v)) for k, v in (self.scaling or {}).items()))
-        return hash((self.head_dim, self.rotary_dim, self.theta, self.style, items, self.max_position))
+        cached = self.__dict__.get("_hash")     # fields are frozen: computed once (plans are keyed by it)
+        if cached is None:
+            items = tuple(sorted((k, repr(v)) for k, v in (self.scaling or {}).items()))
+            cached = self.__dict__["_hash"] = hash((self.head_dim, self.rotary_dim, self.theta, self.style, items,
+                                                    self.max_position))
+        return cached
 
     @property
     def scaling_type(self) -> str:
@@ -334,8 +338,19 @@ def host_shift_tables(old_pos: np.ndarray, new_pos: np.ndarray, rope: RopeConfig
     """shift_tables computed on the host from host positions (int64 arrays): float32 [T, rotary_dim // 2] numpy
     arrays, the same numbers as shift_tables on CPU tensors; raises what it raises. For plans that must not
     wait on a device (kmesh.restore_gather)."""
-    cos, sin = shift_tables(torch.from_numpy(old_pos), torch.from_numpy(new_pos), rope)
-    return cos.numpy(), sin.numpy()
+    for name, pos in (("old_pos", old_pos), ("new_pos", new_pos)):
+        if pos.ndim != 1:
+            raise RopeError(f"{name} must be 1-D [T], got shape {pos.shape}")
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_position):
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise RopeRangeError(f"{name} holds position {bad}, outside [0, {rope.max_position})")
+    if old_pos.shape != new_pos.shape:
+        raise RopeError(f"old_pos {old_pos.shape} and new_pos {new_pos.shape} differ in length")
+    # A row depends on the shift alone, and a restored segment shifts all its tokens alike: one row per distinct
+    # shift (a handful), then gathered — the same numbers as one row per token.
+    shifts, row = np.unique(new_pos.astype(np.int64) - old_pos.astype(np.int64), return_inverse=True)
+    cos, sin = _tables(torch.from_numpy(shifts), rope, torch.float32)
+    return cos.numpy()[row.reshape(-1)], sin.numpy()[row.reshape(-1)]
 
 
 def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

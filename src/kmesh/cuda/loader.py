@@ -11,6 +11,7 @@ $KMESH_KERNEL_FLAGS (e.g. "-DRESTORE_ROT_CHUNK=16") adds nvcc flags for tuning e
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -83,7 +84,12 @@ def _fresh(cubin: Path, src: Path) -> bool:
 
 def extra_flags() -> list[str]:
     """Tuning flags from $KMESH_KERNEL_FLAGS (empty in normal runs)."""
-    return shlex.split(os.environ.get("KMESH_KERNEL_FLAGS", ""))
+    return list(_split_flags(os.environ.get("KMESH_KERNEL_FLAGS", "")))
+
+
+@functools.lru_cache(maxsize=16)
+def _split_flags(text: str) -> tuple[str, ...]:   # once per value: launches ask for the flags each time
+    return tuple(shlex.split(text))
 
 
 def _compile(src: Path) -> Path:

@@ -7,6 +7,7 @@ Launches go on torch's current stream.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,18 +25,24 @@ KERNEL = "restore_rope"
 ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16": "restore_rope_bf16",
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
 ELEMENT_SUFFIX = "_elem"
+GATHER_SUFFIX = "_gather"   # the vector path reading a paged source in place (kmesh.restore_gather)
 ELEMENT_THREADS = 256
 CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: RESTORE_ROT_CHUNK / RESTORE_FP8_ROT_CHUNK)
 DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_ROT_CHUNK": 8, "RESTORE_FP8_ROT_CHUNK": 8,
-                    "RESTORE_FP8_X2": 1, "RESTORE_EARLY_TABLES": 1, "RESTORE_STREAMING": 1, "RESTORE_FP8_STREAMING": 0,
+                    "RESTORE_FP8_X2": 1, "RESTORE_EARLY_TABLES": 1, "RESTORE_STREAMING": 1, "RESTORE_FP8_STREAMING": 1,
                     "RESTORE_MIN_BLOCKS": 1}
 
 
 def tunables() -> dict[str, int]:
     """The kernel's compile-time tunables as built (defaults of restore_rope.cu unless $KMESH_KERNEL_FLAGS
     overrides them; names and meanings in the header of kernels/restore_rope.cu)."""
+    return dict(_tunables(tuple(extra_flags())))
+
+
+@functools.lru_cache(maxsize=16)
+def _tunables(flags: tuple[str, ...]) -> dict[str, int]:   # parsed once per flag set: it sits on the launch path
     out = dict(DEFAULT_TUNABLES)
-    for f in extra_flags():
+    for f in flags:
         if f.startswith("-D") and "=" in f and f[2:].split("=")[0] in out:
             k, v = f[2:].split("=", 1)
             out[k] = int(v)
@@ -226,7 +233,6 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
     """Run the kernel for `plan`; returns the launch it made (entry point, path, grid, block)."""
     from kmesh.restore_errors import DeviceMismatchError, RestoreError
 
-    lay = plan.layout
     dev = plan.flat.device
     if dev.type != "cuda":
         raise DeviceMismatchError(f"the cuda backend needs a CUDA cache, got {dev}")
@@ -243,28 +249,56 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
         tensors = [k, plan.slots, plan.cos, plan.sin] + ([v] if v is not None else [])
     if any(t.device != dev for t in tensors):
         raise DeviceMismatchError(f"every restore input must be on {dev}")
-    src = source_of(plan, k, v)
-    T, L, H = src.rows
-    if T * L * H == 0:
+    # A GatherPlan's tables are kept per geometry (kmesh.restore_gather): so is its launch, per buffer pair
+    memo = getattr(plan, "launch_memo", None)
+    mkey = (plan.flat.data_ptr(), plan.src_flat.data_ptr(), force_slow, tuple(extra_flags())) \
+        if memo is not None else None
+    made = memo.get(mkey) if memo is not None else None
+    if made is None:
+        made = _make_launch(plan, k, v, force_slow)
+        if memo is not None:
+            if len(memo) >= 8:   # a few buffer pairs per geometry is the common case; never grow without bound
+                memo.clear()
+            memo[mkey] = made
+    if made is _NOTHING:
         return {"rows": 0}
-    if T > _INT32 or T * L * H > _INT32 or lay.num_slots > _INT32:
-        raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
-    fast = (not force_slow) and vector_path_ok(plan, src) and src.k_ptr % 16 == 0 and src.v_ptr % 16 == 0
-    _, block, items = launch_shape(plan, fast)
-    entry = ENTRY[lay.dtype] + ("" if fast else ELEMENT_SUFFIX)
+    entry, block, launches, info = made
     fn = get_function(KERNEL, entry, dev.index or 0)
-    ranges = token_ranges(plan, fast)
-    slots, moved = plan.slots.contiguous(), plan.moved.contiguous()
     import cupy
 
     try:
         with cupy.cuda.Device(dev.index or 0), _stream(dev):
-            for t0, nt, grid in ranges:
-                fn(grid, block, kernel_args(plan, src, slots, moved, fast, t0, nt))
+            for grid, args in launches:
+                fn(grid, block, args)
     except KernelLoadError:
         raise
     except Exception as e:
         raise RestoreError(f"restore_rope launch failed: {type(e).__name__}: {e}") from e
-    return {"entry": entry, "path": "vector" if fast else "element", "source": "gather" if gather else "segment", "grid": ranges[0][2], "launches": len(ranges),
+    return dict(info)
+
+
+_NOTHING = object()   # a restore of no rows: nothing to launch
+
+
+def _make_launch(plan: Any, k: torch.Tensor | None, v: torch.Tensor | None, force_slow: bool) -> Any:
+    """(entry point, block, [(grid, kernel args)] per token range, launch info) for a checked plan."""
+    from kmesh.restore_errors import RestoreError
+
+    lay = plan.layout
+    src = source_of(plan, k, v)
+    T, L, H = src.rows
+    if T * L * H == 0:
+        return _NOTHING
+    if T > _INT32 or T * L * H > _INT32 or lay.num_slots > _INT32:
+        raise RestoreError(f"{T}×{L}×{H} rows or {lay.num_slots} slots exceed the kernel's int32 indexing")
+    fast = (not force_slow) and vector_path_ok(plan, src) and src.k_ptr % 16 == 0 and src.v_ptr % 16 == 0
+    _, block, items = launch_shape(plan, fast)
+    entry = ENTRY[lay.dtype] + ((GATHER_SUFFIX if src.tok is not None else "") if fast else ELEMENT_SUFFIX)
+    ranges = token_ranges(plan, fast)
+    slots, moved = plan.slots.contiguous(), plan.moved.contiguous()
+    launches = [(grid, kernel_args(plan, src, slots, moved, fast, t0, nt)) for t0, nt, grid in ranges]
+    info = {"entry": entry, "path": "vector" if fast else "element",
+            "source": "segment" if src.tok is None else "gather", "grid": ranges[0][2], "launches": len(ranges),
             "block": block, "items_per_row": items, "chunk_elements": chunk_elements(lay) if fast else 1,
             "rot_chunk_elements": rot_chunk_elements(lay) if fast else 1, "tunables": tunables()}
+    return entry, block, launches, info
