@@ -784,3 +784,19 @@ def test_quality_full_arm_is_a_recompute_that_must_equal_the_reference(env, monk
     eq_stage._quality_case(res, _quality_setup(env), env.refs)
     (case,) = res.cases
     assert case.checks["full_recompute_bit_identical"]["ok"] is False and case.passed is False
+
+
+def test_teacher_forcing_check_allows_near_ties_of_the_dtype_only():
+    """The batched forward and the step decode round differently on a GPU: a greedy token that trails the
+    teacher-forced argmax by a few rounding units of the dtype is a near-tie, one that trails by more is a
+    disagreement (the check of case quality fails)."""
+    from kmesh.model.quality import ROUNDING_UNIT, TIE_UNITS, reproduces_greedy
+
+    steps = torch.tensor([[4.0, 1.0, 0.0], [0.0, 2.0, 2.0 - 1e-3], [0.0, 3.0, 1.0]])
+    assert reproduces_greedy(steps, [0, 1, 1], torch.float32)["ok"]
+    near = reproduces_greedy(steps, [0, 2, 1], torch.bfloat16)        # 1e-3 behind, tolerance 16·2^-8·2 = 0.125
+    assert near["ok"] and [r["step"] for r in near["disagree"]] == [1]
+    assert near["disagree"][0]["tolerance"] == pytest.approx(TIE_UNITS * ROUNDING_UNIT[torch.bfloat16] * 2.0)
+    assert not reproduces_greedy(steps, [0, 2, 1], torch.float32)["ok"]   # the same gap is no tie in float32
+    far = reproduces_greedy(steps, [0, 1, 2], torch.bfloat16)          # 2.0 behind: a real disagreement
+    assert not far["ok"] and far["disagree"][0]["gap"] == pytest.approx(2.0)

@@ -114,6 +114,30 @@ def teacher_forced_logits(runner: Any, outcome: Any, tokens: Sequence[int], bloc
     return runner.teacher_forced(cache, T, outcome.logits.to(runner.device), tokens)
 
 
+# Relative rounding unit of each compute dtype: a logit computed two ways (one batched forward vs one step at a
+# time) may differ by a few of these times its magnitude, so a greedy step whose top two logits are closer than that
+# is a near-tie either path may break its own way.
+ROUNDING_UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+TIE_UNITS = 16
+
+
+def reproduces_greedy(steps: torch.Tensor, tokens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
+    """Does teacher forcing along `tokens` (logits [len(tokens), vocab]) give `tokens` back as its argmax?
+
+    Every step must, except a near-tie: the teacher-forced logit of the greedy token is within
+    TIE_UNITS · ROUNDING_UNIT[dtype] · max|logit| of the step's largest. A greedy token that trails by more is a real
+    disagreement (the two paths computed different states). Returns {"ok", "steps", "disagree": [{step, gap,
+    tolerance}]}."""
+    want = torch.as_tensor(list(tokens), dtype=torch.long, device=steps.device)
+    logits = steps.float()
+    top = logits.max(-1).values
+    gap = top - logits.gather(-1, want[:, None])[:, 0]
+    tol = TIE_UNITS * ROUNDING_UNIT[dtype] * logits.abs().max(-1).values
+    rows = [{"step": i, "gap": float(gap[i]), "tolerance": float(tol[i])}
+            for i in (logits.argmax(-1) != want).nonzero()[:, 0].tolist()]
+    return {"ok": all(r["gap"] <= r["tolerance"] for r in rows), "steps": len(tokens), "disagree": rows}
+
+
 def recomputed(out: Any) -> dict[str, Any]:
     """What an outcome recomputed (see module doc): counts from its per-layer masks and restored mask."""
     last = out.masks[-1].cpu()

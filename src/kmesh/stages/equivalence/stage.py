@@ -39,7 +39,8 @@ import torch
 from kmesh.child import full_reference, run_child
 from kmesh.config import Config
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import arm_quality, compare_states, identical, summarize, teacher_forced_logits
+from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
+                                 teacher_forced_logits)
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
@@ -162,7 +163,7 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         block = setup.export.catalog.layout.block_size
         per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in QUALITY_ARMS}
         fallbacks: dict[str, Any] = {}
-        reproduces: dict[str, bool] = {}
+        reproduces: dict[str, dict[str, Any]] = {}
         rerun_identical: dict[str, bool] = {}
         same_positions: dict[str, bool] = {}
         for child in setup.workload.children:
@@ -181,8 +182,9 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
             # at one budget the two rules may pick the same positions; then what differs is how they attend
             same_positions[child.name] = bool(torch.equal(outcomes["stock-matched"].masks, repaired.masks))
             ref_steps = teacher_forced_logits(setup.runner, ref, ref.tokens, block)
-            # teacher forcing the full state with its own tokens must give back its greedy tokens
-            reproduces[child.name] = ref_steps.argmax(-1).tolist() == list(ref.tokens)
+            # teacher forcing the full state with its own tokens must give back its greedy tokens (near-ties of the
+            # compute dtype aside: the batched forward and the step decode round differently on a GPU)
+            reproduces[child.name] = reproduces_greedy(ref_steps, ref.tokens, setup.runner.dtype)
             for arm, outcome in outcomes.items():
                 steps = teacher_forced_logits(setup.runner, outcome, ref.tokens, block)
                 per_arm[arm].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
@@ -192,7 +194,8 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         case.record("summary", out)
         case.check("arms_used_segments", all(v is None for f in fallbacks.values() for v in f.values()),
                    value=fallbacks)
-        case.check("teacher_forcing_reproduces_full_tokens", all(reproduces.values()), value=reproduces)
+        case.check("teacher_forcing_reproduces_full_tokens", all(r["ok"] for r in reproduces.values()),
+                   value=reproduces)
         # what the table's KL and agreement are measured against is reproducible, bit for bit
         case.check("full_recompute_bit_identical", all(rerun_identical.values()), value=rerun_identical)
         budgets = {row["child"]: {"repair": row["recomputed_positions"], "stock-matched": m["recomputed_positions"]}
