@@ -55,6 +55,7 @@ class SetupSpec:
     restore_backend: str = "torch"
     attention: str = "auto"
     device: str = "cpu"
+    arrival_digest: str = "sha256"     # what children check each segment with on arrival (kmesh.segments)
     stop_at_end_of_turn: bool = False  # children's continuations end at the model's end-of-turn token
 
 
@@ -95,12 +96,12 @@ def end_of_turn_ids(model: Any, tok: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def leader_prefill(runner: LayerRunner, workload: Workload, key_prefix: bytes) -> Export:
+def leader_prefill(runner: LayerRunner, workload: Workload, key_prefix: bytes, arrival: str = "sha256") -> Export:
     """The leader's prompt prefilled once and exported as one object per shared segment."""
     ids = torch.tensor(workload.leader_ids, device=runner.device)
     cache = runner.new_cache(len(ids), workload.spec.block_size)
     runner.prefill(ids, cache)
-    return export_segments(runner, cache, workload, key_prefix)
+    return export_segments(runner, cache, workload, key_prefix, arrival)
 
 
 def build_setup(cfg: Config, spec: SetupSpec) -> ModelSetup:
@@ -108,7 +109,7 @@ def build_setup(cfg: Config, spec: SetupSpec) -> ModelSetup:
     model, tok, what = load_model(cfg, spec.model_sec, device)
     runner = LayerRunner(model, spec.attention)
     workload = build(tok, cfg.seed, WorkloadSpec(**spec.workload))
-    export = leader_prefill(runner, workload, spec.key_prefix)
+    export = leader_prefill(runner, workload, spec.key_prefix, spec.arrival_digest)
     ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(spec.repair),
                        int(spec.max_new_tokens), spec.restore_backend,
                        end_of_turn_ids(model, tok) if spec.stop_at_end_of_turn else ())
@@ -123,7 +124,7 @@ def equivalence_setup(cfg: Config) -> ModelSetup:
         section="equivalence", key_prefix=b"kmesh-eq/leader", model_sec=sec, workload=sec.get("workload", {}),
         repair=sec["repair"], max_new_tokens=int(sec["max_new_tokens"]),
         restore_backend=sec.get("restore_backend", "torch"), attention=sec.get("attention", "auto"),
-        device=sec["device"], stop_at_end_of_turn=True))
+        device=sec["device"], stop_at_end_of_turn=True, arrival_digest=sec.get("arrival_digest", "sha256")))
 
 
 SetupT = TypeVar("SetupT", bound=ModelSetup)

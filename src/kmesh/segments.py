@@ -10,10 +10,11 @@ The export buffer uses a cross-layer order (BLNHC: all layers of a block togethe
 contiguous byte range: one saved object per segment, whatever the layer count. A segment of any length
 starts on a block boundary and its object is the whole blocks it spans (`segment_nbytes`): the slots past
 its last token in a partial last block are zero padding, covered by the digest and never restored (a
-restore reads exactly the segment's slots). The leader records each object's size and sha256 in a
-Catalog; a child checks every entry against the layout (`check_catalog`: the size its tokens need, from
-a block start) and every object's size before its bytes are copied, and trusts a staged segment only after
-its size and digest match, before a single byte of it reaches its model state. Every failure is a
+restore reads exactly the segment's slots). The leader records each object's size, its sha256 (what the
+cache service commits) and its arrival digest (sha256 or blake3: `arrival_digest`, computed where the bytes lie —
+the GPU for device staging) in a Catalog; a child checks every entry against the layout (`check_catalog`: the
+size its tokens need, from a block start) and every object's size before its bytes are copied, and trusts a
+staged segment only after its size and arrival digest match, before a single byte of it reaches its model state. Every failure is a
 SegmentLoadError subclass the caller turns into a full recompute — never a partial reuse: kmesh.child
 restores each segment as soon as it is verified, so a failure at a later segment leaves the earlier ones in the
 model state, and the recompute overwrites them.
@@ -82,16 +83,50 @@ class SegmentCancelledError(SegmentLoadError):
     """The load was cancelled before it completed."""
 
 
+ARRIVAL_DIGESTS = ("sha256", "blake3")
+
+
+def arrival_digest(algorithm: str, t: torch.Tensor) -> str:
+    """Hex digest of a byte tensor's contents by a named kmesh.integrity algorithm, where the bytes lie: sha256 on
+    the host (a device tensor is copied back), blake3 on the GPU for a CUDA tensor (kmesh.integrity.gpu, the same
+    digest as the blake3 package's) and on the host otherwise."""
+    if algorithm == "sha256":
+        return sha256_tensor(t)
+    if algorithm == "blake3":
+        t = t.detach().contiguous()
+        if t.is_cuda:
+            from kmesh.integrity.gpu import hash_buffer
+
+            return hash_buffer("blake3", t).hex()
+        from kmesh import integrity
+
+        return integrity.get("blake3").digest(t.numpy()).hex()
+    raise SegmentExportError(f"arrival digest must be one of {ARRIVAL_DIGESTS}, got {algorithm!r}")
+
+
 @dataclass(frozen=True)
 class CatalogEntry:
     index: int
     key: bytes
     offset: int            # bytes into the export buffer (and into a child's staging buffer)
     nbytes: int
-    sha256: str
+    sha256: str            # the object's sha256 (what the cache service records when it commits the object)
     leader_start: int      # position of the segment's first token in the leader prompt
     tokens: int
     first_slot: int        # slot of its first token in the export layout
+    # what a child checks on arrival, before a byte of the segment reaches its model state: (algorithm, hex digest);
+    # sha256 is the sha256 above, blake3 runs on the GPU where the staging buffer is a device buffer
+    arrival: tuple[str, str] = ("sha256", "")
+
+    @property
+    def arrival_algorithm(self) -> str:
+        return self.arrival[0]
+
+    @property
+    def arrival_hex(self) -> str:
+        if self.arrival[0] == "sha256" and not self.arrival[1]:
+            return self.sha256      # an entry made without an arrival digest checks its sha256
+        return self.arrival[1]
 
     def slots(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.arange(self.first_slot, self.first_slot + self.tokens, device=device)
@@ -112,7 +147,8 @@ class Catalog:
     def describe(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "entries": [
             {"key": e.key.decode(errors="replace"), "offset": e.offset, "nbytes": e.nbytes, "sha256": e.sha256,
-             "leader_start": e.leader_start, "tokens": e.tokens} for e in self.entries]}
+             "arrival": [e.arrival_algorithm, e.arrival_hex], "leader_start": e.leader_start, "tokens": e.tokens}
+            for e in self.entries]}
 
 
 def size_error(entry: CatalogEntry, nbytes: int, where: str = "") -> SegmentSizeError:
@@ -164,12 +200,16 @@ def export_layout(runner: LayerRunner, workload: Workload) -> KVLayout:
                           runner.dtype_name)
 
 
-def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Workload, key_prefix: bytes) -> Export:
+def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Workload, key_prefix: bytes,
+                    arrival: str = "sha256") -> Export:
     """Copy each segment's K/V (all layers) out of the leader's cache into an export buffer, each segment from
-    a block start over the whole blocks it spans (a partial last block's other slots stay zero)."""
+    a block start over the whole blocks it spans (a partial last block's other slots stay zero). Every entry
+    records the object's sha256 and its `arrival` digest (ARRIVAL_DIGESTS), what children check on arrival."""
     empty = [i for i, seg in enumerate(workload.segments) if seg.tokens < 1]
     if empty:
         raise SegmentExportError(f"segments {empty} hold no tokens; a segment needs at least one")
+    if arrival not in ARRIVAL_DIGESTS:
+        raise SegmentExportError(f"arrival digest must be one of {ARRIVAL_DIGESTS}, got {arrival!r}")
     layout = export_layout(runner, workload)
     raw = torch.zeros(layout.nbytes, dtype=torch.uint8, device=runner.device)
     block_bytes, bs = layout.byte_strides["B"], layout.block_size
@@ -181,8 +221,11 @@ def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Worklo
         dst = torch.arange(slot, slot + seg.tokens, device=runner.device)
         restore(raw, layout, saved, dst, pos, runner.rope)                  # same positions: a byte copy
         offset, nbytes = block * block_bytes, segment_nbytes(layout, seg.tokens)
-        entries.append(CatalogEntry(i, key_prefix + f"/segment-{i}".encode(), offset, nbytes,
-                                    sha256_tensor(raw[offset:offset + nbytes]), seg.leader_start, seg.tokens, slot))
+        obj = raw[offset:offset + nbytes]
+        sha = sha256_tensor(obj)
+        entries.append(CatalogEntry(i, key_prefix + f"/segment-{i}".encode(), offset, nbytes, sha,
+                                    seg.leader_start, seg.tokens, slot,
+                                    (arrival, sha if arrival == "sha256" else arrival_digest(arrival, obj))))
         block += nbytes // block_bytes
     catalog = Catalog(layout, tuple(entries))
     check_catalog(catalog)
@@ -291,10 +334,11 @@ def stage_entry(source: SegmentSource, staging: torch.Tensor, entry: CatalogEntr
     n = source.load(entry, staging)
     if n != entry.nbytes:          # a source that does not check sizes itself
         raise size_error(entry, n)
-    got = sha256_tensor(staging[entry.offset:entry.offset + entry.nbytes])
-    if got != entry.sha256:
-        raise SegmentCorruptError(f"object {entry.key!r}: sha256 {got[:16]}… differs from the leader's "
-                                  f"{entry.sha256[:16]}…")
+    algorithm, want = entry.arrival_algorithm, entry.arrival_hex
+    got = arrival_digest(algorithm, staging[entry.offset:entry.offset + entry.nbytes])
+    if got != want:
+        raise SegmentCorruptError(f"object {entry.key!r}: {algorithm} {got[:16]}… differs from the leader's "
+                                  f"{want[:16]}…")
 
 
 def stage_segments(source: SegmentSource, staging: torch.Tensor, catalog: Catalog,

@@ -21,8 +21,8 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equ
 # (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
 # What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
 CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
-              "restore_gather.py", "restore_errors.py", "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py", "sources/__init__.py",
-              "sources/digest.py"]
+              "restore_gather.py", "restore_errors.py", "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py",
+              "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],
@@ -34,7 +34,7 @@ STAGE_CODE = {
     "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "integrity": ["integrity/*.py", "cuda/*.py"],
     "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
-    "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py", "integrity/*.py"],
+    "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
     "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_gather.py", "restore_errors.py", "cuda/*.py"],
     "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
     "report": ["report/*.py"],

@@ -69,7 +69,7 @@ def make_setup(cfg: Config) -> GroupSetup:
         section="group", key_prefix=b"kmesh-group/leader", model_sec=model_sec,
         workload={**sec["workload"], "children": widest}, repair=sec["repair"],
         max_new_tokens=int(sec["max_new_tokens"]), restore_backend=sec.get("restore_backend", "torch"),
-        device=sec["device"]))
+        device=sec["device"], arrival_digest=sec.get("arrival_digest", "sha256")))
     setup = GroupSetup(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSetup)})
     names = [child.name for child in setup.group]
     fail = sec["failure"]
