@@ -33,7 +33,7 @@ def test_the_catalog_records_the_arrival_digest_of_every_object(leader, algorith
         data = export.raw[e.offset:e.offset + e.nbytes].numpy().tobytes()
         assert e.sha256 == hashlib.sha256(data).hexdigest()        # the service's commit digest either way
         ref = hashlib.sha256(data) if algorithm == "sha256" else blake3.blake3(data)
-        assert e.arrival == (algorithm, ref.hexdigest()) and e.arrival_hex == ref.hexdigest()
+        assert e.arrival_algorithm == algorithm and e.arrival_hex == ref.hexdigest()
     assert [d["arrival"][0] for d in export.catalog.describe()["entries"]] == [algorithm] * 2
 
 
@@ -49,10 +49,11 @@ def test_a_changed_byte_is_refused_on_arrival_by_the_catalogs_algorithm(leader, 
         stage_segments(InProcessSegments(export, objects), staging, export.catalog)
 
 
-def test_an_entry_checks_its_sha256_when_made_without_an_arrival_digest(leader):
+def test_a_sha256_arrival_is_the_entrys_one_sha256(leader):
+    """One digest per object when the arrival check is sha256: a catalog whose sha256 is wrong fails on arrival."""
     export = export_segments(*leader, PREFIX)
-    e = dataclasses.replace(export.catalog.entries[0], arrival=("sha256", ""))
-    assert e.arrival_hex == e.sha256
+    e = dataclasses.replace(export.catalog.entries[0], sha256="0" * 64)
+    assert e.arrival_hex == "0" * 64
 
 
 def test_unknown_arrival_algorithms_are_refused(leader):
@@ -67,3 +68,16 @@ def test_unknown_arrival_algorithms_are_refused(leader):
 def test_blake3_on_the_gpu_equals_the_package(leader):
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     assert arrival_digest("blake3", data.cuda()) == blake3.blake3(data.numpy().tobytes()).hexdigest()
+
+
+def test_every_export_of_a_setup_uses_its_arrival_digest(leader):
+    """The TTFT cases export a leader per prompt length: each must record the stage's arrival digest (on the H200
+    run they recorded sha256 while the stage's own export recorded blake3, and every child hashed on the host)."""
+    from kmesh.modelsetup import ModelSetup
+
+    runner, cache, workload = leader
+    setup = ModelSetup(None, {}, torch.device("cpu"), None, "tiny", None, runner, workload,
+                       export_segments(runner, cache, workload, PREFIX, arrival="blake3"), None)
+    assert setup.arrival_digest == "blake3"
+    other = setup.export_leader(workload, b"kmesh-test/other")
+    assert {e.arrival_algorithm for e in other.catalog.entries} == {"blake3"}

@@ -19,7 +19,7 @@ from kmesh.bench import Intervals
 from kmesh.child import ChildContext, prefill_from_segments, run_child
 from kmesh.model.blend import RepairConfig, blend
 from kmesh.model.runner import LayerRunner
-from kmesh.modelsetup import leader_prefill
+from kmesh.modelsetup import ModelSetup, leader_prefill
 from kmesh.result import Result
 from kmesh.segments import Export, InProcessSegments, SegmentCorruptError, restore_child
 from kmesh.stages.equivalence import endtoend
@@ -51,8 +51,8 @@ def setup():
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), 4)
     sec = {"ttft": {"prompt_tokens": [352, 448], "compare_transformers": False}, "repair": {},
            "heartbeat_timeout_s": 30.0, "chunk_bytes": 65536}
-    yield SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx, tok=tok, sec=sec,
-                          cfg=_Cfg(), device=torch.device("cpu"))
+    yield ModelSetup(cfg=_Cfg(), sec=sec, device=torch.device("cpu"), model=model, what="tiny-llama", tok=tok,
+                     runner=runner, workload=workload, export=export, ctx=ctx)
     ctx.engine.close()
 
 

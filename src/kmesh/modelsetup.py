@@ -41,6 +41,15 @@ class ModelSetup:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
+    @property
+    def arrival_digest(self) -> str:
+        """What this setup's children check segments with on arrival: every export of the stage records it."""
+        return self.export.catalog.entries[0].arrival_algorithm if self.export.catalog.entries else "sha256"
+
+    def export_leader(self, workload: Workload, key_prefix: bytes) -> Export:
+        """Another workload's leader prefilled and exported like this setup's own (same arrival digest)."""
+        return leader_prefill(self.runner, workload, key_prefix, self.arrival_digest)
+
 
 @dataclass(frozen=True)
 class SetupSpec:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kmesh.layout import KVLayout
-from kmesh.restore import (Index, KVSegment, RestorePlan, _as_index, _destination, _run_torch, capture,
+from kmesh.restore import (Index, RestorePlan, _as_index, _destination, _run_torch, capture,
                            check_compatible)
 from kmesh.restore_errors import (DeviceMismatchError, DuplicateSlotError, LayerRangeError, PositionError,
                                   RestoreError, SegmentError, SlotError, SlotRangeError)

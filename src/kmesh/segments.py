@@ -114,8 +114,8 @@ class CatalogEntry:
     leader_start: int      # position of the segment's first token in the leader prompt
     tokens: int
     first_slot: int        # slot of its first token in the export layout
-    # what a child checks on arrival, before a byte of the segment reaches its model state: (algorithm, hex digest);
-    # sha256 is the sha256 above, blake3 runs on the GPU where the staging buffer is a device buffer
+    # what a child checks on arrival, before a byte of the segment reaches its model state: (algorithm, hex digest
+    # or "" for sha256, which is the sha256 above); blake3 runs on the GPU where the staging buffer is a device buffer
     arrival: tuple[str, str] = ("sha256", "")
 
     @property
@@ -124,8 +124,8 @@ class CatalogEntry:
 
     @property
     def arrival_hex(self) -> str:
-        if self.arrival[0] == "sha256" and not self.arrival[1]:
-            return self.sha256      # an entry made without an arrival digest checks its sha256
+        if self.arrival[0] == "sha256":
+            return self.sha256      # one sha256 per object: the service's commit digest is the arrival digest
         return self.arrival[1]
 
     def slots(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -225,7 +225,7 @@ def export_segments(runner: LayerRunner, leader_cache: KVCache, workload: Worklo
         sha = sha256_tensor(obj)
         entries.append(CatalogEntry(i, key_prefix + f"/segment-{i}".encode(), offset, nbytes, sha,
                                     seg.leader_start, seg.tokens, slot,
-                                    (arrival, sha if arrival == "sha256" else arrival_digest(arrival, obj))))
+                                    (arrival, "" if arrival == "sha256" else arrival_digest(arrival, obj))))
         block += nbytes // block_bytes
     catalog = Catalog(layout, tuple(entries))
     check_catalog(catalog)

@@ -11,7 +11,7 @@ import torch
 
 from kmesh.config import PROFILES, Config, load_config, parse_overrides
 from kmesh.diagnostics import DiagnosticError
-from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.modelsetup import ModelSetup
 from kmesh.segments import Export
 from kmesh.workload import Child, Workload, build
 
@@ -70,7 +70,7 @@ def scaled_leaders(setup: ModelSetup, prompt_tokens: Iterable[int], tag: str) ->
     kmesh-eq/<tag>-<prompt_tokens>)."""
     for length in prompt_tokens:
         workload = build(setup.tok, setup.cfg.seed, setup.workload.spec.scaled(length))
-        export = leader_prefill(setup.runner, workload, f"kmesh-eq/{tag}-{length}".encode())
+        export = setup.export_leader(workload, f"kmesh-eq/{tag}-{length}".encode())
         yield ScaledLeader(length, workload, export, workload.children[0])
 
 

@@ -27,7 +27,7 @@ from kmesh.bench import Intervals, over_children, rotate
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
-from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.modelsetup import ModelSetup
 from kmesh.segments import Export, restore_child
 from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, EndToEndError, RepairOnlyArm, end_to_end_arm
 from kmesh.workload import Child, build
@@ -71,7 +71,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                 workload, export = setup.workload, setup.export
             else:
                 workload = build(setup.tok, setup.cfg.seed, setup.workload.spec.scaled(prompt_tokens))
-                export = leader_prefill(runner, workload, f"kmesh-eq/ttft-{prompt_tokens}".encode())
+                export = setup.export_leader(workload, f"kmesh-eq/ttft-{prompt_tokens}".encode())
             block_size = workload.spec.block_size
             runs: dict[tuple[str, str], Any] = {}
             checks: dict[str, Any] = {}
