@@ -1,5 +1,5 @@
 # KMesh pipeline: sources -> kernels -> model -> synthetic -> drain -> ownership -> equivalence -> storage ->
-#   integrity -> group -> vllm -> restore_bench -> report.
+#   integrity -> group -> vllm -> restore_bench -> reliability -> report.
 # Run: `make pipeline` (sets up .venv from requirements/cpu.lock, then `snakemake --cores all` through
 #   `python -m kmesh pipeline`: one console line per stage, the full log in results/<profile>/logs/snakemake.log).
 # On a cluster: `snakemake --profile workflow/profiles/slurm` (or .../kubernetes); see README.
@@ -29,6 +29,7 @@ include: "workflow/rules/integrity.smk"
 include: "workflow/rules/group.smk"
 include: "workflow/rules/vllm.smk"
 include: "workflow/rules/restore_bench.smk"
+include: "workflow/rules/reliability.smk"
 include: "workflow/rules/report.smk"
 
 

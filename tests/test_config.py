@@ -115,6 +115,7 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
     assert allowed("cuda") == {("sources", "fetch-*"), ("sources", "unpack-*"), ("sources", "installed-*"),
                                ("storage", "arrival-direct"),   # only when cuFile cannot run there
                                ("model", "smollm2-*"), ("model", "qwen2-checkpoint"),
+                               ("reliability", "churn"),        # engine churn needs the CPU vLLM
                                *(("vllm", case_id) for case_id in ENGINE_CASES)}
 
 

@@ -100,3 +100,17 @@ def test_quality_table_and_plot_show_every_arm_and_fraction(tmp_path):
     assert "stock-matched" in tables.quality_caption("equivalence")
     for p in plots.quality_plot(quality, tmp_path / "q", ["png"], "quality"):
         assert p.stat().st_size > 1000
+
+
+def test_reliability_table_has_one_row_per_test_run():
+    from kmesh.report.tables import reliability_frame
+
+    summary = {"soak": {"load": "10 ops", "faults": "1 loads cancelled mid-copy", "bad_inputs": 0, "divergences": 0,
+                        "service_survived": True, "data_lost": 0},
+               "crash": {"load": "3 saves", "faults": "2 service SIGKILLs", "bad_inputs": "1 temp files",
+                         "divergences": 0, "service_survived": True, "data_lost": 0}}
+    df = reliability_frame(summary)
+    assert list(df["test"]) == ["soak under memory pressure", "service crash consistency"]
+    assert list(df.columns) == ["test", "load held", "faults injected", "bad inputs tried", "divergences",
+                                "service survived", "data lost"]
+    assert df.iloc[1]["faults injected"] == "2 service SIGKILLs"

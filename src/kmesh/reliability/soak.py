@@ -45,6 +45,8 @@ class SoakSpec:
     working_set: int = 96            # objects in the shared universe
     ram_objects: int = 24            # RAM tier capacity, in objects (< working_set: pressure)
     cancel_fraction: float = 0.1
+    rate_ops_per_s: float = 0.0      # per client; 0 = as fast as it can (a paced soak holds the load for its
+                                     # whole duration at a fraction of the CPU: the CI form)
     seed: int = 26
 
 
@@ -72,8 +74,13 @@ def client_main(socket_path: str, index: int, spec: SoakSpec) -> dict[str, Any]:
     with ServiceClient.connect(socket_path, name=f"soak-{index}") as c:
         buf = HostBuffer(n, name=f"kmesh-soak-{index}")   # read and written through its own calls: no torch here
         ref = c.register_host(buf, alloc_id=1, generation=1, layout=layout)
-        deadline = time.monotonic() + spec.seconds
+        start = time.monotonic()
+        deadline = start + spec.seconds
         while time.monotonic() < deadline:
+            if spec.rate_ops_per_s > 0:   # paced: op k not before start + k / rate
+                ahead = start + stats["ops"] / spec.rate_ops_per_s - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
             i = rng.randrange(spec.working_set)
             data = content(spec.seed, i, n)
             key = key_of(data)

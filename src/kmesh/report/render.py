@@ -73,6 +73,10 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.vllm_frame(r["summary"]), tdir / "vllm_summary", fmts,
                                           "Stage vllm: the pinned vLLM engine with KMeshConnector (TTFT: matched "
                                           "pairs, alternating order, medians of per-pair values).")
+        if stage == "reliability":
+            written += tables.write_table(tables.reliability_frame(r["summary"]), tdir / "reliability", fmts,
+                                          "Stage reliability: real processes against the cache service (the "
+                                          "short form of the cpu profile unless its config says otherwise).")
         quality = r["summary"].get("quality")
         if isinstance(quality, dict) and quality:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,

@@ -427,3 +427,21 @@ def vllm_frame(summary: dict[str, Any]) -> pd.DataFrame:
     ]
     return pd.DataFrame([{"measure": k, "value": v if isinstance(v, (bool, int, float, str, type(None))) else str(v)}
                          for k, v in rows])
+
+
+RELIABILITY_TESTS = {"soak": "soak under memory pressure", "fuzz": "stateful protocol fuzz",
+                     "crash": "service crash consistency", "churn": "engine churn"}
+
+
+def reliability_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The reliability stage's table: per test, the load held, faults injected, bad inputs tried, divergences from
+    what must be true, whether the service survived, data lost (summary keys soak / fuzz / crash / churn)."""
+    rows = []
+    for key, name in RELIABILITY_TESTS.items():
+        t = summary.get(key)
+        if not isinstance(t, dict):
+            continue
+        rows.append({"test": name, "load held": t.get("load"), "faults injected": t.get("faults"),
+                     "bad inputs tried": t.get("bad_inputs"), "divergences": t.get("divergences"),
+                     "service survived": t.get("service_survived"), "data lost": t.get("data_lost")})
+    return pd.DataFrame(rows)

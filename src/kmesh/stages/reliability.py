@@ -50,7 +50,12 @@ def _soak(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
             f["rss_kib_second_half_median"] - f["rss_kib_first_half_median"]
         case.check("rss_bounded", growth is not None and growth <= SOAK_RSS_GROWTH_KIB,
                    {"second_minus_first_half_kib": growth, "limit_kib": SOAK_RSS_GROWTH_KIB})
-        res.extra["soak"] = {k: f[k] for k in ("ops", "verified_loads", "mismatches", "wall_s", "rss_growth_kib")}
+        res.extra["soak"] = {"load": f"{f['ops']} ops by {spec.clients} clients in {f['wall_s']:.0f} s; "
+                                     f"{spec.working_set} objects over a {spec.ram_objects}-object RAM tier",
+                             "faults": f"{f['cancels_sent']} loads cancelled mid-copy",
+                             "bad_inputs": 0, "divergences": f["mismatches"], "service_survived": f["service_alive"],
+                             "data_lost": f["mismatches"] + len(f["objects_wrong"]),
+                             "verified_loads": f["verified_loads"], "rss_growth_kib": growth}
 
 
 def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
@@ -73,8 +78,13 @@ def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
         case.check("every_outcome_reached", not fuzz.MUST_REACH - set(counts), sorted(fuzz.MUST_REACH - set(counts)))
         case.check("service_alive", alive)
         steps = sum(v for k, v in counts.items() if k != "batches")
-        res.extra["fuzz"] = {"steps": steps, "batches": counts.get("batches"),
-                             "divergences": 0 if divergence is None else 1}
+        refused = sum(v for k, v in counts.items() if ":" in k and not k.endswith((":accepted", ":replaced",
+                                                                                      ":evicted", ":kept-retained")))
+        res.extra["fuzz"] = {"load": f"{steps} valid requests in {counts.get('batches')} batch(es) of "
+                                     f"{sec['examples']} sequences",
+                             "faults": f"{counts.get('disconnect', 0)} disconnects", "bad_inputs": refused,
+                             "divergences": 0 if divergence is None else 1, "service_survived": alive,
+                             "data_lost": 0 if divergence is None else None}
 
 
 def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
@@ -89,8 +99,13 @@ def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
                    and f["load_mismatches"] == 0, f["problems"])
         case.check("no_temp_file_left", not [p for p in f["problems"] if "temp_files_left" in p], f["problems"])
         case.check("saves_acknowledged", f["saves_acknowledged"] > 0, f["saves_acknowledged"])
-        res.extra["crash"] = {k: f[k] for k in ("kills", "saves_acknowledged", "committed_unacknowledged",
-                                                 "loads_after_restart_verified", "temp_files_removed")}
+        lost = sum(len(p.get("durable_missing", [])) + len(p.get("adopted_wrong", [])) for p in f["problems"])
+        res.extra["crash"] = {"load": f"{f['saves_acknowledged']} saves acknowledged, {f['loads_verified']} loads; "
+                                      f"{f['loads_after_restart_verified']} loads after restarts",
+                              "faults": f"{f['kills']} service SIGKILLs",
+                              "bad_inputs": f"{f['temp_files_removed']} temp files of interrupted writes",
+                              "divergences": len(f["problems"]), "service_survived": True, "data_lost": lost,
+                              "committed_unacknowledged": f["committed_unacknowledged"]}
 
 
 def _churn(res: Result, cfg: Config, sec: dict[str, Any], work: Path, seed: int) -> None:
@@ -114,7 +129,11 @@ def _churn(res: Result, cfg: Config, sec: dict[str, Any], work: Path, seed: int)
                    f["originals_changed"])
         case.check("service_alive_and_empty", f["service_alive"] and f["registrations_left"] == 0,
                    {"alive": f["service_alive"], "registrations_left": f["registrations_left"]})
-        res.extra["churn"] = {k: f[k] for k in ("kills", "release_s_max", "tokens_equal_after_churn")}
+        res.extra["churn"] = {"load": f"{f['kills']} long requests, each killed while it ran",
+                              "faults": f"{f['kills']} engine SIGKILLs (released within {f['release_s_max']:.2f} s)"
+                              if f["release_s_max"] is not None else f"{f['kills']} engine SIGKILLs",
+                              "bad_inputs": 0, "divergences": int(not f["tokens_equal_after_churn"]),
+                              "service_survived": f["service_alive"], "data_lost": len(f["originals_changed"])}
 
 
 def run(cfg: Config) -> Result:
