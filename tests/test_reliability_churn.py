@@ -1,6 +1,7 @@
 """kmesh.reliability.churn: vLLM engines with KMeshConnector SIGKILLed mid-request; the service releases what each
 held, a new engine serves the reference tokens, no shared original changes (issue 26 item 4). Three engine starts
-(~2 min on the 2-core machine): slow — make test-all runs it; the reliability stage will carry the long form."""
+(~2 min on the 2-core machine): make test leaves it to the reliability stage's churn case (the same
+assertions); make test-all runs it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ from kmesh.reliability.churn import ChurnSpec, run_churn
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.covered_by_stage("reliability", "churn")
 @pytest.mark.timeout(900)
 def test_a_killed_engine_loses_nothing_and_holds_nothing(tmp_path: Path):
     from kmesh.config import load_config

@@ -11,6 +11,7 @@ from kmesh.reliability.crash import CrashSpec, _verify_all, run_crash
 from kmesh.service import descriptor, process
 
 
+@pytest.mark.covered_by_stage("reliability", "crash")
 @pytest.mark.timeout(180)
 def test_kills_during_saves_and_disk_reads_lose_nothing_acknowledged(tmp_path: Path):
     f = run_crash(CrashSpec(kills=3, max_delay_s=0.3, seed=5), tmp_path)

@@ -15,6 +15,7 @@ def test_content_is_deterministic_and_keyed_by_its_digest():
     assert a == content(1, 5, 4096) and a != b and len(a) == 4096 and key_of(a) != key_of(b)
 
 
+@pytest.mark.covered_by_stage("reliability", "soak")
 @pytest.mark.timeout(120)
 def test_a_short_soak_under_memory_pressure_loses_nothing(tmp_path: Path):
     spec = SoakSpec(clients=2, seconds=3.0, object_bytes=65536, working_set=32, ram_objects=8, seed=3)

@@ -22,6 +22,7 @@ def service(tmp_path_factory):
     sp.stop()
 
 
+@pytest.mark.covered_by_stage("reliability", "fuzz")
 @pytest.mark.timeout(max(900, EXAMPLES * STEPS // 10))   # the long form scales it
 def test_valid_request_sequences_follow_the_ownership_model(service):
     counts = fuzz.run_fuzz(service, EXAMPLES, STEPS, seed=20261202)
