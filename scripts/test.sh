@@ -8,7 +8,6 @@
 #   covered_by_stage test names passed.
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
 #   KMESH_TEST_OVERLAY  its overlay over the cpu profile (default: config/overlays/test.yaml)
-#   KMESH_TEST_NICE     niceness of the suite and the slurm test beside the pipeline (default: 5)
 #   args                passed to the suite's pytest run (e.g. -x); `make test-all` runs the whole suite alone
 set -uo pipefail
 # One torch (OpenMP) thread per process: the pipeline's stage, the suite and the processes each starts share 2 cores,
@@ -23,17 +22,12 @@ mkdir -p "$results"
 console="$results/pipeline-console.log"
 slurm_log="$results/slurm-test.log"
 start=$(date +%s)
-# The pipeline is the run's critical path (one stage after another from model to report); the suite and the slurm
-# test have slack. Niced a little, they take the CPU the pipeline leaves and no longer stretch its stages (measured:
-# make test 553 -> 462 s, the pipeline 8 min 53 s -> 7 min 25 s, the suite no slower).
-beside_nice="${KMESH_TEST_NICE:-5}"
 
 python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$overlay" > "$console" 2>&1 &
 pipeline=$!
-nice -n "$beside_nice" python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py \
-  > "$slurm_log" 2>&1 &
+python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py > "$slurm_log" 2>&1 &
 slurm=$!
-KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 nice -n "$beside_nice" python -m pytest -q -m "not slurm and not slow" \
+KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 python -m pytest -q -m "not slurm and not slow" \
   --ignore=tests/test_stage_results.py --ignore=tests/test_slurm_profile.py "$@"
 suite=$?
 wait "$slurm"
