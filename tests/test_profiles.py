@@ -17,7 +17,8 @@ from kmesh.stages import STAGES
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RULES = set(STAGES) | {"all"}   # every stage's rule (kmesh.stages.STAGES), and `all`
-CPU_ONLY = {"sources", "report", "vllm", "all"}   # vllm: the pinned vLLM is the CPU engine
+CPU_ONLY = {"sources", "report", "vllm", "reliability", "all"}   # vllm: the pinned vLLM is the CPU engine; reliability:
+#   the cache service and the CPU engine
 
 
 def _dry_run(profile_dir: str, pipeline_profile: str, tmp_path: Path) -> dict[str, dict[str, str]]:
