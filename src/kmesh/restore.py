@@ -186,11 +186,7 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
     if slots_t.numel() != T:
         raise SlotError(f"{slots_t.numel()} slots for {T} tokens")
     if T:
-        lo, hi = int(slots_t.min()), int(slots_t.max())
-        if lo < -1 or hi >= layout.num_slots:
-            bad = lo if lo < -1 else hi
-            raise SlotRangeError(f"slot {bad} outside [-1, {layout.num_slots}) (num_blocks={layout.num_blocks} "
-                                 f"× block_size={layout.block_size})")
+        check_slot_range(int(slots_t.min()), int(slots_t.max()), layout)
         used = slots_t[slots_t >= 0]
         uniq, counts = torch.unique(used, return_counts=True)
         if uniq.numel() != used.numel():
@@ -205,6 +201,14 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
     inv = torch.tensor(float(1.0 / layout.k_scale), dtype=torch.float32, device=dev)
     return RestorePlan(layout, segment, rope, flat, slots_t, old_t != new_t, cos.contiguous(), sin.contiguous(),
                        first_layer, scale, inv)
+
+
+def check_slot_range(lo: int, hi: int, layout: KVLayout) -> None:
+    """Destination slots (lowest lo, highest hi) lie in [-1, num_slots), -1 being padding; else SlotRangeError."""
+    if lo < -1 or hi >= layout.num_slots:
+        bad = lo if lo < -1 else hi
+        raise SlotRangeError(f"slot {bad} outside [-1, {layout.num_slots}) (num_blocks={layout.num_blocks} "
+                             f"× block_size={layout.block_size})")
 
 
 def check_compatible(layout: KVLayout, dtype: str, heads: int, head_dim: int, head_dim_v: int, k_scale: float,

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from kmesh.layout import KVLayout
-from kmesh.restore import (Index, RestorePlan, _as_index, _destination, _run_torch, capture,
-                           check_compatible)
+from kmesh.restore import (Index, RestorePlan, _as_index, _destination, _run_torch, capture, check_compatible,
+                           check_slot_range)
 from kmesh.restore_errors import (DeviceMismatchError, DuplicateSlotError, LayerRangeError, PositionError,
                                   RestoreError, SegmentError, SlotError, SlotRangeError)
 from kmesh.rope import RopeConfig, host_shift_tables
@@ -208,11 +208,7 @@ def _check_and_upload(layout: KVLayout, src_layout: KVLayout, src_slots: Index, 
     if slots_h.size != T:
         raise SlotError(f"{slots_h.size} slots for {T} tokens")
     if T:
-        lo, hi = int(slots_h.min()), int(slots_h.max())
-        if lo < -1 or hi >= layout.num_slots:
-            bad = lo if lo < -1 else hi
-            raise SlotRangeError(f"slot {bad} outside [-1, {layout.num_slots}) (num_blocks={layout.num_blocks} "
-                                 f"× block_size={layout.block_size})")
+        check_slot_range(int(slots_h.min()), int(slots_h.max()), layout)
         used = np.sort(slots_h[slots_h >= 0])
         repeated = used[1:][used[1:] == used[:-1]]
         if repeated.size:
