@@ -93,7 +93,9 @@ def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
     with res.case("crash", dict(sec)) as case:
         f = run_crash(CrashSpec(**{**sec, "seed": seed}), work / "crash")
         case.record("figures", f)
-        case.check("every_kill_made", f["kills"] == int(sec["kills"]), f["kills"])
+        cut = sum(v for k, v in f["counters"].items() if k.startswith("client_cut:"))
+        case.check("every_kill_cut_a_working_client", f["kills"] == int(sec["kills"]) == cut,
+                   {"kills": f["kills"], "client_connections_cut": cut})
         case.check("durable_saves_survive", not [p for p in f["problems"] if "durable_missing" in p], f["problems"])
         case.check("adopted_objects_verify", not [p for p in f["problems"] if "adopted_wrong" in p]
                    and f["load_mismatches"] == 0, f["problems"])
