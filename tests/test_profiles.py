@@ -17,7 +17,7 @@ from kmesh.stages import STAGES
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RULES = set(STAGES) | {"all"}   # every stage's rule (kmesh.stages.STAGES), and `all`
-CPU_ONLY = {"sources", "report", "vllm", "reliability", "all"}   # vllm: the pinned vLLM is the CPU engine; reliability:
+CPU_ONLY = {"sources", "report", "vllm", "peers", "reliability", "all"}   # vllm, peers: the pinned vLLM (and LMCache) run on the CPU; reliability:
 #   the cache service and the CPU engine
 
 

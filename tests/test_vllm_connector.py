@@ -368,7 +368,7 @@ def _out(tokens, logprobs, supplied, req_id="0", **kmesh):
 
 
 def test_agreement_tokens_and_every_tokens_logprob():
-    from kmesh.stages.vllm.prompts import agreement
+    from kmesh.vllm.outputs import agreement
 
     ref = _out([5, 6, 7], [-0.1, -0.2, -0.3], 0)
     assert agreement(ref, ref).within(1e-9)
@@ -383,7 +383,7 @@ def test_agreement_tokens_and_every_tokens_logprob():
 def test_agreement_with_the_runner_reference():
     import torch
 
-    from kmesh.stages.vllm.prompts import RunnerDecode, agreement
+    from kmesh.vllm.outputs import RunnerDecode, agreement
 
     logits = [torch.tensor([0.0, 2.0, 1.0]), torch.tensor([3.0, 0.0, 0.0])]
     ref = RunnerDecode([1, 0], logits)
@@ -423,7 +423,7 @@ def _interior_fixture():
 
     import torch
 
-    from kmesh.stages.vllm.prompts import RunnerDecode
+    from kmesh.vllm.outputs import RunnerDecode
 
     def child(name, n, end):
         return SimpleNamespace(name=name, ids=tuple(range(n)), placements=(SimpleNamespace(end=end),) * 2)
@@ -624,14 +624,15 @@ def test_loaded_kv_is_really_used(rig):
 def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.model.blend import RepairConfig
     from kmesh.stages.vllm import prompts as vp
+    from kmesh.vllm import outputs as vo
     from kmesh.vllm.repair import load_runner
     from kmesh.workload import HFTokenizer, WorkloadSpec, build
 
     wl = build(HFTokenizer(rig["tok"]), 0, WorkloadSpec(prompt_tokens=320, segment_tokens=(96, 64), children=1))
-    lead = rig["kmesh"].generate([list(wl.leader_ids)], 1, params=[{"kmesh_save_segments": vp.save_spans(wl)}])[0]
+    lead = rig["kmesh"].generate([list(wl.leader_ids)], 1, params=[{"kmesh_save_segments": vo.save_spans(wl)}])[0]
     assert lead["kmesh"]["saving"] == 2
     ch = wl.children[0]
-    got = rig["kmesh"].generate([list(ch.ids)], MAX_NEW, params=[{"kmesh_segments": vp.child_spans(ch)}],
+    got = rig["kmesh"].generate([list(ch.ids)], MAX_NEW, params=[{"kmesh_segments": vo.child_spans(ch)}],
                                 logprobs=20)[0]
     rep = got["kmesh"]
     end = min(ch.placements[-1].end, len(ch.ids) - 1)
@@ -645,9 +646,9 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.stages.vllm.stored import stored_segments
 
     st = rig["kmesh"].stats()
-    placed = stored_segments(str(rig["sp"].socket_path), st, ch.ids, vp.child_spans(ch), end)
+    placed = stored_segments(str(rig["sp"].socket_path), st, ch.ids, vo.child_spans(ch), end)
     ours = vp.runner_repair(load_runner(model_dir), ch.ids, placed, end, RepairConfig(), MAX_NEW)
-    agree = vp.agreement(got, ours)
+    agree = vo.agreement(got, ours)
     assert agree.tokens_equal and agree.steps_compared == len(got["tokens"]), (got["tokens"], ours.tokens)
     assert agree.within(1e-3), agree          # measured ~2e-5; KV not written (skip_write) gives > 1 nat
 

@@ -14,7 +14,7 @@ OVERLAY = config.get("overlay")
 GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "group", "vllm", "restore_bench", "reliability"]
+          "group", "vllm", "peers", "restore_bench", "reliability"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
@@ -37,6 +37,9 @@ STAGE_CODE = {
     "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
     "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_gather.py", "restore_errors.py", "cuda/*.py"],
     "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
+    "peers": ["vllm/*.py", "service/*.py", "transfer/*.py", "shm.py", "workload.py", "model/*.py", "layout.py",
+              "rope.py", "restore.py", "restore_errors.py", "segments.py", "integrity/*.py", "sources/__init__.py",
+              "sources/digest.py"],
     "reliability": ["reliability/*.py", "service/*.py", "storage/*.py", "vllm/*.py", "model/*.py", "shm.py",
                     "transfer/*.py", "integrity/*.py", "layout.py", "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],

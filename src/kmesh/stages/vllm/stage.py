@@ -50,12 +50,12 @@ from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Case, Result
 from kmesh.service import process
 from kmesh.stages.vllm.faults import store_bad_prefix
-from kmesh.stages.vllm.prompts import (RunnerDecode, agreement, child_spans, logprob_gap, runner_full, runner_repair,
-                                       save_spans, tokens_of, topk_overlap)
+from kmesh.stages.vllm.prompts import logprob_gap, runner_full, runner_repair, topk_overlap
 from kmesh.stages.vllm.refusals import accepted, refusals
 from kmesh.stages.vllm.stored import stored_segments
 from kmesh.vllm.connector import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
+from kmesh.vllm.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
 from kmesh.vllm.repair import kv_digest
 from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
@@ -244,15 +244,6 @@ def _exact(res: Result, workload: Workload, base: EngineProcess, kmesh: EnginePr
                                      "logprob_diff_max": max(a.max_logprob_diff for a in vs_runner)}}
     out.setdefault("summary", {})
     return out
-
-
-def repairs_by_request(outputs: list[dict[str, Any]], repairs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The connector's repair records of each output, matched by the engine's request id (the output's kmesh
-    report carries it), never by position in the list: one list per output (exactly one repair expected)."""
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for rep in repairs:
-        by_id.setdefault(str(rep["req_id"]), []).append(rep)
-    return [by_id.get(str((o.get("kmesh") or {}).get("req_id")), []) for o in outputs]
 
 
 def interior_checks(case: Case, workload: Workload, got: list[dict[str, Any]], repairs: list[list[dict[str, Any]]],

@@ -1,0 +1,144 @@
+"""The two cache servers the peers stage puts side by side, behind one interface, so every case and fault scenario
+runs the same steps against both: LMCache's MP server (lmcache_server.LMCacheServer) and KMesh's cache service
+(kmesh.service.process).
+
+    peer.start() / peer.kill() / peer.alive()
+    peer.engine(tag)                      # a vLLM engine process with this peer's connector (kmesh.vllm.engine)
+    peer.params()                         # per-request kv_transfer_params asking the peer for its own statistics
+    peer.reused(output)                   # tokens the peer reports it supplied for that request (its own count)
+    peer.holdings(pids)                   # what the server holds now, by its own status API
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kmesh.service import process
+from kmesh.stages.peers.lmcache_server import LMCacheServer
+from kmesh.vllm.engine import WORKAROUNDS, EngineProcess
+
+
+class Peer:
+    name = ""
+
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any]) -> None:
+        self.model_dir = model_dir
+        self.workdir = workdir
+        self.common = common            # the engine settings every arm shares (dtype, thread binding)
+        self.engines = 0
+
+    def _log(self, tag: str) -> Path:
+        self.engines += 1
+        return self.workdir / f"engine-{self.name}-{tag}-{self.engines}.log"
+
+
+class LMCachePeer(Peer):
+    """LMCache 0.5.6's MP server + LMCacheMPConnector in the engine (its CPU path: engine-driven transfer)."""
+    name = "lmcache"
+    workarounds = ("vllm_dispatcher_vars_nondict",)
+
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
+        super().__init__(model_dir, workdir, common)
+        self.server = LMCacheServer(workdir, settings)
+        # the same failure policy as KMesh's arm (kmesh.vllm.engine.CONNECTOR): a failed load is recomputed
+        self.failure_policy = "recompute"
+
+    def describe(self) -> dict[str, Any]:
+        return {"server_command": self.server.command()[1:], "engine_kv_transfer": self._kv_transfer(),
+                "workarounds": {w: WORKAROUNDS[w] for w in self.workarounds}, "lmcache": self.server.version()}
+
+    def start(self) -> float:
+        return self.server.start()
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def _kv_transfer(self) -> dict[str, Any]:
+        return {**self.server.kv_transfer(), "kv_load_failure_policy": self.failure_policy}
+
+    def engine(self, tag: str, wait: bool = True) -> EngineProcess:
+        return EngineProcess(self.model_dir, None, kv_transfer=self._kv_transfer(), workarounds=self.workarounds,
+                             log_path=self._log(tag), wait=wait, env={"LMCACHE_TRACK_USAGE": "false",
+                                                                      "DO_NOT_TRACK": "1"}, **self.common)
+
+    def params(self) -> dict[str, Any]:
+        return {"cached_token_stats": True}
+
+    def reused(self, out: dict[str, Any]) -> int | None:
+        stats = (out.get("peer") or {}).get("cached_token_stats")
+        return None if stats is None else int(stats["num_lmcache_cached_tokens"])
+
+    def holdings(self, pids: dict[str, int]) -> dict[str, Any]:
+        if not self.alive():
+            return {"server": "down"}
+        return self.server.status()
+
+
+class KMeshPeer(Peer):
+    """KMesh's cache service + KMeshConnector in the engine."""
+    name = "kmesh"
+
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
+        super().__init__(model_dir, workdir, common)
+        self.settings = dict(settings)
+        self.service: process.ServiceProcess | None = None
+        self.runtime = workdir / "svc"
+        self.starts: list[float] = []
+
+    def describe(self) -> dict[str, Any]:
+        return {"service": {"store_bytes": int(self.settings["store_bytes"])},
+                "engine_extra": self._extra() if self.service is not None else None, "workarounds": {}}
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        self.service = process.start(self.runtime, store_bytes=int(self.settings["store_bytes"]))
+        self.starts.append(time.monotonic() - t0)
+        return self.starts[-1]
+
+    def kill(self) -> None:
+        if self.service is not None and self.service.proc.poll() is None:
+            self.service.proc.kill()
+            self.service.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+
+    def alive(self) -> bool:
+        return self.service is not None and self.service.proc.poll() is None
+
+    def _extra(self) -> dict[str, Any]:
+        if self.service is None:
+            raise RuntimeError("start the KMesh service before its engines")
+        return {"socket": str(self.service.socket_path),
+                "staging_blocks": int(self.settings["staging_blocks"]), "retry_s": float(self.settings["retry_s"]),
+                "repair": dict(self.settings["repair"]), "repair_model": str(self.model_dir)}
+
+    def engine(self, tag: str, wait: bool = True) -> EngineProcess:
+        return EngineProcess(self.model_dir, self._extra(), log_path=self._log(tag), wait=wait, **self.common)
+
+    def params(self) -> dict[str, Any] | None:
+        return None
+
+    def reused(self, out: dict[str, Any]) -> int | None:
+        report = out.get("kmesh")
+        return None if report is None else int(report["tokens_supplied"])
+
+    def holdings(self, pids: dict[str, int]) -> dict[str, Any]:
+        if not self.alive():
+            return {"server": "down"}
+        with self.service.admin_client(name="kmesh-peers-stage") as admin:
+            st = admin.status("all")
+        mine = {c["client"]: c.get("pid") for c in st["clients"]}
+        by_engine = {tag: sorted({r["client"] for r in st["registrations"] if mine.get(r["client"]) == pid})
+                     for tag, pid in pids.items()}
+        return {"clients_live": st["counts"]["clients_live"], "registrations": st["counts"]["registrations"],
+                "objects": st["store"]["nobjects"], "requests_running": st["counts"]["requests_running"],
+                "clients_with_registrations_by_engine": by_engine, "consistent": st["consistent"]}

