@@ -106,6 +106,7 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
         return {(stage, a["case"]) for stage, sec in cfg.data.items() if isinstance(sec, dict)
                 for a in sec.get("allow_skips", [])}
 
+    from kmesh.stages.peers.stage import ENGINE_CASES as PEER_CASES
     from kmesh.stages.vllm.stage import ENGINE_CASES
 
     assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests"),
@@ -116,7 +117,8 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
                                ("storage", "arrival-direct"),   # only when cuFile cannot run there
                                ("model", "smollm2-*"), ("model", "qwen2-checkpoint"),
                                ("reliability", "churn"),        # engine churn needs the CPU vLLM
-                               *(("vllm", case_id) for case_id in ENGINE_CASES)}
+                               *(("vllm", case_id) for case_id in ENGINE_CASES),
+                               *(("peers", case_id) for case_id in PEER_CASES)}   # neither vLLM nor LMCache there
 
 
 def test_overlay_changes_sizes_and_is_recorded(tmp_path):

@@ -92,6 +92,36 @@ def test_vllm_disabled_skips_every_engine_case_allowed_only_where_the_profile_sa
         assert not s["ok"] and len(s["skips_unallowed"]) == len(vllm_stage.ENGINE_CASES)
 
 
+# --- peers.enabled --------------------------------------------------------------------------------------------------
+
+def test_peers_cases_list_every_case_the_stage_runs():
+    from kmesh.stages.peers.stage import CASES
+
+    assert _literal_case_ids(ROOT / "src" / "kmesh" / "stages" / "peers" / "stage.py") == set(CASES)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda"])
+def test_peers_disabled_skips_every_case_allowed_only_where_the_profile_says_why(profile, tmp_path):
+    from kmesh.stages import peers
+
+    cfg = load_config(profile=profile, overrides={"results_dir": str(tmp_path), "peers": {"enabled": False}})
+    res = peers.run(cfg)
+    from kmesh.stages.peers.stage import CASES
+
+    from kmesh.stages.peers.stage import ENGINE_CASES
+
+    by_id = {c.id: c for c in res.cases}
+    assert list(by_id) == list(CASES) == ["arms-alike", *ENGINE_CASES]
+    assert by_id["arms-alike"].passed is True           # engine-free: runs on any host
+    assert all(by_id[i].skipped == "peers.enabled: false (disabled by config)" for i in ENGINE_CASES)
+    s = res.summary()
+    if profile == "cuda":     # neither vLLM nor LMCache on the GPU host: its profile allows each skip, with why
+        assert s["ok"] and {a["case"] for a in s["skips_allowed"]} == set(ENGINE_CASES)
+        assert all("no vLLM and no LMCache" in a["reason"] for a in s["skips_allowed"])
+    else:                     # the cpu profile runs all three arms: switching them off cannot pass the stage
+        assert not s["ok"] and len(s["skips_unallowed"]) == len(ENGINE_CASES)
+
+
 # --- storage.checksums, storage.read_once_service -------------------------------------------------------------------
 
 def test_checksums_null_skips_every_checksum_case():

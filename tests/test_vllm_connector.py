@@ -162,6 +162,32 @@ def test_scheduler_saved_keys_bounded_and_no_resave_of_a_recent_prefix():
     assert k1 in store and len(conn._saved_keys) <= 8
 
 
+def test_scheduler_saves_every_block_again_after_the_service_restarted():
+    """Found by the peers stage: after a service restart the scheduler still remembered every block as saved; a lookup
+    miss forgot only the first, so each request re-saved one block (the repeat reused 128 of 640 tokens)."""
+    conn, store = _scheduler({})
+    conn.link.sessions = 1
+    prompt = [3000 + i for i in range(5 * BS_SCHED + 1)]            # 5 full blocks
+    assert len(_step(conn, store, {"cold": prompt})[1]) == 5
+    assert _step(conn, store, {"warm": prompt}) == ({"warm": 5 * BS_SCHED}, [])
+    store.clear()                                                    # the service restarted: it holds nothing
+    conn.link.sessions = 2                                           # and the link connected to it anew
+    supplied, saved = _step(conn, store, {"after": prompt})
+    assert supplied == {"after": 0} and len(saved) == 5              # old code: 1
+    assert _step(conn, store, {"again": prompt}) == ({"again": 5 * BS_SCHED}, [])
+
+
+def test_scheduler_a_missing_block_resaves_the_rest_of_the_prompt_on_the_same_link():
+    """A store that lost a prefix's records without a reconnect (evicted under pressure): the first miss cuts the
+    chain, so every later block of the prompt is saved again, not one block per request."""
+    conn, store = _scheduler({})
+    prompt = [4000 + i for i in range(4 * BS_SCHED + 1)]
+    assert len(_step(conn, store, {"cold": prompt})[1]) == 4
+    store.clear()
+    assert len(_step(conn, store, {"after": prompt})[1]) == 4       # old code: 1
+    assert _step(conn, store, {"again": prompt}) == ({"again": 4 * BS_SCHED}, [])
+
+
 def test_scheduler_saved_keys_a_repeated_prefix_stays_recent():
     """Being asked to save a remembered key again makes it recent: a prompt repeated between others keeps its
     never-looked-up last block remembered, where a first-in-first-out memory would drop it and save it again."""

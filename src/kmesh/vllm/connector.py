@@ -164,6 +164,7 @@ class KMeshConnector(KVConnectorBase_V1):
         self._reports: dict[str, dict[str, Any]] = {}
         # prefix keys stored or planned: spares a save, bounded (a forgotten key costs one refused save)
         self._saved_keys = RecentKeys(int(extra.get("saved_keys", 16384)))
+        self._link_session = 0           # the link session _saved_keys belongs to
         # worker state
         self._load_errors: set[int] = set()
         self._save_slots: list[tuple[Item, torch.Tensor, int, torch.Tensor]] = []
@@ -229,6 +230,10 @@ class KMeshConnector(KVConnectorBase_V1):
         if not self.link.connect():
             self._reports[request.request_id]["service"] = "down"
             return 0, False
+        session = getattr(self.link, "sessions", 0)
+        if session != self._link_session:      # connected anew: what the old connection saved may be gone
+            self._saved_keys.clear()
+            self._link_session = session
         try:
             with self._timed("lookup"):
                 if "kmesh_segments" in params:
@@ -263,7 +268,10 @@ class KMeshConnector(KVConnectorBase_V1):
             toks = tuple(prompt[i * bs:(i + 1) * bs])
             rec = self._read_record(key)
             if rec is None:
-                self._saved_keys.discard(key)     # not stored (evicted, or its save never happened): save again
+                # not stored (evicted, its save never happened, the service restarted): save it again, and every
+                # later block of the prompt too (the chain is cut here; what follows may be gone as well)
+                for later in prefix_keys(self.ns, prompt, bs, len(prompt) // bs)[i:]:
+                    self._saved_keys.discard(later)
                 break
             if not rec.matches(KIND_PREFIX, toks, i * bs):
                 break

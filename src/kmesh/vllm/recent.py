@@ -3,7 +3,10 @@
 It only spares work: a forgotten key costs one redundant save attempt (the service refuses an original that
 exists, so the payload is never stored twice), a remembered one that is no longer stored costs a missed save.
 So it may forget the least recently used keys to stay within `capacity`, and the connector forgets a key the
-moment a lookup finds no record for it (evicted from the service, or its save was skipped or failed).
+moment a lookup finds no record for it (evicted from the service, or its save was skipped or failed), together with
+every later block of that prompt (a prefix chain is only usable up to its first missing block, and what follows it
+may be gone too), and forgets everything when its link connects to the service anew (a restarted service holds
+nothing of what the old one stored).
 """
 from __future__ import annotations
 
@@ -42,3 +45,6 @@ class RecentKeys:
 
     def discard(self, key: bytes) -> None:
         self._keys.pop(key, None)
+
+    def clear(self) -> None:
+        self._keys.clear()

@@ -16,7 +16,7 @@ from typing import Any
 
 from kmesh.service import process
 from kmesh.stages.peers.lmcache_server import LMCacheServer
-from kmesh.vllm.engine import WORKAROUNDS, EngineProcess
+from kmesh.vllm.engine import WORKAROUNDS, EngineProcess, llm_kwargs
 
 
 class Peer:
@@ -62,6 +62,10 @@ class LMCachePeer(Peer):
 
     def _kv_transfer(self) -> dict[str, Any]:
         return {**self.server.kv_transfer(), "kv_load_failure_policy": self.failure_policy}
+
+    def engine_spec(self) -> dict[str, Any]:
+        """What engine() passes to vLLM's LLM(...) (kmesh.vllm.engine.llm_kwargs), without starting anything."""
+        return llm_kwargs(str(self.model_dir), None, self.common["dtype"], kv_transfer=self._kv_transfer())
 
     def engine(self, tag: str, wait: bool = True) -> EngineProcess:
         return EngineProcess(self.model_dir, None, kv_transfer=self._kv_transfer(), workarounds=self.workarounds,
@@ -120,6 +124,10 @@ class KMeshPeer(Peer):
         return {"socket": str(self.service.socket_path),
                 "staging_blocks": int(self.settings["staging_blocks"]), "retry_s": float(self.settings["retry_s"]),
                 "repair": dict(self.settings["repair"]), "repair_model": str(self.model_dir)}
+
+    def engine_spec(self) -> dict[str, Any]:
+        extra = self._extra() if self.service is not None else {"socket": "(the service's socket)"}
+        return llm_kwargs(str(self.model_dir), extra, self.common["dtype"])
 
     def engine(self, tag: str, wait: bool = True) -> EngineProcess:
         return EngineProcess(self.model_dir, self._extra(), log_path=self._log(tag), wait=wait, **self.common)

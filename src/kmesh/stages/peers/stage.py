@@ -5,6 +5,8 @@ Three arms, each its own engine process, started once and reused (kmesh.vllm.eng
 binding, enforce_eager, no prefix cache in the engine, greedy): `vllm` (no connector), `lmcache` (LMCache's MP server
 started by the stage on loopback as its users start it, LMCacheMPConnector in the engine), `kmesh` (our cache service,
 KMeshConnector). Both connectors recompute a failed load (kv_load_failure_policy "recompute"). Cases:
+  arms-alike     engine-free (runs on any host): the three arms' vLLM settings are the same but for the connector,
+                 both connectors recompute a failed load, LMCache's server binds loopback only with its telemetry off
   setup          both servers up, three engines in three processes; LMCache's command, connector config and the one
                  runtime workaround its engine needs (kmesh.vllm.engine.WORKAROUNDS) recorded
   exact-reuse    a prompt requested cold (stores), again (reuses), and again with a different suffix (reuses the shared
@@ -38,14 +40,15 @@ from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Result
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
-from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout
+from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.vllm.outputs import agreement, child_spans, repairs_by_request, save_spans
 from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 ARMS = ("vllm", "lmcache", "kmesh")
 PEERS = ("lmcache", "kmesh")
-CASES = ("setup", "exact-reuse", "ttft-exact", "interior", "ttft-interior", "fault-second-engine",
+ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "interior", "ttft-interior", "fault-second-engine",
          "fault-engine-killed-while-storing", "fault-server-killed-mid-load", "fault-server-restarted")
+CASES = ("arms-alike", *ENGINE_CASES)
 
 
 class Arms:
@@ -70,15 +73,17 @@ class Arms:
 def run(cfg: Config) -> Result:
     res = Result.begin("peers", cfg)
     sec = cfg.section("peers")
-    if not sec["enabled"]:
-        res.extra["engine"] = "disabled by peers.enabled (this host has no vLLM/LMCache)"
-        res.disabled("peers.enabled", False, CASES)
-        return res
     model_dir = converted_dir(cfg)
     workdir = Path(tempfile.mkdtemp(prefix="kmesh-peers-"))      # short: socket paths max 107 bytes
     common = {"dtype": sec["dtype"], "threads_bind": str(sec["threads_bind"])}
     peers: dict[str, Peer] = {"lmcache": LMCachePeer(model_dir, workdir, common, sec["lmcache"]),
                               "kmesh": KMeshPeer(model_dir, workdir, common, sec["kmesh"])}
+    _arms_alike(res, model_dir, common, peers)
+    if not sec["enabled"]:
+        shutil.rmtree(workdir, ignore_errors=True)
+        res.extra["engine"] = "disabled by peers.enabled (this host has no vLLM/LMCache)"
+        res.disabled("peers.enabled", False, ENGINE_CASES)
+        return res
     arms = Arms(peers)
     summary: dict[str, Any] = {"arms": list(ARMS)}
     try:
@@ -120,6 +125,25 @@ def run(cfg: Config) -> Result:
         shutil.rmtree(workdir, ignore_errors=True)
     res.extra.update(summary)
     return res
+
+
+def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dict[str, Peer]) -> None:
+    """The comparison's fairness, checked before any engine runs: the same vLLM settings for every arm but the
+    connector, the same failure policy for both connectors, LMCache's server on loopback with its telemetry off."""
+    with res.case("arms-alike", {}) as case:
+        specs = {"vllm": llm_kwargs(str(model_dir), None, common["dtype"]),
+                 **{name: peer.engine_spec() for name, peer in peers.items()}}
+        plain = {arm: {k: v for k, v in spec.items() if k != "kv_transfer_config"} for arm, spec in specs.items()}
+        case.check("same_engine_settings_but_the_connector", plain["lmcache"] == plain["vllm"] == plain["kmesh"],
+                   value=plain)
+        policies = {name: specs[name]["kv_transfer_config"].get("kv_load_failure_policy") for name in peers}
+        case.check("both_connectors_recompute_a_failed_load", set(policies.values()) == {"recompute"}, value=policies)
+        server = peers["lmcache"].server
+        cmd, env = server.command(), server.env()
+        hosts = [cmd[i + 1] for i, a in enumerate(cmd) if a in ("--host", "--http-host")]
+        case.check("lmcache_server_on_loopback_only", hosts == ["127.0.0.1", "127.0.0.1"], value=cmd)
+        case.check("lmcache_telemetry_off", (env.get("LMCACHE_TRACK_USAGE"), env.get("DO_NOT_TRACK")) == ("false", "1"),
+                   value={k: env.get(k) for k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
 
 
 def _interior_spec(cfg: Config, sec: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +292,7 @@ def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, ar
         _save_leader(arms, workload)
         ids = [list(c.ids) for c in kids]
         ref = _request(None, arms.engines["vllm"], ids, n_new)
-        rows: dict[str, Any] = {"vllm": _quality_rows(tok, kids, ref, ref, [0] * len(kids))}
+        rows: dict[str, Any] = {}                      # vllm's outputs are the reference of the other two
         for name, peer in arms.peers.items():
             params = [{"kmesh_segments": child_spans(c)} for c in kids] if name == "kmesh" else None
             got = _request(peer, arms.engines[name], ids, n_new, params=params)
@@ -490,9 +514,10 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
                           "holds": peer.holdings({"main": eng.pid}), "engine_alive": eng.proc.poll() is None}
             case.check(f"{name}_server_up_again", peer.alive())
         km = rows["kmesh"]
-        case.check("kmesh_reused_again_after_restart",
+        before = exact["summary"]["arms"]["kmesh"]["reused"]["repeat"]
+        case.check("kmesh_reused_as_much_again_after_restart",
                    km["first"].get("tokens_right") is True and km["again"].get("tokens_right") is True
-                   and (km["again"].get("reused") or 0) > 0, value=km)
+                   and km["again"].get("reused") == before > 0, value={**km, "reused_before_restart": before})
         case.record("outcomes", rows)
         out["server-restarted"] = rows
     return _fault_table(out)

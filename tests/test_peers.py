@@ -1,0 +1,89 @@
+"""The peers stage's parts without an engine: LMCache's real MP server (started as the stage starts it), its own
+statistics as the stage reads them, and the engine process's bounded replies. The whole stage (three engines) runs in
+make test's pipeline (stage peers)."""
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+from kmesh.stages.peers.lmcache_server import METRICS, LMCacheServer, Mark, parse_metrics
+from kmesh.vllm.engine import WORKAROUNDS, EngineError, EngineProcess, EngineTimeout, llm_kwargs
+
+SETTINGS = {"chunk_size": 256, "l1_size_gb": 0.05, "eviction_policy": "LRU", "transfer_mode": "auto",
+            "engine_extra": {"lmcache.mp.mq_timeout": 5.0}}
+needs_lmcache = pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="LMCache is not installed")
+
+
+def test_parse_metrics_sums_label_sets_and_ignores_the_rest():
+    text = "\n".join([
+        "# HELP lmcache_mp_lookup_hit_tokens_total hits",
+        "# TYPE lmcache_mp_lookup_hit_tokens_total counter",
+        'lmcache_mp_lookup_hit_tokens_total{cache_salt="",model_name="a"} 256.0',
+        'lmcache_mp_lookup_hit_tokens_total{cache_salt="",model_name="b"} 512.0',
+        'lmcache_mp_lookup_hit_tokens_created{model_name="a"} 1.7e9',     # not a counter we read
+        "lmcache_mp_l1_write_chunks_total 3",
+        'lmcache_mp_l1_read_chunks_total{l1_tag="_default"} 2.0',
+    ])
+    got = parse_metrics(text)
+    assert got["lookup_hit_tokens"] == 768 and got["l1_write_chunks"] == 3 and got["l1_read_chunks"] == 2
+    assert got["lookup_requested_tokens"] == 0 and set(got) == set(METRICS)
+
+
+def test_counted_reads_its_own_log_lines_since_the_mark(tmp_path):
+    server = LMCacheServer(tmp_path, SETTINGS)
+    server.generation = 1                 # as after start(): the log of the first server generation
+    server.log_path.write_text("x Stored 768 tokens in 0.8 seconds\n")
+    mark = server.mark()
+    with open(server.log_path, "a") as f:
+        f.write("\x1b[32mLMCache INFO:\x1b[0m Retrieved 512 tokens in 0.3 seconds (engine_driven_transfer.py)\n"
+                "Stored 256 tokens in 0.1 seconds\nRetrieved 256 tokens in 0.1 seconds\n")
+    assert server.counted(mark, settle_s=0.5) == {"stored_tokens_logged": 256, "retrieved_tokens_logged": 768}
+    # a mark from an earlier server generation counts this generation's log from its start
+    assert server.counted(Mark(0, 0, {}), settle_s=0.5)["stored_tokens_logged"] == 1024
+
+
+@needs_lmcache
+def test_real_lmcache_server_on_loopback_answers_status_and_metrics_then_dies_by_kill(tmp_path):
+    server = LMCacheServer(tmp_path, SETTINGS)
+    try:
+        started = server.start()
+        assert started > 0 and server.alive()
+        st = server.status()
+        assert st["healthy"] is True and st["chunk_size"] == 256 and st["instances"] == [] and st["l1_objects"] == 0
+        assert set(server.metrics()) == set(METRICS)
+        mark = server.mark()
+        assert server.counted(mark, settle_s=0.5)["lookup_hit_tokens"] == 0
+        assert server.kill() == -9 and not server.alive()
+        with pytest.raises(OSError):
+            server.status()
+        # a restart is a new generation with a new log, on the same address
+        port = server.port
+        server.start()
+        assert server.generation == 2 and server.port == port and server.status()["healthy"] is True
+    finally:
+        server.kill()
+
+
+def test_engine_reply_is_awaited_with_a_bound(tmp_path):
+    # vLLM takes seconds to import and start: a 0.2 s bound on the start reply must raise, not block
+    eng = EngineProcess(tmp_path / "no-model", None, start_timeout_s=0.2, log_path=tmp_path / "engine.log",
+                        wait=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineTimeout, match="did not answer 'start' within 0.2 s"):
+            eng.ready()
+        assert time.monotonic() - t0 < 30
+    finally:
+        assert eng.kill() == -9
+
+
+def test_engine_refuses_an_unknown_workaround_and_two_connectors(tmp_path):
+    with pytest.raises(EngineError, match="unknown engine workaround"):
+        EngineProcess(tmp_path, None, workarounds=("patch_everything",))
+    with pytest.raises(EngineError, match="one connector"):
+        llm_kwargs("m", {"socket": "s"}, kv_transfer={"kv_connector": "LMCacheMPConnector"})
+    assert "vllm_dispatcher_vars_nondict" in WORKAROUNDS
+    kw = llm_kwargs("m", None, kv_transfer={"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"})
+    assert kw["kv_transfer_config"]["kv_connector"] == "LMCacheMPConnector" and not kw["enable_prefix_caching"]
