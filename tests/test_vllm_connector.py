@@ -143,11 +143,11 @@ def test_scheduler_saved_keys_bounded_and_no_resave_of_a_recent_prefix():
     assert _step(conn, store, {"again": prompts[-1]}) == ({"again": 8}, [])
     # a long-forgotten one whose records are still stored: found by lookup, not saved again either
     assert _step(conn, store, {"old": prompts[0]}) == ({"old": 8}, [])
-    # a prompt of whole blocks: its last block is saved but never looked up (the engine computes the last
-    # token); only the memory of recent saves keeps a repeat from saving it again
+    # a prompt of whole blocks: both blocks saved; a repeat is supplied up to its last token (the engine computes
+    # that one), its last block loaded partly, and nothing is saved again
     whole = [7, 7, 7, 7, 8, 8, 8, 8]
     assert len(_step(conn, store, {"w1": whole})[1]) == 2
-    assert _step(conn, store, {"w2": whole}) == ({"w2": 4}, [])
+    assert _step(conn, store, {"w2": whole}) == ({"w2": 7}, [])
     # the same new prompt twice in one step: saved once
     twin = [5] * (2 * BS_SCHED)
     supplied, saved = _step(conn, store, {"t1": twin, "t2": twin})
@@ -197,9 +197,9 @@ def test_scheduler_saved_keys_a_repeated_prefix_stays_recent():
     assert len(_step(conn, store, {"w": whole})[1]) == 2
     for n in range(3):
         assert len(_step(conn, store, {f"o{n}": others[n]})[1]) == 2        # 8 keys remembered now
-    assert _step(conn, store, {"w": whole}) == ({"w": 4}, [])
+    assert _step(conn, store, {"w": whole}) == ({"w": 7}, [])
     assert len(_step(conn, store, {"o3": others[3]})[1]) == 2               # drops the 2 least recent
-    assert _step(conn, store, {"w": whole}) == ({"w": 4}, [])
+    assert _step(conn, store, {"w": whole}) == ({"w": 7}, [])
 
 
 def test_scheduler_saved_keys_default_capacity():

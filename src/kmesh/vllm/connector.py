@@ -262,7 +262,9 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def _prefix_plan(self, req_id: str, prompt: list[int], computed: int) -> LoadPlan | None:
         bs = self.block_size
-        blocks = (len(prompt) - 1) // bs          # the engine must compute at least the last prompt token
+        # every whole block of the prompt that is stored, the last one too: the engine must compute at least the last
+        # prompt token, so a prompt of whole blocks is supplied up to that token and its last block loaded partly
+        blocks = len(prompt) // bs
         items = []
         for i, key in enumerate(prefix_keys(self.ns, prompt, bs, blocks)):
             toks = tuple(prompt[i * bs:(i + 1) * bs])
@@ -280,7 +282,7 @@ class KMeshConnector(KVConnectorBase_V1):
         if not items:
             return None
         first = computed // bs
-        return LoadPlan(req_id, "prefix", len(items) * bs, first * bs, items[first:])
+        return LoadPlan(req_id, "prefix", min(len(items) * bs, len(prompt) - 1), first * bs, items[first:])
 
     def _interior_plan(self, req_id: str, prompt: list[int], raw: Any, computed: int) -> LoadPlan | None:
         spans = parse_spans(raw, len(prompt))
@@ -460,9 +462,11 @@ class KMeshConnector(KVConnectorBase_V1):
                 good += 1
             if good:
                 w = self._window("load")
-                pos = torch.arange(chunk[0].start, chunk[0].start + good * bs)
+                # the claimed positions only: a partly supplied last block leaves the engine's own slots to it
+                n = min(good * bs, plan.num_tokens - chunk[0].start)
+                pos = torch.arange(chunk[0].start, chunk[0].start + n)
                 with self._timed("restore"):
-                    seg = capture(w.tensor, w.layout, torch.arange(good * bs), pos)
+                    seg = capture(w.tensor, w.layout, torch.arange(n), pos)
                     if self._writes_engine():
                         restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
                                 self.rope)
@@ -479,7 +483,8 @@ class KMeshConnector(KVConnectorBase_V1):
             if self._fetch(it) is None:
                 missing.append(it.start)         # not restored: the repair computes these positions
                 continue
-            seg = placed_segment(self._window("load"), it.record, it.start, plan.num_tokens)
+            with self._timed("place"):
+                seg = placed_segment(self._window("load"), it.record, it.start, plan.num_tokens)
             if seg is not None:
                 placed.append(seg)
         runner = self._repair_runner()
@@ -487,11 +492,13 @@ class KMeshConnector(KVConnectorBase_V1):
             rep = repair_span(runner, plan.span, placed, self._repair_config())
         pos = torch.arange(plan.num_tokens)
         if self._writes_engine():
-            write_span(self.engine.raw, self.engine.layout, rep.segment,
-                       slots_of(plan.block_ids, pos, self.block_size), self.rope)
-        self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens, "segments": len(placed),
-                                      "segments_not_loaded": len(missing), "recomputed": rep.recomputed,
-                                      "kv_sha256": kv_digest(rep.segment), "logits": rep.logits.float().clone()})
+            with self._timed("write"):
+                write_span(self.engine.raw, self.engine.layout, rep.segment,
+                           slots_of(plan.block_ids, pos, self.block_size), self.rope)
+        with self._timed("record"):
+            self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens, "segments": len(placed),
+                                          "segments_not_loaded": len(missing), "recomputed": rep.recomputed,
+                                          "kv_sha256": kv_digest(rep.segment), "logits": rep.logits.float().clone()})
 
     def _writes_engine(self) -> bool:
         """False only in the negative control "skip_write": the engine's blocks keep whatever they held."""

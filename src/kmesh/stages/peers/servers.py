@@ -38,9 +38,10 @@ class LMCachePeer(Peer):
     name = "lmcache"
     workarounds = ("vllm_dispatcher_vars_nondict",)
 
-    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any],
+                 liveness_s: float) -> None:
         super().__init__(model_dir, workdir, common)
-        self.server = LMCacheServer(workdir, settings)
+        self.server = LMCacheServer(workdir, {**settings, "worker_reap_timeout_s": liveness_s})
         # the same failure policy as KMesh's arm (kmesh.vllm.engine.CONNECTOR): a failed load is recomputed
         self.failure_policy = "recompute"
 
@@ -89,20 +90,23 @@ class KMeshPeer(Peer):
     """KMesh's cache service + KMeshConnector in the engine."""
     name = "kmesh"
 
-    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any],
+                 liveness_s: float) -> None:
         super().__init__(model_dir, workdir, common)
         self.settings = dict(settings)
+        self.liveness_s = liveness_s
         self.service: process.ServiceProcess | None = None
         self.runtime = workdir / "svc"
         self.starts: list[float] = []
 
     def describe(self) -> dict[str, Any]:
-        return {"service": {"store_bytes": int(self.settings["store_bytes"])},
+        return {"service": {"store_bytes": int(self.settings["store_bytes"]), "heartbeat_timeout_s": self.liveness_s},
                 "engine_extra": self._extra() if self.service is not None else None, "workarounds": {}}
 
     def start(self) -> float:
         t0 = time.monotonic()
-        self.service = process.start(self.runtime, store_bytes=int(self.settings["store_bytes"]))
+        self.service = process.start(self.runtime, store_bytes=int(self.settings["store_bytes"]),
+                                     heartbeat_timeout_s=self.liveness_s)
         self.starts.append(time.monotonic() - t0)
         return self.starts[-1]
 

@@ -76,8 +76,9 @@ def run(cfg: Config) -> Result:
     model_dir = converted_dir(cfg)
     workdir = Path(tempfile.mkdtemp(prefix="kmesh-peers-"))      # short: socket paths max 107 bytes
     common = {"dtype": sec["dtype"], "threads_bind": str(sec["threads_bind"])}
-    peers: dict[str, Peer] = {"lmcache": LMCachePeer(model_dir, workdir, common, sec["lmcache"]),
-                              "kmesh": KMeshPeer(model_dir, workdir, common, sec["kmesh"])}
+    live = float(sec["liveness_s"])
+    peers: dict[str, Peer] = {"lmcache": LMCachePeer(model_dir, workdir, common, sec["lmcache"], live),
+                              "kmesh": KMeshPeer(model_dir, workdir, common, sec["kmesh"], live)}
     _arms_alike(res, model_dir, common, peers)
     if not sec["enabled"]:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -142,6 +143,11 @@ def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dic
         cmd, env = server.command(), server.env()
         hosts = [cmd[i + 1] for i, a in enumerate(cmd) if a in ("--host", "--http-host")]
         case.check("lmcache_server_on_loopback_only", hosts == ["127.0.0.1", "127.0.0.1"], value=cmd)
+        reap = float(cmd[cmd.index("--worker-reap-timeout-seconds") + 1]) if "--worker-reap-timeout-seconds" in cmd \
+            else None
+        kmesh_live = peers["kmesh"].describe()["service"]["heartbeat_timeout_s"]
+        case.check("same_liveness_budget", reap == kmesh_live, value={"lmcache_reap_s": reap, "kmesh_heartbeat_s":
+                                                                         kmesh_live})
         case.check("lmcache_telemetry_off", (env.get("LMCACHE_TRACK_USAGE"), env.get("DO_NOT_TRACK")) == ("false", "1"),
                    value={k: env.get(k) for k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
 
@@ -358,10 +364,17 @@ def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Work
             if peer is not None:
                 reused[arm][index] = peer.reused(o)
 
+        before = dict(arms.engines["kmesh"].stats().get("seconds", {}))
         timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior")
+        after = arms.engines["kmesh"].stats().get("seconds", {})
         for name, t in timings.items():
             res.timings[f"ttft_interior_{name}"] = t
         out = _ttft_row(timings)
+        # where KMesh's connector spent its time per timed request (its own wall-clock counters: lookup, fetch,
+        # verify, restore, repair, save), beside the engine's TTFT
+        n = max(len(reused["kmesh"]), 1)
+        out["kmesh_connector_ms_per_request"] = {k: 1e3 * (after.get(k, 0.0) - before.get(k, 0.0)) / n
+                                                 for k in sorted(after)}
         spans = {i: min(c.placements[-1].end, len(c.ids) - 1) for i, c in enumerate(fresh)}
         out["reused_per_request"] = {p: list(v.values()) for p, v in reused.items()}
         out["prompt_tokens"] = [len(c.ids) for c in fresh]
