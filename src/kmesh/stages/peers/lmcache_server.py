@@ -95,8 +95,7 @@ class LMCacheServer:
                 "--http-host", HOST, "--http-port", str(self.http_port),
                 "--supported-transfer-mode", str(s["transfer_mode"]), "--chunk-size", str(int(s["chunk_size"])),
                 "--l1-size-gb", str(float(s["l1_size_gb"])), "--eviction-policy", str(s["eviction_policy"]),
-                *(["--worker-reap-timeout-seconds", str(float(s["worker_reap_timeout_s"]))]
-                  if "worker_reap_timeout_s" in s else [])]
+                "--worker-reap-timeout-seconds", str(float(s["worker_reap_timeout_s"]))]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -38,10 +38,9 @@ class LMCachePeer(Peer):
     name = "lmcache"
     workarounds = ("vllm_dispatcher_vars_nondict",)
 
-    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any],
-                 liveness_s: float) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
         super().__init__(model_dir, workdir, common)
-        self.server = LMCacheServer(workdir, {**settings, "worker_reap_timeout_s": liveness_s})
+        self.server = LMCacheServer(workdir, settings)
         # the same failure policy as KMesh's arm (kmesh.vllm.engine.CONNECTOR): a failed load is recomputed
         self.failure_policy = "recompute"
 
@@ -85,16 +84,22 @@ class LMCachePeer(Peer):
             return {"server": "down"}
         return self.server.status()
 
+    def liveness(self) -> float:
+        return float(self.server.settings["worker_reap_timeout_s"])
+
+    def engines_registered(self, holds: dict[str, Any], pid: int) -> int:
+        """Engine registrations the server lists (LMCache names instances by its own ids, not by pid)."""
+        return len(holds.get("instances", []))
+
 
 class KMeshPeer(Peer):
     """KMesh's cache service + KMeshConnector in the engine."""
     name = "kmesh"
 
-    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any],
-                 liveness_s: float) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
         super().__init__(model_dir, workdir, common)
         self.settings = dict(settings)
-        self.liveness_s = liveness_s
+        self.liveness_s = float(settings["heartbeat_timeout_s"])
         self.service: process.ServiceProcess | None = None
         self.runtime = workdir / "svc"
         self.starts: list[float] = []
@@ -139,6 +144,12 @@ class KMeshPeer(Peer):
     def params(self) -> dict[str, Any] | None:
         return None
 
+    def liveness(self) -> float:
+        return self.liveness_s
+
+    def engines_registered(self, holds: dict[str, Any], pid: int) -> int:
+        return int(holds.get("engines_with_registrations", 0))
+
     def reused(self, out: dict[str, Any]) -> int | None:
         report = out.get("kmesh")
         return None if report is None else int(report["tokens_supplied"])
@@ -152,5 +163,6 @@ class KMeshPeer(Peer):
         by_engine = {tag: sorted({r["client"] for r in st["registrations"] if mine.get(r["client"]) == pid})
                      for tag, pid in pids.items()}
         return {"clients_live": st["counts"]["clients_live"], "registrations": st["counts"]["registrations"],
+                "engines_with_registrations": len({mine.get(r["client"]) for r in st["registrations"]} - {None}),
                 "objects": st["store"]["nobjects"], "requests_running": st["counts"]["requests_running"],
                 "clients_with_registrations_by_engine": by_engine, "consistent": st["consistent"]}
