@@ -151,9 +151,8 @@ def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dic
 
 def _interior_spec(cfg: Config, sec: dict[str, Any]) -> dict[str, Any]:
     """The interior workload: peers.interior.quality_children for quality, then one fresh child per timed round."""
-    timing = cfg.section("timing")
-    t = sec["ttft"]
-    rounds = int(t.get("warmup", timing["warmup"])) + int(t.get("pairs", timing["pairs"]))
+    pairs, warmup = _rounds(cfg, sec, "interior")
+    rounds = warmup + pairs
     spec = dict(sec["interior"]["workload"])
     spec["children"] = int(sec["interior"]["quality_children"]) + rounds
     return spec
@@ -222,11 +221,20 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
     return out
 
 
-def _timed_rounds(cfg: Config, sec: dict[str, Any], arms: Arms, request: Any, label: str) -> dict[str, Any]:
+def _rounds(cfg: Config, sec: dict[str, Any], workload: str) -> tuple[int, int]:
+    """(pairs, warm-up rounds) of a workload's TTFT: peers.ttft.pairs (default timing.pairs) for the exact prompt,
+    peers.ttft.interior_pairs (default: the same) for the interior children, each of which is a prefill of its own."""
+    timing, t = cfg.section("timing"), sec["ttft"]
+    pairs = int(t.get("pairs", timing["pairs"]))
+    if workload == "interior":
+        pairs = int(t.get("interior_pairs", pairs))
+    return pairs, int(t.get("warmup", timing["warmup"]))
+
+
+def _timed_rounds(cfg: Config, sec: dict[str, Any], arms: Arms, request: Any, label: str,
+                  workload: str) -> dict[str, Any]:
     """Time `request(arm, round)` (seconds) over the three arms in rotating order; the pairs of every two arms."""
-    timing = cfg.section("timing")
-    pairs = int(sec["ttft"].get("pairs", timing["pairs"]))
-    warmup = int(sec["ttft"].get("warmup", timing["warmup"]))
+    pairs, warmup = _rounds(cfg, sec, workload)
 
     def run_arm(arm: str, index: int) -> dict[str, list[float]]:
         intervals = Intervals()
@@ -268,7 +276,7 @@ def _ttft_exact(res: Result, cfg: Config, sec: dict[str, Any], arms: Arms, exact
             if peer is not None:
                 reused[arm].append(peer.reused(o))
 
-        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-exact")
+        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-exact", "exact")
         for name, t in timings.items():
             res.timings[f"ttft_exact_{name}"] = t
         counted = lm.server.counted(mark)
@@ -362,7 +370,7 @@ def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Work
                 reused[arm][index] = peer.reused(o)
 
         before = dict(arms.engines["kmesh"].stats().get("seconds", {}))
-        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior")
+        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior", "interior")
         after = arms.engines["kmesh"].stats().get("seconds", {})
         for name, t in timings.items():
             res.timings[f"ttft_interior_{name}"] = t
