@@ -12,7 +12,7 @@ from kmesh.stages.peers.lmcache_server import METRICS, LMCacheServer, Mark, pars
 from kmesh.vllm.engine import WORKAROUNDS, EngineError, EngineProcess, EngineTimeout, llm_kwargs
 
 SETTINGS = {"chunk_size": 256, "l1_size_gb": 0.05, "eviction_policy": "LRU", "transfer_mode": "auto",
-            "engine_extra": {"lmcache.mp.mq_timeout": 5.0}}
+            "worker_reap_timeout_s": 30.0, "engine_extra": {"lmcache.mp.mq_timeout": 5.0}}
 needs_lmcache = pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="LMCache is not installed")
 
 

@@ -17,8 +17,8 @@ from kmesh.stages import STAGES
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RULES = set(STAGES) | {"all"}   # every stage's rule (kmesh.stages.STAGES), and `all`
-CPU_ONLY = {"sources", "report", "vllm", "peers", "reliability", "all"}   # vllm, peers: the pinned vLLM (and LMCache) run on the CPU; reliability:
-#   the cache service and the CPU engine
+# vllm, peers: the pinned vLLM (and LMCache) run on the CPU; reliability: the cache service and the CPU engine
+CPU_ONLY = {"sources", "report", "vllm", "peers", "reliability", "all"}
 
 
 def _dry_run(profile_dir: str, pipeline_profile: str, tmp_path: Path) -> dict[str, dict[str, str]]:

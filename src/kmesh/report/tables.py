@@ -452,7 +452,8 @@ PEER_ARMS = ("vllm", "lmcache", "kmesh")
 
 def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The peers stage's table: per workload × arm, tokens equal to vllm's, tokens reused (each system's own count),
-    TTFT median, its paired ratio vs vllm and the pairs it won (summary keys exact, interior, ttft_exact, ttft_interior)."""
+    TTFT median, its paired ratio vs vllm and the pairs it won (summary keys exact, interior, ttft_exact,
+    ttft_interior)."""
     rows = []
     exact = (summary.get("exact") or {}).get("arms", {})
     interior = summary.get("interior") or {}
@@ -487,8 +488,8 @@ def peers_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
     for scenario, systems in (summary.get("faults") or {}).items():
         for system, r in systems.items():
             rows.append({"scenario": scenario, "system": system, "engine kept serving": r.get("kept_serving"),
-                         "tokens right": r.get("tokens_right"), "server holds afterwards": _holds(r.get("server_holds")),
-                         "recovery": r.get("recovery")})
+                         "tokens right": r.get("tokens_right"),
+                         "server holds afterwards": _holds(r.get("server_holds")), "recovery": r.get("recovery")})
     return pd.DataFrame(rows)
 
 

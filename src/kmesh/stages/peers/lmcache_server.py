@@ -35,7 +35,8 @@ from kmesh.errors import KMeshError
 MODULE = "lmcache.v1.multiprocess.http_server"
 HOST = "127.0.0.1"
 # LMCache's own per-transfer log lines (lmcache.v1.multiprocess.modules.engine_driven_transfer, INFO level)
-_COUNTED = {"stored": re.compile(r"\bStored (\d+) tokens in "), "retrieved": re.compile(r"\bRetrieved (\d+) tokens in ")}
+_COUNTED = {"stored": re.compile(r"\bStored (\d+) tokens in "),
+            "retrieved": re.compile(r"\bRetrieved (\d+) tokens in ")}
 # LMCache's own Prometheus counters on /metrics, by what the stage calls them (summed over their label sets)
 METRICS = {"lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
            "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",

@@ -215,8 +215,8 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
                            counted["cold"].get("l1_write_chunks", 0) > 0, value=counted["cold"])
                 row["server_counted"] = counted
             rows[name] = row
-        out["summary"] = {"prompt_tokens": len(prompt), "suffixed_shares": len(prompt) - int(sec["exact"]["suffix_tokens"]),
-                          "arms": rows}
+        out["summary"] = {"prompt_tokens": len(prompt),
+                          "suffixed_shares": len(prompt) - int(sec["exact"]["suffix_tokens"]), "arms": rows}
         case.record("per_arm", rows)
     return out
 
