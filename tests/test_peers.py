@@ -4,7 +4,9 @@ make test's pipeline (stage peers)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,35 @@ def test_engine_refuses_an_unknown_workaround_and_two_connectors(tmp_path):
     assert "vllm_dispatcher_vars_nondict" in WORKAROUNDS
     kw = llm_kwargs("m", None, kv_transfer={"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"})
     assert kw["kv_transfer_config"]["kv_connector"] == "LMCacheMPConnector" and not kw["enable_prefix_caching"]
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of pid, from /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@needs_lmcache
+@pytest.mark.vllm
+def test_stage_whose_engines_cannot_start_skips_the_rest_saying_why_and_leaves_no_process(tmp_path):
+    from kmesh.config import load_config
+    from kmesh.stages import peers
+    from kmesh.stages.peers.stage import ENGINE_CASES
+
+    pytest.importorskip("vllm")
+    # no converted model there: both servers come up, the three engines are spawned, the setup fails
+    cfg = load_config(profile="cpu", overrides={"results_dir": str(tmp_path), "model": {"dir": str(tmp_path / "none")}})
+    res = peers.run(cfg)
+    by_id = {c.id: c for c in res.cases}
+    assert list(by_id) == ["arms-alike", *ENGINE_CASES]
+    assert by_id["setup"].passed is False and by_id["setup"].error
+    assert all(by_id[c].skipped.startswith("setup did not pass") for c in ENGINE_CASES[1:])
+    assert not res.summary()["ok"]
+    assert _children(os.getpid()) == [], "an engine or server process outlived the stage"

@@ -175,7 +175,8 @@ class EngineProcess:
             try:
                 self.call({"op": "exit"}, timeout_s=timeout_s)
             except EngineError:
-                pass
+                # it failed to start, is hung, or died: it cannot take the exit op, and waiting for it is futile
+                return self.kill()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
