@@ -188,19 +188,19 @@ class LMCacheServer:
         return Mark(self.log_path.stat().st_size if self.log_path.exists() else 0, self.generation,
                     self.metrics() if self.alive() else {k: 0.0 for k in METRICS})
 
-    def counted(self, since: Mark, settle_s: float = 5.0) -> dict[str, int]:
+    def counted(self, since: Mark, settle_s: float = 5.0, quiet_s: float = 1.0) -> dict[str, int]:
         """What LMCache says it did since `since`: tokens stored and retrieved (its log lines) and its counters'
         increase (lookup hit tokens, L1 chunks written/read), this server generation only (a restart starts both
         anew; a dead server's counters are gone, its log lines are not).
 
-        Its store completes asynchronously after the engine's request returned: wait (up to settle_s) until the
-        counts stop changing for a moment."""
+        Its store completes, and its counters are updated (by an event-bus thread), after the engine's request
+        returned: read until nothing changed for quiet_s, or settle_s passed."""
         last, stable_since, deadline = None, time.monotonic(), time.monotonic() + settle_s
         while True:
             now = self._count(since)
             if now != last:
                 last, stable_since = now, time.monotonic()
-            elif time.monotonic() - stable_since >= 0.3 or time.monotonic() > deadline:
+            elif time.monotonic() - stable_since >= quiet_s or time.monotonic() > deadline:
                 return now
             time.sleep(0.05)
 
