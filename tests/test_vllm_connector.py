@@ -550,6 +550,8 @@ def rig(service_rig, model_dir):
     for e in (state["kmesh"], base):
         if e is not None:
             e.close()
+    if state["sp"] is not service_rig["sp"]:      # a test restarted the service: that one is this fixture's to stop
+        state["sp"].stop()
 
 
 def _prompt(rig, seed: int, n: int) -> list[int]:
