@@ -20,20 +20,33 @@ CLUSTER=kmesh
 log() { echo "[slurm-local] $*" >&2; }
 t0=$SECONDS
 
+# kill the process a pid file names and wait (up to 30 s) until it is gone: a restart right after must not meet it
+stop_pid() {
+  local pid
+  [[ -f $1 ]] || return 0
+  pid=$(cat "$1"); kill "$pid" 2>/dev/null || true
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  rm -f "$1"
+}
 stop() {
-  for d in slurmd slurmctld slurmdbd; do   # each daemon writes its pid file into $STATE
-    if [[ -f $STATE/$d.pid ]]; then kill "$(cat "$STATE/$d.pid")" 2>/dev/null || true; rm -f "$STATE/$d.pid"; fi
-  done
-  if [[ -f $STATE/mysqld/mariadb.pid ]]; then kill "$(cat "$STATE/mysqld/mariadb.pid")" 2>/dev/null || true; fi
-  if [[ -f $STATE/munged.pid ]]; then kill "$(cat "$STATE/munged.pid")" 2>/dev/null || true; fi
+  for d in slurmd slurmctld slurmdbd; do stop_pid "$STATE/$d.pid"; done   # each daemon writes its pid file there
+  stop_pid "$STATE/mysqld/mariadb.pid"
+  stop_pid "$STATE/munged.pid"
 }
 [[ ${1:-} == stop ]] && { stop; exit 0; }
 
 if [[ $(id -u) -ne 0 ]]; then log "needs root (apt-get, /etc/slurm, daemons)"; exit 3; fi
 
 idle() { sinfo -h -n "$HOST" -o %t 2>/dev/null | grep -qx idle; }
+node_cpus() { sinfo -h -n "$HOST" -o %c 2>/dev/null | head -n 1; }
+HW_CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 if command -v sinfo >/dev/null && idle && sacct -n -X -o JobID --starttime now-1minutes >/dev/null 2>&1; then
-  log "cluster already up (node $HOST idle, sacct answers)"; exit 0
+  if [[ $(node_cpus) == "$HW_CPUS" ]]; then
+    log "cluster already up (node $HOST idle, $HW_CPUS CPUs, sacct answers)"; exit 0
+  fi
+  # a cluster configured with other CPUs than this machine has (an earlier run's mistake): configure it again
+  log "cluster up but node $HOST has $(node_cpus) CPUs configured, $HW_CPUS here: restarting it"
+  stop
 fi
 
 pkgs=(slurm-wlm munge slurmdbd mariadb-server)
@@ -69,8 +82,10 @@ if ! mysqladmin --socket="$SOCK" ping >/dev/null 2>&1; then
   mysql --socket="$SOCK" -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;"
 fi
 
-# --- configuration: this machine as one node; cores/memory as measured now
-CPUS=$(nproc)
+# --- configuration: this machine as one node; cores/memory as measured now. Not plain `nproc`: it honours
+# OMP_NUM_THREADS, and make test exports OMP_NUM_THREADS=1 -> a 1-CPU node on which the profile's 2-CPU jobs pend
+# for ever (CI at 861b90a). The CPUs this process may run on are what slurmd itself finds.
+CPUS=$HW_CPUS
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
 cat > "$CONF/slurmdbd.conf" <<EOF
 # written by scripts/slurm-local.sh

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -36,13 +37,35 @@ def _idle() -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if not _idle():
-        run = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")], capture_output=True, text=True,
-                             timeout=600)
-        if run.returncode == 3:   # the script's "cannot start" exit: skip with its exact reason
-            pytest.skip("slurmctld cannot start on this machine: " + run.stderr.strip()[-600:])
-        assert run.returncode == 0, run.stdout + run.stderr
+    # always through the script: it is quick when the cluster is up as it should be, and restarts one that is not
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")], capture_output=True, text=True,
+                         timeout=600)
+    if run.returncode == 3:   # the script's "cannot start" exit: skip with its exact reason
+        pytest.skip("slurmctld cannot start on this machine: " + run.stderr.strip()[-600:])
+    assert run.returncode == 0, run.stdout + run.stderr
     assert _idle(), "scripts/slurm-local.sh returned but the node is not idle"
+
+
+def _node_cpus() -> int:
+    out = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30)
+    return max(int(c) for c in out.stdout.split())
+
+
+def _profile_cpus() -> int:
+    profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    return int(profile["default-resources"]["cpus_per_task"])
+
+
+def _cluster_state(logs: Path) -> str:
+    """What SLURM says about our jobs and node, and the jobs' own logs: the message of a run that did not end."""
+    parts = []
+    for cmd in (["squeue", "-o", "%i %j %T %r %C %m"], ["sinfo", "-N", "-o", "%N %t %c %m %E"],
+                ["sacct", "-X", "--starttime", "now-1hours", "-o", "JobID,State,ExitCode,Comment"]):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        parts.append(f"$ {' '.join(cmd)}\n{out.stdout}{out.stderr}")
+    for log in sorted(logs.rglob("*.log"))[-4:]:
+        parts.append(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
 
 
 def _env() -> dict:
@@ -74,12 +97,21 @@ def test_chain_runs_through_sbatch_like_locally(cluster, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     # The pinned files were fetched and verified once; the slurm run reuses them (reuse is by sha256 too).
     shutil.copytree(local / "sources" / "dist", remote / "sources" / "dist")
+    # A node with fewer CPUs than the profile's jobs ask for takes the jobs and never starts them (CI at 861b90a:
+    # a 1-CPU node, from nproc under OMP_NUM_THREADS=1): say so now rather than after the timeout.
+    assert _node_cpus() >= _profile_cpus(), (
+        f"the cluster's node has {_node_cpus()} CPUs, the slurm profile's jobs ask for {_profile_cpus()}: "
+        f"restart it with scripts/slurm-local.sh\n{_cluster_state(tmp_path)}")
     t0 = time.monotonic()
-    run = subprocess.run([*SNAKEMAKE, *_targets(remote), "--profile", "workflow/profiles/slurm", "--slurm-no-account",
-                          "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "2",
-                          "--slurm-logdir", str(tmp_path / "slurm-logs"),
-                          "--config", f"results_dir={remote}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHAIN_TIMEOUT_S)
+    try:
+        run = subprocess.run([*SNAKEMAKE, *_targets(remote), "--profile", "workflow/profiles/slurm",
+                              "--slurm-no-account", "--slurm-init-seconds-before-status-checks", "2",
+                              "--seconds-between-status-checks", "2", "--slurm-logdir", str(tmp_path / "slurm-logs"),
+                              "--config", f"results_dir={remote}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHAIN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        said = (e.stdout or b"").decode(errors="replace")[-3000:] + (e.stderr or b"").decode(errors="replace")[-3000:]
+        pytest.fail(f"the slurm chain did not end in {CHAIN_TIMEOUT_S} s\n{said}\n{_cluster_state(tmp_path)}")
     elapsed = time.monotonic() - t0
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
