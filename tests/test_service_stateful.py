@@ -42,3 +42,15 @@ def test_a_wrong_model_is_caught(service, monkeypatch):
     monkeypatch.setattr(fuzz.OwnershipMachine, "_refusal", forgetful)
     with pytest.raises(fuzz.FuzzDivergence, match="RegistrationClosedError"):
         fuzz.run_fuzz(service, EXAMPLES, STEPS, shrink=False, seed=20261202)
+
+
+def test_batches_run_until_the_step_floor(service):
+    """The long form's floor: batches go on until min_steps requests were made, each batch reported as it ends."""
+    seen: list[dict] = []
+    counts = fuzz.run_fuzz(service, 4, 10, seed=7, max_batches=1, min_steps=120, on_batch=seen.append)
+    assert fuzz.steps_of(counts) >= 120
+    assert [b["batch"] for b in seen] == list(range(1, counts["batches"] + 1)) and len(seen) >= 3
+    assert seen[-1]["total_steps"] == fuzz.steps_of(counts) == sum(b["steps"] for b in seen)
+    assert all(b["steps"] > 0 and b["seconds"] > 0 for b in seen)
+    # the floor met and max_batches reached: no batch more (the caller checks the outcomes it lacks)
+    assert fuzz.steps_of(counts) - seen[-1]["steps"] < 120

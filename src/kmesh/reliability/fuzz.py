@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -317,25 +318,43 @@ MUST_REACH = {"register:accepted", "register:replaced", "register:StaleGeneratio
               "evict:kept-retained", "evict:ObjectMissingError"}
 
 
+def steps_of(counts: dict[str, int]) -> int:
+    """Requests made: every counted outcome but the batch count."""
+    return sum(v for k, v in counts.items() if k != "batches")
+
+
 def run_fuzz(service: Any, examples: int = 40, steps: int = 50, shrink: bool = True, seed: int = 0,
-             max_batches: int = 4) -> dict[str, int]:
-    """Batches of `examples` sequences of up to `steps` steps against a running service (kmesh.service.process)
-    until every outcome kind of MUST_REACH was reached (at most `max_batches`); returns the count of every
-    "rule:outcome". Batch b is derandomized from `seed + b` (the same seed, the same sequences). Raises
-    FuzzDivergence on the first divergence, shrunk to a minimal sequence by hypothesis unless shrink=False (a
-    control that only needs to see the divergence)."""
+             max_batches: int = 4, min_steps: int = 0,
+             on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, int]:
+    """Batches of `examples` sequences of up to `steps` steps against a running service (kmesh.service.process):
+    at least until `min_steps` requests were made, then until every outcome kind of MUST_REACH was reached or
+    `max_batches` batches ran (the caller checks MUST_REACH). Returns the count of every "rule:outcome". Batch b is
+    derandomized from `seed + b` (the same seed, the same sequences). After each batch `on_batch` gets {"batch",
+    "steps", "total_steps", "seconds"}: a long run's progress, and its rate batch by batch (does the service slow as
+    connections come and go?). Raises FuzzDivergence on the first divergence, shrunk to a minimal sequence by
+    hypothesis unless shrink=False (a control that only needs to see the divergence)."""
     _Service.sp, _Service.runs, _Service.nonce = service, 0, secrets.token_hex(4).encode()
     _Service.outcomes.clear()
     phases = tuple(Phase) if shrink else (Phase.generate,)
-    for batch in range(max_batches):
+    batch = 0
+    while True:
+        before, t0 = steps_of(_Service.outcomes), time.monotonic()
         # hypothesis derives a derandomized run's seed from the machine; a class per seed makes the seed ours
         machine = type(f"OwnershipMachineSeed{seed + batch}", (OwnershipMachine,), {})
         run_state_machine_as_test(machine, settings=settings(
             max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
             suppress_health_check=list(HealthCheck), database=None, phases=phases))
-        _Service.outcomes["batches"] = batch + 1
-        if not MUST_REACH - set(_Service.outcomes):
+        batch += 1
+        _Service.outcomes["batches"] = batch
+        total = steps_of(_Service.outcomes)
+        if on_batch is not None:
+            on_batch({"batch": batch, "steps": total - before, "total_steps": total,
+                      "seconds": time.monotonic() - t0})
+        reached = not MUST_REACH - set(_Service.outcomes)
+        if total >= min_steps and (reached or batch >= max_batches):
             break
+        if total == before:   # a batch that made no request would loop for ever
+            raise FuzzDivergence(f"batch {batch} made no request")
     return dict(_Service.outcomes)
 
 

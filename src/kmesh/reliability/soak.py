@@ -130,7 +130,7 @@ def _hex(key: Any) -> str:
     return key.hex() if isinstance(key, (bytes, bytearray)) else str(key)
 
 
-def _proc_figures(pid: int) -> dict[str, int]:
+def proc_figures(pid: int) -> dict[str, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
     fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -139,11 +139,11 @@ def _proc_figures(pid: int) -> dict[str, int]:
 
 
 def _settled_figures(pid: int, timeout_s: float = 5.0) -> dict[str, Any]:
-    """_proc_figures once the fd count has held still for half a second: a connection the service is still
+    """proc_figures once the fd count has held still for half a second: a connection the service is still
     closing (the start-up probe, the last client's) is no leak. Adds the fds' targets."""
     last, same, deadline = None, 0, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        fig = _proc_figures(pid)
+        fig = proc_figures(pid)
         same = same + 1 if last is not None and fig["fds"] == last["fds"] else 0
         last = fig
         if same >= 5:
@@ -181,7 +181,7 @@ def run_soak(spec: SoakSpec, workdir: Path) -> dict[str, Any]:
         def sample() -> None:
             while not done.wait(0.5):
                 try:
-                    samples.append((time.monotonic() - t0, _proc_figures(pid)["rss_kib"]))
+                    samples.append((time.monotonic() - t0, proc_figures(pid)["rss_kib"]))
                 except (OSError, StopIteration):
                     return
         sampler = threading.Thread(target=sample, name="soak-rss", daemon=True)

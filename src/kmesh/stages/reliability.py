@@ -17,6 +17,8 @@ the long form by config, e.g. `--set reliability.soak.seconds=600`):
 """
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,24 +62,41 @@ def _soak(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
 
 def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
     from kmesh.reliability import fuzz
+    from kmesh.reliability.soak import proc_figures
     from kmesh.service import process
 
     with res.case("fuzz", dict(sec)) as case:
         sp = process.start(work / "fuzz-rt", store_bytes=512 * fuzz.N, heartbeat_timeout_s=60.0)
+        batches: list[dict[str, Any]] = []
+        progress = work / "fuzz-batches.jsonl"    # a long run's figures so far, also if it is stopped
+
+        def on_batch(b: dict[str, Any]) -> None:
+            b = {**b, "seconds": round(b["seconds"], 2), **proc_figures(sp.pid)}
+            batches.append(b)
+            with progress.open("a") as f:
+                f.write(json.dumps(b) + "\n")
+            print(f"[reliability] fuzz batch {b['batch']}: {b['steps']} requests in {b['seconds']:.1f} s, "
+                  f"{b['total_steps']} in all; service RSS {b['rss_kib']} KiB, {b['fds']} fds",
+                  file=sys.stderr, flush=True)
         try:
             divergence = None
+            progress.parent.mkdir(parents=True, exist_ok=True)
+            progress.unlink(missing_ok=True)
             try:
-                counts = fuzz.run_fuzz(sp, int(sec["examples"]), int(sec["steps"]), seed=seed)
+                counts = fuzz.run_fuzz(sp, int(sec["examples"]), int(sec["steps"]), seed=seed,
+                                       min_steps=int(sec["min_steps"]), on_batch=on_batch)
             except Exception as e:   # a divergence, shrunk by hypothesis (the minimal sequence is in the message)
                 counts, divergence = fuzz.outcomes_so_far(), f"{type(e).__name__}: {str(e)[:4000]}"
             alive = sp.alive()
         finally:
             sp.stop()
         case.record("outcomes", counts)
+        case.record("batches", batches)
         case.check("no_divergence", divergence is None, divergence)
         case.check("every_outcome_reached", not fuzz.MUST_REACH - set(counts), sorted(fuzz.MUST_REACH - set(counts)))
         case.check("service_alive", alive)
-        steps = sum(v for k, v in counts.items() if k != "batches")
+        steps = fuzz.steps_of(counts)
+        case.check("min_steps_made", steps >= int(sec["min_steps"]), {"steps": steps, "min_steps": sec["min_steps"]})
         refused = sum(v for k, v in counts.items() if ":" in k and not k.endswith((":accepted", ":replaced",
                                                                                       ":evicted", ":kept-retained")))
         res.extra["fuzz"] = {"load": f"{steps} valid requests in {counts.get('batches')} batch(es) of "
