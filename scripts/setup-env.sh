@@ -54,6 +54,19 @@ else
   echo "$want" > "$stamp"
   built=1
 fi
+# The remote tier's store client (Mooncake, stage `remote`) loads libibverbs.so.1 and librdmacm.so.1 even for TCP.
+has_lib() { ldconfig -p 2>/dev/null | grep -q "$1 "; }
+if ! has_lib libibverbs.so.1 || ! has_lib librdmacm.so.1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get > /dev/null; then
+    echo "[setup-env] apt-get install libibverbs1 librdmacm1 (the remote tier's store client loads them)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 > /dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 > /dev/null; }
+  else
+    echo "[setup-env] note: libibverbs1 and librdmacm1 are missing and cannot be installed here (not root or no" \
+         "apt-get): stage remote and its tests will say so; install them to run them" >&2
+  fi
+fi
 # The project itself, editable, so a rerun after a source change needs no reinstall.
 quiet_pip install --quiet --no-deps --no-build-isolation -e "$root"
 if [[ -n "${built:-}" ]]; then

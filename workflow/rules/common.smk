@@ -14,14 +14,17 @@ OVERLAY = config.get("overlay")
 GPU = 1 if PROFILE == "cuda" else None
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "group", "vllm", "peers", "restore_bench", "reliability"]
+          "remote", "group", "vllm", "peers", "restore_bench", "reliability"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
 # (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
+# The cache service: its modules and the remote tier's store client it loads (kmesh.service.remotetier).
+SERVICE_CODE = ["service/*.py", "storage/errors.py", "storage/remote.py", "storage/remote_agent.py",
+                "storage/objfile.py", "integrity/*.py"]
 # What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
 CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
-              "restore_gather.py", "restore_errors.py", "cuda/*.py", "service/*.py", "transfer/*.py", "shm.py",
+              "restore_gather.py", "restore_errors.py", "cuda/*.py", *SERVICE_CODE, "transfer/*.py", "shm.py",
               "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
@@ -30,17 +33,18 @@ STAGE_CODE = {
     "synthetic": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "reference/*.py", "cuda/*.py",
                   "vllm/*.py"],
     "drain": ["transfer/*.py", "shm.py"],
-    "ownership": ["service/*.py", "transfer/*.py", "shm.py", "layout.py"],
+    "ownership": [*SERVICE_CODE, "transfer/*.py", "shm.py", "layout.py"],
     "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "integrity": ["integrity/*.py", "cuda/*.py"],
     "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
+    "remote": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
     "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_gather.py", "restore_errors.py", "cuda/*.py"],
     "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
-    "peers": ["vllm/*.py", "service/*.py", "transfer/*.py", "shm.py", "workload.py", "model/*.py", "layout.py",
+    "peers": ["vllm/*.py", *SERVICE_CODE, "transfer/*.py", "shm.py", "workload.py", "model/*.py", "layout.py",
               "rope.py", "restore.py", "restore_errors.py", "segments.py", "integrity/*.py", "cuda/*.py",
               "sources/__init__.py", "sources/digest.py"],
-    "reliability": ["reliability/*.py", "service/*.py", "storage/*.py", "vllm/*.py", "model/*.py", "shm.py",
+    "reliability": ["reliability/*.py", *SERVICE_CODE, "storage/*.py", "vllm/*.py", "model/*.py", "shm.py",
                     "transfer/*.py", "integrity/*.py", "layout.py", "sources/__init__.py", "sources/digest.py"],
     "report": ["report/*.py"],
 }

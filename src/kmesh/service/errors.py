@@ -160,6 +160,14 @@ class DiskReadError(ObjectMissingError):
     code = "disk_read"
 
 
+class RemoteReadError(ObjectMissingError):
+    """This host does not hold the original and fetching it from the remote tier failed (store unreachable,
+    the image rejected by a check): nothing was installed or copied; every load joined to that fetch gets this
+    reply. (An object the store does not hold either is plain ObjectMissingError.)"""
+
+    code = "remote_read"
+
+
 class ObjectExistsError(ServiceError):
     """Originals are immutable: a key is stored once (evict it first)."""
 

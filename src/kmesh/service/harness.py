@@ -32,7 +32,7 @@ class Harness:
                  log_dir: Path | None = None, store_bytes: int = 1 << 30, socket_mode: int = 0o600,
                  allow_uids: list[int] | None = None, faults: list[str] | None = None,
                  limits: dict[str, int] | None = None, disk_dir: Path | None = None, adopt: bool = True,
-                 disk_read_gate: bool = False) -> None:
+                 disk_read_gate: bool = False, remote: Any = None) -> None:
         self.device, self.chunk_bytes, self.heartbeat_timeout_s = device, chunk_bytes, heartbeat_timeout_s
         self.service_disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kmesh-svc-"))  # short: socket paths max 107 bytes
@@ -46,7 +46,7 @@ class Harness:
                                      socket_mode=socket_mode, allow_uids=allow_uids,
                                      log_path=self.log_dir / "service.log", faults=faults, disk_dir=disk_dir,
                                      adopt=adopt, disk_read_gate_fd=self.disk_gate.read_fd if self.disk_gate else None,
-                                     **(limits or {}))
+                                     remote=remote, **(limits or {}))
         for g in (self.gate, self.disk_gate):
             if g is not None:
                 os.close(g.read_fd)  # the service holds the read end; ours would only keep EOF away

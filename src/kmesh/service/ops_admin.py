@@ -44,6 +44,7 @@ class AdminOps:
         snap.update(self.health())
         snap["store"] = st.store.summary()
         snap["disk_reads"] = st.reads.describe() if st.reads is not None else None
+        snap["remote"] = st.remote.describe() if st.remote is not None else None
         snap["version"] = st.version
         snap["limits"] = {k: getattr(st.opts, k) for k in ("max_regs_per_client", "max_regs", "max_tombstones",
                                                             "max_objects", "max_jobs", "max_connections")}

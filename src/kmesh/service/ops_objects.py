@@ -1,4 +1,4 @@
-"""Operations on stored objects: save, load (with the disk tier's parked loads), evict, retain, unretain.
+"""Operations on stored objects: save, load (with the disk and remote tiers' parked loads), evict, retain, unretain.
 
 Disk tier (--disk-dir): a load of an original whose RAM copy was evicted never reads the file on the loop's
 thread. It starts one read on a small reader pool (kmesh.service.diskreads) and its reply is parked; loads of
@@ -7,6 +7,11 @@ collect_reads(), which checks the digest against the commit, installs the RAM co
 again from the top, now a RAM hit (or sends each the same DiskReadError). Meanwhile everyone else is served. On
 start the store re-adopts the object files a previous run left in the disk dir (--no-adopt: start empty; see
 kmesh.service.store).
+
+Remote tier (--remote-master): every commit of this host's saves is published to the shared store, and a load
+of a key this host does not hold at all parks behind one fetch of it (kmesh.service.remotetier; loads of the
+same key join it); collect_remote() installs the verified object and runs the parked loads again — the same
+resume path as the disk tier's.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from typing import Any
 
 from kmesh.service.diskreads import Flight, ReadCancelledError
 from kmesh.service.errors import (DiskReadError, InternalError, LayoutMismatchError, ObjectMissingError,
-                                  ServiceError, ShuttingDownError)
+                                  RemoteReadError, ServiceError, ShuttingDownError)
+from kmesh.service.remotetier import Fetch, Publish, RemoteCancelledError
+from kmesh.storage.remote import RemoteMissingError
 from kmesh.service.jobs import CopyJob
 from kmesh.service.ops_copies import CopyOps
 from kmesh.service.ops_registrations import check_range, work_registration
@@ -75,6 +82,8 @@ class ObjectOps:
         st = self.state
         a = req.args
         reg = work_registration(st, c, req)
+        if st.remote is not None and a["key"] not in st.store.objects:
+            return self._park_fetch(conn, c, req, a["key"])
         obj = st.store.lookup(a["key"])
         if obj.geometry != reg.geometry:
             raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
@@ -114,6 +123,62 @@ class ObjectOps:
         st.stats["loads_parked"] += 1
         return DEFERRED
 
+    def _park_fetch(self, conn: Conn, c: Client, req: Request, key: bytes) -> Any:
+        """This host holds no such object: one fetch from the remote tier (loads of the key meanwhile join it);
+        collect_remote runs each parked load again from the top once the fetch ended."""
+        st = self.state
+        assert st.remote is not None
+        waiter = ParkedLoad(conn.cid, c.client_id, req)
+        flight = st.remote.get(key)
+        if flight is not None:
+            st.remote.join(flight, waiter)
+        else:
+            st.remote.fetch(key, waiter)   # CapacityError: refused, nothing started
+        conn.parked_loads += 1
+        st.stats["loads_parked"] += 1
+        return DEFERRED
+
+    def collect_remote(self) -> None:
+        """Settle every finished remote task: a verified fetch becomes a committed original here, then its parked
+        loads run again (a RAM hit now); a failed one answers each of them with the same error."""
+        st = self.state
+        st.version += 1
+        assert st.remote is not None  # the loop watches the tier's wake pipe only when there is one
+        try:
+            tasks = st.remote.finished()
+        except Exception:
+            st.internal("collect remote: finished()")
+            return
+        for t in tasks:
+            if isinstance(t, Publish):
+                continue
+            try:
+                err = self._install_fetch(t)
+            except Exception as e:
+                st.internal("collect remote: install", f"object {t.key[:64]!r}")
+                err = InternalError(f"installing the fetched object failed: {type(e).__name__}: {e}")
+            self._resume(t.waiters, err)
+
+    def _install_fetch(self, f: Fetch) -> ServiceError | None:
+        st = self.state
+        if isinstance(f.error, RemoteMissingError):
+            return ObjectMissingError(f"no committed object {f.key[:64]!r} here or in the remote tier")
+        if isinstance(f.error, RemoteCancelledError):
+            return ShuttingDownError(f"service is shutting down (the fetch of {f.key[:64]!r} was cancelled)")
+        if f.error is not None:
+            log.warning("remote fetch of %r failed (%d load(s) refused): %s", f.key[:64], len(f.waiters), f.error)
+            return RemoteReadError(f"object {f.key[:64]!r} could not be fetched from the remote tier: "
+                                   f"{type(f.error).__name__}: {f.error}")
+        if f.key in st.store.objects:   # saved here meanwhile: the parked loads find that one
+            return None
+        try:
+            st.store.install_fetched(f.key, f.layout, f.geometry, f.payload, f.sha256)
+        except ServiceError as e:        # CapacityError: no room for it here
+            return e
+        finally:
+            f.payload = None
+        return None
+
     def collect_reads(self) -> None:
         """Settle every finished read-back, each in its own try; then run or fail each of its parked loads."""
         st = self.state
@@ -150,8 +215,13 @@ class ObjectOps:
             err = InternalError(f"installing the read-back failed: {type(e).__name__}: {e}")
         finally:
             f.tensor = None  # type: ignore[assignment]  # installed, or dropped with the failure
+        self._resume(f.waiters, err)
+
+    def _resume(self, waiters: list[ParkedLoad], err: ServiceError | None) -> None:
+        """Each parked load of a read-back or fetch that ended: run again from the top, or answered err."""
+        st = self.state
         now = time.monotonic()
-        for w in f.waiters:
+        for w in waiters:
             conn = st.conns.get(w.cid)
             if conn is None or conn.client is None or conn.client.client_id != w.client_id:
                 st.stats["parked_loads_dropped"] += 1  # the connection went away meanwhile

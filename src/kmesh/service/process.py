@@ -18,6 +18,7 @@ from pathlib import Path
 from kmesh.service import identity
 from kmesh.service.client import ServiceClient
 from kmesh.service.errors import ServiceError, ServiceUnavailableError
+from kmesh.storage.remote import RemoteSpec
 
 SOCKET_NAME = "kmesh.sock"
 PID_NAME = "kmesh.pid"
@@ -142,12 +143,13 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           max_tombstones: int | None = None, disk_dir: Path | None = None, adopt: bool = True,
           disk_read_gate_fd: int | None = None, max_disk_reads: int | None = None,
           eviction: str | None = None, high_watermark: float | None = None,
-          low_watermark: float | None = None) -> ServiceProcess:
+          low_watermark: float | None = None, remote: RemoteSpec | None = None) -> ServiceProcess:
     """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
     server's defaults) bound the store, the job history and the registry (tests use small ones). adopt=False:
     start with an empty store although disk_dir holds a previous run's object files. disk_read_gate_fd: a
     ChunkGate read end that holds every disk read-back until the controller grants it (tests). eviction /
-    high_watermark / low_watermark: how a full RAM tier makes room (kmesh.service.store; None: the defaults)."""
+    high_watermark / low_watermark: how a full RAM tier makes room (kmesh.service.store; None: the defaults).
+    remote: the remote tier's store (kmesh.storage.remote.RemoteSpec; kmesh.service.remotetier)."""
     rd = Path(runtime_dir or default_runtime_dir())
     cmd = [sys.executable, "-m", "kmesh.service.server", "--runtime-dir", str(rd), "--device", device,
            "--heartbeat-timeout", str(heartbeat_timeout_s), "--chunk-bytes", str(chunk_bytes),
@@ -164,6 +166,10 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
             cmd += [flag, str(value)]
     if disk_dir is not None:
         cmd += ["--disk-dir", str(disk_dir)] + ([] if adopt else ["--no-adopt"])
+    if remote is not None:
+        cmd += ["--remote-master", remote.master, "--remote-metadata", remote.metadata,
+                "--remote-hostname", remote.hostname, "--remote-segment-bytes", str(remote.segment_bytes),
+                "--remote-call-timeout", str(remote.call_timeout_s)]
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
     for f in faults or ():

@@ -97,9 +97,8 @@ class Service:
         s.listen(64)
         self.listener = s
         self.sel.register(s, selectors.EVENT_READ, ("listen", None))
-        self.sel.register(self.copies.wake_r, selectors.EVENT_READ, ("wake", None))
-        if self.reads is not None:
-            self.sel.register(self.reads.wake_r, selectors.EVENT_READ, ("diskread", None))
+        for fd, kind in self.state.wake_fds():
+            self.sel.register(fd, selectors.EVENT_READ, (kind, None))
         self.pid_path.write_text(f"{os.getpid()}\n")
         self.state.fd_baseline = len(os.listdir("/proc/self/fd"))
 
@@ -110,8 +109,7 @@ class Service:
         log.info("kmesh service pid %d on %s (device %s)", os.getpid(), self.socket_path, self.opts.device)
         self.objects.log_disk_tier()
         try:
-            while not (self.state.stopping and not self.registry.regs and not self.copies.running()
-                       and not (self.reads is not None and self.reads.in_flight())):
+            while not (self.state.stopping and not self.registry.regs and not self.state.helpers_busy()):
                 self._once()
         finally:
             self._teardown()
@@ -126,9 +124,7 @@ class Service:
             self.listener = None
         for p in (self.socket_path, self.pid_path, self.state.admin_path):
             p.unlink(missing_ok=True)
-        self.copies.close()
-        if self.reads is not None:
-            self.reads.close()
+        self.state.close_helpers()
         log.info("kmesh service stopped")
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -152,6 +148,8 @@ class Service:
                     self.copy_ops.collect()
                 elif kind == "diskread":
                     self.objects.collect_reads()
+                elif kind == "remote":
+                    self.objects.collect_remote()
             except Exception:  # a bug must cost one connection at most, never the service
                 self.state.internal(f"handling {kind}")
                 if kind == "conn" and obj.cid in self.conns:

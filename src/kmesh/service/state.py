@@ -26,7 +26,9 @@ from kmesh.service.jobs import CopyRunner
 from kmesh.service.process import ADMIN_TOKEN_NAME
 from kmesh.service.protocol import FrameAssembler, Request
 from kmesh.service.registry import Client, Registration, Registry
-from kmesh.service.store import Store
+from kmesh.service.remotetier import RemoteTier
+from kmesh.service.store import Store, header_section
+from kmesh.storage.remote import RemoteSpec
 
 log = logging.getLogger("kmesh.service")
 DEFERRED = object()  # a handler's "the reply comes later" (parked wait, parked load)
@@ -67,6 +69,8 @@ class ServiceOptions:
     eviction: str = "lru"                 # a full RAM tier evicts LRU originals nobody holds (kmesh.service.store)
     high_watermark: float = 1.0           # ... when a reservation would pass this fraction of --store-bytes
     low_watermark: float = 0.9            # ... down to this fraction
+    remote: RemoteSpec | None = None      # remote tier (kmesh.storage.remote): publish commits, fetch what is missing
+    max_remote_fetches: int = 64          # fetches in flight (one per object; joined loads not counted)
 
     def check(self) -> None:
         """Every collection the service keeps has a limit of at least one (ServiceError otherwise)."""
@@ -107,9 +111,22 @@ class ServiceOptions:
                             "holds (to the disk tier, or forgotten without one); none: refuse the save")
         p.add_argument("--high-watermark", type=float, default=1.0)
         p.add_argument("--low-watermark", type=float, default=0.9)
+        p.add_argument("--remote-master", default=None,
+                       help="remote tier: the Mooncake master's host:port (with --remote-metadata)")
+        p.add_argument("--remote-metadata", default=None, help="remote tier: its metadata service URL")
+        p.add_argument("--remote-hostname", default="127.0.0.1", help="this host's address as other hosts reach it")
+        p.add_argument("--remote-segment-bytes", type=int, default=64 << 20,
+                       help="memory this service contributes to the store")
+        p.add_argument("--remote-call-timeout", type=float, default=10.0,
+                       help="the longest one store call may take (a hung store: the load fails, the agent restarts)")
+        p.add_argument("--max-remote-fetches", type=int, default=64)
         p.add_argument("--log-level", default="INFO")
         p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
         a = p.parse_args(argv)
+        if (a.remote_master is None) != (a.remote_metadata is None):
+            p.error("--remote-master and --remote-metadata go together")
+        remote = RemoteSpec(a.remote_master, a.remote_metadata, a.remote_hostname, a.remote_segment_bytes,
+                            call_timeout_s=a.remote_call_timeout) if a.remote_master is not None else None
         uids = frozenset(a.allow_uid) if a.allow_uid else frozenset({os.getuid()})
         opts = cls(a.runtime_dir, a.device, a.heartbeat_timeout, a.store_bytes, a.chunk_bytes, a.gate_fd,
                    a.socket_mode, uids, max_regs_per_client=a.max_regs_per_client, max_regs=a.max_regs,
@@ -117,7 +134,8 @@ class ServiceOptions:
                    faults=tuple(a.fault), disk_dir=a.disk_dir, adopt=not a.no_adopt,
                    disk_read_threads=a.disk_read_threads, max_disk_reads=a.max_disk_reads,
                    disk_read_gate_fd=a.disk_read_gate_fd, eviction=a.eviction,
-                   high_watermark=a.high_watermark, low_watermark=a.low_watermark)
+                   high_watermark=a.high_watermark, low_watermark=a.low_watermark, remote=remote,
+                   max_remote_fetches=a.max_remote_fetches)
         return opts, a.log_level
 
 
@@ -151,6 +169,7 @@ class ServiceState:
     store: Store
     reads: DiskReads | None
     copies: CopyRunner
+    remote: RemoteTier | None = None
     cuda: CudaIpcTable = field(default_factory=CudaIpcTable)
     conns: dict[int, Conn] = field(default_factory=dict)  # the loop adds and drops them; operations look up
     stats: dict[str, Any] = field(default_factory=lambda: {
@@ -183,7 +202,32 @@ class ServiceState:
                           opts.disk_read_gate_fd, on_caller="read_on_loop" in opts.faults) \
             if opts.disk_dir is not None else None
         copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
-        return cls(opts, registry, store, reads, copies, admin_path=opts.runtime_dir / ADMIN_TOKEN_NAME)
+        remote = None
+        if opts.remote is not None:
+            remote = RemoteTier(opts.remote, opts.max_remote_fetches, agent_log=opts.runtime_dir / "remote-agent.log")
+            store.on_commit = lambda obj: remote.publish(obj.key, obj.tensor, header_section(obj, obj.sha256))
+        return cls(opts, registry, store, reads, copies, remote, admin_path=opts.runtime_dir / ADMIN_TOKEN_NAME)
+
+    def wake_fds(self) -> list[tuple[int, str]]:
+        """The helpers' wake pipes the loop watches, each with the kind of work it brings (server._once)."""
+        out = [(self.copies.wake_r, "wake")]
+        if self.reads is not None:
+            out.append((self.reads.wake_r, "diskread"))
+        if self.remote is not None:
+            out.append((self.remote.wake_r, "remote"))
+        return out
+
+    def helpers_busy(self) -> bool:
+        """Copies running, disk read-backs or remote fetches in flight: replies a shutdown still owes."""
+        return bool(self.copies.running() or (self.reads is not None and self.reads.in_flight())
+                    or (self.remote is not None and self.remote.flights))
+
+    def close_helpers(self) -> None:
+        self.copies.close()
+        if self.reads is not None:
+            self.reads.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def internal(self, site: str, detail: str = "") -> None:
         """Count and log an internal error (the exception being handled): in full the first time per site,

@@ -41,9 +41,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 
 from kmesh.service.errors import CapacityError, DiskReadError, ObjectExistsError, ObjectMissingError
@@ -72,6 +73,7 @@ class Original:
     joins: int = 0             # loads that joined a read-back already running instead of reading again
     reading: bool = False      # a read-back is in flight (capacity reserved; not evictable meanwhile)
     adopted: bool = False      # found on disk at start (a previous run's commit)
+    fetched: bool = False      # came from the remote tier (another host's commit), verified on arrival
     last_used: int = 0         # the store's use clock at its latest save, load or read-back (LRU order)
 
     @property
@@ -84,7 +86,7 @@ class Original:
     def describe(self, verify: bool = False) -> dict[str, Any]:
         d = {"key": self.key, "nbytes": self.nbytes, "state": self.state, "pins": self.pins, "sha256": self.sha256,
              "in_ram": self.in_ram, "on_disk": self.on_disk, "disk_reads": self.disk_reads, "joins": self.joins,
-             "reading": self.reading, "adopted": self.adopted}
+             "reading": self.reading, "adopted": self.adopted, "fetched": self.fetched}
         if verify and self.state == "committed" and self.in_ram:
             d["sha256_now"] = self.digest()
         return d
@@ -184,9 +186,11 @@ class Store:
         self.used_bytes = 0
         self.counters = {"committed": 0, "aborted": 0, "evicted": 0, "evicted_ram": 0, "disk_reads": 0,
                          "disk_writes": 0, "disk_read_failures": 0, "joins": 0, "adopted": 0, "disk_rejected": 0,
-                         "disk_temp_removed": 0, "lru_spilled": 0, "lru_forgotten": 0, "lru_refused": 0}
+                         "disk_temp_removed": 0, "lru_spilled": 0, "lru_forgotten": 0, "lru_refused": 0, "fetched": 0}
         self.disk_rejected: list[dict[str, str]] = []   # the first MAX_REJECTED_LISTED: {file, reason}
         self.disk = None
+        # called after each commit of this host's own saves (the remote tier publishes them); not for fetched ones
+        self.on_commit: Callable[[Original], None] | None = None
         self._seq = itertools.count(1)
         if disk_dir is not None:
             from kmesh.storage.tier import DiskTier
@@ -277,8 +281,9 @@ class Store:
         self.used_bytes += nbytes
         return obj
 
-    def commit(self, obj: Original) -> None:
-        sha = obj.digest()
+    def commit(self, obj: Original, sha256: str | None = None) -> None:
+        """Make obj visible. sha256: its digest when the caller already checked it (a fetched object)."""
+        sha = sha256 or obj.digest()
         if self.disk is not None:   # spilled before it becomes visible: a failed write aborts the save
             self.disk.write(obj.key, obj.tensor.numpy(), header_section(obj, sha))
             obj.on_disk = True
@@ -286,6 +291,24 @@ class Store:
         obj.state = "committed"
         obj.sha256 = sha
         self.counters["committed"] += 1
+        if self.on_commit is not None and not obj.fetched:
+            self.on_commit(obj)
+
+    def install_fetched(self, key: bytes, layout: dict[str, Any], geometry: bytes, payload: bytes,
+                        sha256: str) -> Original:
+        """A verified object from the remote tier becomes a committed original here (RAM, and the disk tier when
+        there is one); CapacityError / ObjectExistsError as for a save."""
+        obj = self.begin_put(key, len(payload), layout, geometry)
+        try:
+            obj.tensor.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            obj.fetched = True
+            self.commit(obj, sha256)
+        except BaseException:
+            if obj.state != "committed":
+                self.abort(obj)
+            raise
+        self.counters["fetched"] += 1
+        return obj
 
     def abort(self, obj: Original) -> None:
         """The saving copy failed or was cancelled: the partial object never becomes visible."""

@@ -142,12 +142,8 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def write_object(path: str | os.PathLike[str], payload: Any, key: bytes, layout: dict[str, Any] | None = None,
-                 algorithm: str = DEFAULT_ALGORITHM, params: dict[str, Any] | None = None,
-                 pad_to: int | None = None) -> Header:
-    """Write one object file atomically; returns its header. `pad_to` pads the payload to at least that many
-    bytes (a 4096 multiple), e.g. the write-up's 3 MiB objects."""
-    path = Path(path)
+def _padded_and_header(payload: Any, key: bytes, layout: dict[str, Any] | None, algorithm: str,
+                       params: dict[str, Any] | None, pad_to: int | None) -> tuple[Header, bytearray]:
     data = memoryview(payload).cast("B")
     padded = round_up(max(data.nbytes, pad_to or 0))
     if pad_to is not None and (pad_to % ALIGN or pad_to < data.nbytes):
@@ -159,7 +155,37 @@ def write_object(path: str | os.PathLike[str], payload: Any, key: bytes, layout:
         digest = integrity.get(algorithm).digest(buf, **params)
     except integrity.IntegrityError as e:
         raise ObjectAlgorithmError(str(e)) from e
-    h = Header(bytes(key), data.nbytes, padded, algorithm, digest, params, dict(layout or {}))
+    return Header(bytes(key), data.nbytes, padded, algorithm, digest, params, dict(layout or {})), buf
+
+
+def encode_image(payload: Any, key: bytes, layout: dict[str, Any] | None = None,
+                 algorithm: str = DEFAULT_ALGORITHM, params: dict[str, Any] | None = None) -> bytes:
+    """The bytes an object file holds (header block + padded payload), for a tier that stores them elsewhere
+    (kmesh.storage.remote): the same header, digest and checks as on disk."""
+    h, buf = _padded_and_header(payload, key, layout, algorithm, params, None)
+    return h.encode() + bytes(buf)
+
+
+def decode_image(image: Any, key: bytes, what: str = "object") -> tuple[Header, memoryview]:
+    """Check an object image before any of it is used: header (own checksum, magic, version, sizes against the
+    image's length), the key it names, the digest of the padded payload by the algorithm the header names.
+    Returns (header, the payload without padding). StorageError subclasses say what is wrong."""
+    mv = memoryview(image).cast("B")
+    h = parse_header(bytes(mv[:HEADER_BYTES]), mv.nbytes, what=what)
+    if h.key != bytes(key):
+        raise HeaderLieError(f"{what}: the header names key {h.key[:64]!r}, it was fetched as {bytes(key)[:64]!r}")
+    padded = mv[HEADER_BYTES:]
+    h.verify(padded, what)
+    return h, padded[:h.payload_nbytes]
+
+
+def write_object(path: str | os.PathLike[str], payload: Any, key: bytes, layout: dict[str, Any] | None = None,
+                 algorithm: str = DEFAULT_ALGORITHM, params: dict[str, Any] | None = None,
+                 pad_to: int | None = None) -> Header:
+    """Write one object file atomically; returns its header. `pad_to` pads the payload to at least that many
+    bytes (a 4096 multiple), e.g. the write-up's 3 MiB objects."""
+    path = Path(path)
+    h, buf = _padded_and_header(payload, key, layout, algorithm, params, pad_to)
     head = h.encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
