@@ -201,3 +201,58 @@ def test_unreachable_at_start_is_a_clear_error_then_recovers(tmp_path):
         finally:
             m.stop()
         _close(b, (w, ref))
+
+
+def test_a_dead_agent_is_replaced_and_objects_outlive_it(master, tmp_path):
+    """The store client's process dies (SIGKILL): the next call finds it gone and starts a new one (`starts`),
+    which serves it. The object outlives the agent because it lives in another client's segment (here the test's
+    own, as a store node's); what a dead client contributed is gone with it (the next test)."""
+    from kmesh.storage.remote_agent import Agent
+
+    holder = remote.MooncakeClient(master.spec(segment_bytes=32 << 20))   # the store's memory
+    agent = Agent.start(master.spec(segment_bytes=0), tmp_path / "agent.log", timeout_s=10.0)
+    try:
+        assert agent.call("ping")["pid"] == agent.pid
+        agent.publish(b"k", b"x" * 4096)
+        first = agent.pid
+        agent.proc.kill()
+        agent.proc.wait()
+        assert agent.fetch(b"k") == b"x" * 4096
+        assert agent.pid != first and agent.starts == 2
+        with pytest.raises(remote.RemoteMissingError):
+            agent.fetch(b"never-published")
+    finally:
+        agent.close()
+        holder.close()
+    assert agent.proc.poll() is not None
+
+
+def test_objects_in_a_dead_clients_segment_fail_by_name(master, tmp_path):
+    """An object placed in the segment of a client that died is still listed by the master (until it forgets the
+    client) but cannot be read: a RemoteStoreError, never bytes."""
+    from kmesh.storage.remote_agent import Agent
+
+    owner = Agent.start(master.spec(segment_bytes=16 << 20), timeout_s=10.0)   # the only segment
+    reader = remote.MooncakeClient(master.spec(segment_bytes=0))
+    try:
+        owner.publish(b"k", b"y" * 4096)
+        owner.proc.kill()
+        owner.proc.wait()
+        with pytest.raises(remote.RemoteStoreError):
+            reader.fetch(b"k")
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_agent_against_no_store_says_unavailable(tmp_path):
+    from kmesh.storage.remote_agent import Agent
+
+    m = remote.MooncakeMaster(tmp_path / "master")      # ports chosen, nothing listening
+    agent = Agent.start(m.spec(), timeout_s=20.0)
+    try:
+        with pytest.raises(remote.RemoteUnavailableError, match="setup"):
+            agent.fetch(b"k")
+        assert agent.call("ping")["connected"] is False   # the agent itself is fine
+    finally:
+        agent.close()

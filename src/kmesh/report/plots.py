@@ -183,3 +183,22 @@ def peers_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], titl
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=10)
     return _save(fig, base, formats)
+
+
+def remote_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """First-token time per arm of the remote stage: every round's median over children (dots) and the median of
+    those (bar), read from the pairings remote_vs_<arm> (the remote arm's own values from the first)."""
+    arms = ("remote", "disk", "ram", "full")
+    colors = {"remote": "#c0392b", "disk": "#2874a6", "ram": "#27ae60", "full": "#7f8c8d"}
+    fig, ax = plt.subplots(figsize=(4.8, 3.2))
+    for x, arm in enumerate(arms):
+        key = "remote_vs_disk" if arm == "remote" else f"remote_vs_{arm}"
+        if key not in timings:
+            continue
+        values = [1e3 * statistics.median(p[arm]["first-token"]) for p in timings[key]["raw"]]
+        ax.bar(x, statistics.median(values), color=colors[arm], alpha=0.6)
+        ax.scatter([x] * len(values), values, s=12, color=colors[arm])
+    ax.set_xticks(range(len(arms)), arms)
+    ax.set_ylabel("first token [ms]")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)

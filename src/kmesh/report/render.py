@@ -84,6 +84,16 @@ def render_all(cfg: Config) -> list[Path]:
             if "ttft_exact_vllm_vs_lmcache" in r.get("timings", {}):
                 written += plots.peers_plot(r["timings"], pdir / "peers_ttft", pfmts,
                                             f"peers ({cfg.profile}): TTFT per arm and workload")
+        if stage == "remote" and r["summary"].get("remote_arms"):
+            written += tables.write_table(tables.remote_frame(r["summary"]), tdir / "remote", fmts,
+                                          "Stage remote: a child's first token on host B with its segments from the "
+                                          "store, B's disk, B's RAM, or none (full recompute); rotated rounds, "
+                                          "ratios = medians of per-pair ratios.")
+            written += tables.write_table(tables.remote_faults_frame(r["summary"]), tdir / "remote_faults", fmts,
+                                          "Stage remote: the store's failures, each ending in a recompute.")
+            if "remote_vs_full" in r.get("timings", {}):
+                written += plots.remote_plot(r["timings"], pdir / "remote_first_token", pfmts,
+                                             f"remote ({cfg.profile}): first token per arm on host B")
         if stage == "reliability":
             written += tables.write_table(tables.reliability_frame(r["summary"]), tdir / "reliability", fmts,
                                           "Stage reliability: real processes against the cache service (the "

@@ -493,6 +493,39 @@ def peers_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+REMOTE_ARMS = {"remote": "remote tier (B fetches from the store)", "disk": "B's disk tier (page cache dropped)",
+               "ram": "B's RAM", "full": "full recompute (no restore)"}
+
+
+def remote_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The remote stage's arms: first-token time per arm, paired ratio other/remote and the pairs the remote arm
+    won (summary key remote_arms), and the fetches per object across the group (fetch-once)."""
+    rows = []
+    for arm, name in REMOTE_ARMS.items():
+        a = (summary.get("remote_arms") or {}).get(arm)
+        if not isinstance(a, dict):
+            continue
+        rows.append({"arm": name, "first token median [ms]": _fmt(a.get("median_ms")),
+                     "ratio arm / remote (paired)": _fmt(a.get("ratio_vs_remote"), 3),
+                     "pairs remote faster": "—" if a.get("remote_faster") is None
+                     else f"{a['remote_faster']}/{a.get('pairs')}"})
+    return pd.DataFrame(rows)
+
+
+def remote_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """One row per store failure (summary key remote_faults): the error the child's load got, how long until it
+    recomputed, host B's remote counters, whether both hosts hold what they held before, whether it recovered."""
+    rows = []
+    for scenario, f in (summary.get("remote_faults") or {}).items():
+        rows.append({"failure": scenario, "load failed with": f.get("error"),
+                     "child done after [s]": _fmt(f.get("fallback_s"), 2),
+                     "recompute = full": f.get("recomputed_equal_full"),
+                     "B's remote counters": ", ".join(f"{k} {v}" for k, v in (f.get("b_counters") or {}).items()),
+                     "hosts hold as before": f.get("held_as_at_start"),
+                     "next child restores": "—" if f.get("recovered") is None else f.get("recovered")})
+    return pd.DataFrame(rows)
+
+
 def _holds(h: Any) -> str:
     if not isinstance(h, dict):
         return str(h)

@@ -225,9 +225,12 @@ def _pairs_case(res: Result, setup: ModelSetup, hosts: TwoHosts, refs: dict[str,
         case.check("every_run_equals_its_reference", not wrong, wrong)
         case.check("remote_children_fetch_each_object_once", fetches and all(f == len(hosts.keys) for f in fetches),
                    fetches)
-        res.extra["remote_first_token"] = {"median_s": medians,
-                                           "ratio_vs_remote": {o: s["median_ratio"] for o, s in summary.items()},
-                                           "pairs": pairs}
+        # per arm: median first-token time; vs the remote arm: median of the per-pair ratios other/remote and the
+        # pairs the remote arm won
+        res.extra["remote_arms"] = {arm: {"median_ms": 1e3 * medians[arm], "pairs": pairs,
+                                          "ratio_vs_remote": 1.0 if arm == "remote" else summary[arm]["median_ratio"],
+                                          "remote_faster": None if arm == "remote"
+                                          else pairs - summary[arm]["b_faster"]} for arm in ARMS}
 
 
 def _failure(res: Result, setup: ModelSetup, hosts: TwoHosts, case_id: str, refs: dict[str, ChildOutcome],
@@ -262,11 +265,17 @@ def _failure(res: Result, setup: ModelSetup, hosts: TwoHosts, case_id: str, refs
         leaks = hosts.leaks()
         case.check("nothing_leaked", leaks == hosts.expected_holdings(), {"now": leaks,
                                                                          "expected": hosts.expected_holdings()})
+        recovered = None
         if recovers:   # the store is whole again: the next child restores from it
             hosts.forget_on_b()
             again = run_child(setup.ctx, child, hosts.source(0), hosts.staging[0].tensor, private)
-            case.check("next_child_restores_from_store", again.fallback is None and _same(refs[child.name], again),
-                       again.fallback)
+            recovered = again.fallback is None and _same(refs[child.name], again)
+            case.check("next_child_restores_from_store", recovered, again.fallback)
+        res.extra.setdefault("remote_faults", {})[case_id] = {
+            # what the child's load got, past the segment source's wrapping ("... from the remote tier: <cause>")
+            "error": (out.fallback or "none").split("remote tier: ", 1)[-1][:120], "fallback_s": round(seconds, 3),
+            "b_counters": {k: v for k, v in delta.items() if v}, "recomputed_equal_full": _same(fulls[child.name], out),
+            "held_as_at_start": leaks == hosts.expected_holdings(), "recovered": recovered}
         return delta
 
 
