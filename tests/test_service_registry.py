@@ -441,3 +441,27 @@ def test_summary_counts_by_state_for_one_client_or_all() -> None:
     sb = r.summary(b.client_id)
     assert sb["by_state"] == {"registered": 0, "active": 0, "closing": 1, "drained": 1}
     assert sb["counts"] == {"clients": 1, "clients_live": 0, "registrations": 2, "released": 1}
+
+
+def test_per_client_views_match_the_global_ones_through_the_tombstone_cap() -> None:
+    """A client's own registrations and tombstones come from per-client indexes (their cost is what the client
+    holds, not the service's history); they must say exactly what filtering the global tables says, also after the
+    cap has dropped the oldest tombstones."""
+    r, _ = make(max_tombstones=5)
+    a, b = client(r, 1, conn_id=1), client(r, 2, conn_id=2)
+    for gen in range(1, 5):            # a: 4 burials, b: 3 (interleaved), then one live each
+        x = active(r, a, gen=gen)
+        r.close(x, "closed by client")
+        if gen < 4:
+            y = active(r, b, alloc=ALLOC + 4096, gen=gen)
+            r.close(y, "closed by client")
+    live_a, live_b = active(r, a, gen=9), active(r, b, alloc=ALLOC + 4096, gen=9)
+    assert len(r.tombstones) == 5      # 7 buried, the 2 oldest dropped
+    for c, live in ((a, live_a), (b, live_b)):
+        want = [t for t in r.tombstones.values() if t.client_id == c.client_id]
+        assert r.tombstones_of(c.client_id) == want
+        assert r.summary(c.client_id)["counts"]["released"] == len(want)
+        assert r.regs_of(c.client_id) == [live]
+    assert r.tombstones_of(None) == list(r.tombstones.values())
+    assert r.summary()["counts"]["released"] == 5
+    assert sum(len(r.tombstones_of(c.client_id)) for c in (a, b)) == 5

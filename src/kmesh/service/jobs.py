@@ -120,6 +120,7 @@ class CopyRunner:
         self._done: DoneQueue[CopyJob] = DoneQueue()
         self.wake_r = self._done.wake_r
         self.jobs: OrderedDict[int, CopyJob] = OrderedDict()
+        self._jobs_of: dict[int, OrderedDict[int, CopyJob]] = {}   # the same jobs by client (its status and lists)
         self._ids = itertools.count(1)
         self.max_jobs = max_jobs
         self.reservations = Reservations()
@@ -169,6 +170,7 @@ class CopyRunner:
         job.lane = lane
         lane.outstanding += 1
         self.jobs[job.req_id] = job
+        self._jobs_of.setdefault(job.client_id, OrderedDict())[job.req_id] = job
         self._trim()
         lane.q.put(job)
 
@@ -202,7 +204,16 @@ class CopyRunner:
             oldest = next((k for k, j in self.jobs.items() if j.terminal), None)
             if oldest is None:
                 return
-            del self.jobs[oldest]
+            job = self.jobs.pop(oldest)
+            mine = self._jobs_of.get(job.client_id)
+            if mine is not None:
+                mine.pop(oldest, None)
+                if not mine:
+                    del self._jobs_of[job.client_id]
+
+    def jobs_of(self, client_id: int | None) -> list[CopyJob]:
+        """The requests kept (ids ascending), one client's or everyone's."""
+        return list((self.jobs if client_id is None else self._jobs_of.get(client_id, {})).values())
 
     def close(self) -> None:
         for lane in self._lanes.values():

@@ -32,7 +32,7 @@ class AdminOps:
         assert c is not None
         if req.args["scope"] == "self":
             snap = st.registry.summary(c.client_id)
-            mine = [j for j in st.copies.jobs.values() if j.client_id == c.client_id]
+            mine = st.copies.jobs_of(c.client_id)
             snap["counts"].update(requests=len(mine), requests_running=sum(not j.terminal for j in mine))
             snap["client"] = c.describe()
             snap["version"] = st.version
@@ -66,15 +66,17 @@ class AdminOps:
             return everyone or client_id == c.client_id
 
         items: list[tuple[int, Any]]  # (cursor, thing), ascending cursor
+        # a client's own lists come from its own indexes: their cost is what it holds, not the service's history
+        who = None if everyone else c.client_id
         if what == "clients":
             items = sorted((k, x) for k, x in st.registry.clients.items() if own(k))
         elif what == "registrations":
-            items = sorted((k, x) for k, x in st.registry.regs.items() if own(x.client_id))
+            items = sorted((x.reg_id, x) for x in st.registry.regs_of(who))
         elif what == "released":
-            items = [(t.seq, t) for t in st.registry.tombstones.values() if own(t.client_id)]  # bury order
+            items = [(t.seq, t) for t in st.registry.tombstones_of(who)]  # bury order
         elif what == "requests":
-            items = [(k, j) for k, j in st.copies.jobs.items()
-                     if own(j.client_id) and not (a["running"] and j.terminal)]  # ids ascend in insertion order
+            items = [(j.req_id, j) for j in st.copies.jobs_of(who)
+                     if not (a["running"] and j.terminal)]  # ids ascend in insertion order
         else:
             items = sorted(((o.seq, o) for o in st.store.objects.values()), key=lambda t: t[0])
         keys = [k for k, _ in items]

@@ -130,6 +130,9 @@ class Registry:
         self.clients: dict[int, Client] = {}
         self.regs: dict[int, Registration] = {}
         self.tombstones: OrderedDict[int, Tombstone] = OrderedDict()
+        # the same tombstones by client: a client's own status and lists cost what it holds, not the service's whole
+        # history (a long fuzz measured 309 -> 10 requests/s as 16,384 tombstones were scanned per status)
+        self._tombs_of: dict[int, OrderedDict[int, Tombstone]] = {}
         self._latest_gen: dict[tuple[int, int], int] = {}
         self._client_ids = itertools.count(1)
         self._reg_ids = itertools.count(1)
@@ -277,11 +280,17 @@ class Registry:
 
     def _bury(self, reg: Registration) -> None:
         del self.regs[reg.reg_id]
-        self.tombstones[reg.reg_id] = Tombstone(reg.reg_id, reg.client_id, reg.alloc_id, reg.generation,
-                                                reg.reason, tuple((h[0], h[1]) for h in reg.history),
-                                                next(self._tomb_seq))
+        tomb = Tombstone(reg.reg_id, reg.client_id, reg.alloc_id, reg.generation, reg.reason,
+                         tuple((h[0], h[1]) for h in reg.history), next(self._tomb_seq))
+        self.tombstones[reg.reg_id] = tomb
+        self._tombs_of.setdefault(reg.client_id, OrderedDict())[reg.reg_id] = tomb
         while len(self.tombstones) > self.max_tombstones:
-            self.tombstones.popitem(last=False)
+            old_id, old = self.tombstones.popitem(last=False)
+            mine = self._tombs_of.get(old.client_id)
+            if mine is not None:
+                mine.pop(old_id, None)
+                if not mine:
+                    del self._tombs_of[old.client_id]
         self.counters["released"] += 1
         c = self.clients.get(reg.client_id)
         if c is not None:
@@ -298,14 +307,29 @@ class Registry:
     def summary(self, client_id: int | None = None) -> dict[str, Any]:
         """Counts by state and counters, for one client or all (bounded: the items are listed page by page)."""
         by_state = {s.value: 0 for s in State if s is not State.RELEASED}
-        for r in self.regs.values():
-            if client_id is None or r.client_id == client_id:
-                by_state[r.state.value] += 1
-        mine = [c for c in self.clients.values() if client_id is None or c.client_id == client_id]
-        released = sum(1 for t in self.tombstones.values() if client_id is None or t.client_id == client_id)
+        for r in self.regs_of(client_id):
+            by_state[r.state.value] += 1
+        if client_id is None:
+            mine, released = list(self.clients.values()), len(self.tombstones)
+        else:
+            one = self.clients.get(client_id)
+            mine, released = ([one] if one is not None else []), len(self._tombs_of.get(client_id, ()))
         return {"by_state": by_state, "counters": dict(self.counters),
                 "counts": {"clients": len(mine), "clients_live": sum(c.live for c in mine),
                            "registrations": sum(by_state.values()), "released": released}}
+
+    def regs_of(self, client_id: int | None) -> list[Registration]:
+        """One client's live registrations (None: everyone's), from its own index."""
+        if client_id is None:
+            return list(self.regs.values())
+        c = self.clients.get(client_id)
+        return [self.regs[r] for r in sorted(c.regs) if r in self.regs] if c is not None else []
+
+    def tombstones_of(self, client_id: int | None) -> list[Tombstone]:
+        """Released registrations kept (bury order), one client's or everyone's."""
+        if client_id is None:
+            return list(self.tombstones.values())
+        return list(self._tombs_of.get(client_id, {}).values())
 
     def violations(self) -> list[str]:
         """Invariants that must hold between any two events (checked by status and by tests)."""
