@@ -88,6 +88,7 @@ def test_image_round_trip_and_checks():
         verify_image(b"shared/other", img)
 
 
+@pytest.mark.covered_by_stage("remote", "fetch-once")
 def test_host_b_fetches_host_a_commit_once_and_verified(master, tmp_path):
     with _host(master.spec()) as a, _host(master.spec()) as b:
         saver, sref = a.worker_with_original(None, KEY, LAYOUT, N, SEED, name="host-a-leader")
@@ -116,6 +117,7 @@ def test_host_b_fetches_host_a_commit_once_and_verified(master, tmp_path):
         assert b.no_leaks(), str(b.leaks())
 
 
+@pytest.mark.covered_by_stage("remote", "fail-tampered", "fail-evicted")
 def test_tampered_evicted_and_missing_objects_are_refused_by_name(master, tmp_path):
     with _host(master.spec()) as a, _host(master.spec()) as b:
         saver, sref = a.worker_with_original(None, KEY, LAYOUT, N, SEED, name="leader")
@@ -144,6 +146,7 @@ def test_tampered_evicted_and_missing_objects_are_refused_by_name(master, tmp_pa
         assert b.no_leaks(), str(b.leaks())
 
 
+@pytest.mark.covered_by_stage("remote", "fail-unreachable", "fail-master-restarted")
 def test_store_down_then_back(master, tmp_path):
     """Master killed: a load that needs the store fails at once with RemoteReadError and the service answers
     everyone; the master restarted (it forgot every object): the next save is published again and fetched."""

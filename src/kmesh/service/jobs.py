@@ -34,7 +34,7 @@ class CopyJob:
     client_id: int
     kind: str                      # "load" (object -> client memory) | "save" (client memory -> object)
     reg: Any                       # Registration
-    obj: Any                       # store Original
+    obj: Any                       # store Original (None once settled: the record keeps only its key)
     offset: int
     nbytes: int
     state: str = "running"         # running -> done | failed | cancelled
@@ -47,13 +47,17 @@ class CopyJob:
     tensors: tuple[Any, ...] = ()  # src, dst: alive until the engine drained the ticket
     store_settled: bool = False    # the save committed/aborted, or the load's pin released (exactly once)
     lane: Any = None
+    key: bytes = b""               # the object's key (set from obj)
+
+    def __post_init__(self) -> None:
+        self.key = self.obj.key
 
     @property
     def terminal(self) -> bool:
         return self.state != "running"
 
     def describe(self) -> dict[str, Any]:
-        return {"req": self.req_id, "kind": self.kind, "reg": self.reg.reg_id, "key": self.obj.key,
+        return {"req": self.req_id, "kind": self.kind, "reg": self.reg.reg_id, "key": self.key,
                 "offset": self.offset, "nbytes": self.nbytes, "state": self.state,
                 "cancel_requested": self.cancel_requested, "error": clip(self.error),
                 "chunks_done": getattr(self.ticket, "chunks_done", 0),
