@@ -185,8 +185,8 @@ def _common(t: PairedTiming) -> PairedTiming:
 
 
 def _pairs_case(res: Result, setup: ModelSetup, hosts: TwoHosts, refs: dict[str, ChildOutcome],
-                fulls: dict[str, ChildOutcome], pairs: int, warmup: int) -> None:
-    children = setup.workload.children
+                fulls: dict[str, ChildOutcome], pairs: int, warmup: int, timed_children: int) -> None:
+    children = setup.workload.children[:timed_children]
     with res.case("pairs", {"arms": list(ARMS), "pairs": pairs, "warmup": warmup, "children": len(children),
                             "order": "rotated (kmesh.bench.rotate)"}) as case:
         wrong: list[str] = []
@@ -331,7 +331,7 @@ def run(cfg: Config) -> Result:
         return res
     try:
         _fetch_once_case(res, setup, hosts, refs)
-        _pairs_case(res, setup, hosts, refs, fulls, pairs, warmup)
+        _pairs_case(res, setup, hosts, refs, fulls, pairs, warmup, int(sec.get("timed_children", 4)))
         _failure_cases(res, setup, hosts, refs, fulls)
     finally:
         with res.case("teardown", {"what": "children's registrations closed, both services and the master stopped"}) \
