@@ -106,11 +106,32 @@ def test_reliability_table_has_one_row_per_test_run():
     from kmesh.report.tables import reliability_frame
 
     summary = {"soak": {"load": "10 ops", "faults": "1 loads cancelled mid-copy", "bad_inputs": 0, "divergences": 0,
-                        "service_survived": True, "data_lost": 0},
+                        "service_survived": True, "data_lost": 0, "internal_errors": 0},
                "crash": {"load": "3 saves", "faults": "2 service SIGKILLs", "bad_inputs": "1 temp files",
                          "divergences": 0, "service_survived": True, "data_lost": 0}}
     df = reliability_frame(summary)
     assert list(df["test"]) == ["soak under memory pressure", "service crash consistency"]
     assert list(df.columns) == ["test", "load held", "faults injected", "bad inputs tried", "divergences",
-                                "service survived", "data lost"]
+                                "internal errors", "service survived", "data lost"]
     assert df.iloc[1]["faults injected"] == "2 service SIGKILLs"
+    assert df.iloc[0]["internal errors"] == 0
+
+
+def test_remote_tables_read_the_stage_summary(tmp_path):
+    from kmesh.report import plots, tables
+
+    summary = {"remote_arms": {"remote": {"median_ms": 880.0, "pairs": 5, "ratio_vs_remote": 1.0, "remote_faster": None},
+                               "full": {"median_ms": 1459.0, "pairs": 5, "ratio_vs_remote": 1.64, "remote_faster": 5}},
+               "remote_faults": {"fail-tampered": {"error": "RemoteRejectedError: digest mismatch", "fallback_s": 2.7,
+                                                   "b_counters": {"fetches": 1, "fetch_rejected": 1},
+                                                   "recomputed_equal_full": True, "held_as_at_start": True,
+                                                   "recovered": True}}}
+    df = tables.remote_frame(summary)
+    assert list(df["first token median [ms]"]) == ["880.0", "1459.0"]
+    assert list(df["pairs remote faster"]) == ["—", "5/5"]
+    faults = tables.remote_faults_frame(summary)
+    assert faults.iloc[0]["B's remote counters"] == "fetches 1, fetch_rejected 1"
+    raw = [{"order": ["remote", "full"], "remote": {"first-token": [0.8, 0.9]}, "full": {"first-token": [1.4, 1.5]}}]
+    timings = {"remote_vs_full": {"raw": raw}, "remote_vs_disk": {"raw": [{"remote": {"first-token": [0.8]},
+                                                                          "disk": {"first-token": [0.7]}}]}}
+    assert plots.remote_plot(timings, tmp_path / "r", ["png"], "remote")[0].stat().st_size > 1000

@@ -94,7 +94,8 @@ def run_churn(model_dir: Path, spec: ChurnSpec, workdir: Path, connector_extra: 
             now = _objects(adm)
             changed = [k.hex()[:16] for k, sha in noted.items() if now.get(k) != sha]
             alive = sp.alive()
-            regs_left = len(adm.status("all")["registrations"])
+            final = adm.status("all")
+            regs_left, internal = len(final["registrations"]), final["stats"]["internal_errors"]
     finally:
         sp.stop()
     released = [k["released_after_s"] for k in kills if k["released_after_s"] is not None]
@@ -104,4 +105,5 @@ def run_churn(model_dir: Path, spec: ChurnSpec, workdir: Path, connector_extra: 
             "release_s": released, "tokens_equal_after_churn": tokens == reference,
             "reference_tokens": reference, "tokens_after": tokens, "originals_noted": len(noted),
             "originals_changed": changed, "service_alive": alive, "registrations_left": regs_left,
+            "internal_errors": internal,
             "per_kill": kills, "problems": problems}

@@ -141,6 +141,7 @@ def run_crash(spec: CrashSpec, workdir: Path) -> dict[str, Any]:
                                       name="crash-client", daemon=True)
             worker.start()
             time.sleep(rng.uniform(0.02, spec.max_delay_s))
+            stats["internal_errors"] += _internal_errors(sp)   # this instance's, before the kill takes them along
             os.kill(sp.pid, signal.SIGKILL)
             stats["kills"] += 1
             worker.join(timeout=30)
@@ -153,7 +154,18 @@ def run_crash(spec: CrashSpec, workdir: Path) -> dict[str, Any]:
             "adopted_total": stats["adopted"], "loads_after_restart_verified": stats["adopted_verified"],
             "temp_files_removed": stats["temp_removed"], "files_rejected": stats["disk_rejected"],
             "loads_verified": stats["load_verified"], "load_mismatches": stats["load_mismatch"],
-            "problems": problems, "counters": dict(stats)}
+            "internal_errors": stats["internal_errors"], "problems": problems, "counters": dict(stats)}
+
+
+def _internal_errors(sp: Any) -> int:
+    """The service's own count of internal errors (a bug it caught and survived), asked by an admin client."""
+    from kmesh.service.errors import ServiceError
+
+    try:
+        with sp.admin_client(name="crash-internal") as adm:
+            return int(adm.summary("all")["stats"]["internal_errors"])
+    except ServiceError:   # it could not answer: a kill racing this question is not an internal error
+        return 0
 
 
 def _verify_all(sp: Any, keys: list[bytes], n: int) -> list[str]:

@@ -231,7 +231,7 @@ def run_soak(spec: SoakSpec, workdir: Path) -> dict[str, Any]:
         "pins_left": sum(int(o.get("pins", 0)) for o in objects),
         "store_counters": store.get("counters"), "store_used_bytes": store.get("used_bytes"),
         "store_capacity_bytes": store.get("capacity_bytes"), "status_consistent": st.get("consistent"),
-        "service_alive": alive,
+        "service_alive": alive, "internal_errors": (st.get("stats") or {}).get("internal_errors"),
     }
 
 

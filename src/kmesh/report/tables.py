@@ -435,7 +435,8 @@ RELIABILITY_TESTS = {"soak": "soak under memory pressure", "fuzz": "stateful pro
 
 def reliability_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The reliability stage's table: per test, the load held, faults injected, bad inputs tried, divergences from
-    what must be true, whether the service survived, data lost (summary keys soak / fuzz / crash / churn)."""
+    what must be true, the service's own internal-error count, whether it survived, data lost (summary keys soak /
+    fuzz / crash / churn)."""
     rows = []
     for key, name in RELIABILITY_TESTS.items():
         t = summary.get(key)
@@ -443,7 +444,8 @@ def reliability_frame(summary: dict[str, Any]) -> pd.DataFrame:
             continue
         rows.append({"test": name, "load held": t.get("load"), "faults injected": t.get("faults"),
                      "bad inputs tried": t.get("bad_inputs"), "divergences": t.get("divergences"),
-                     "service survived": t.get("service_survived"), "data lost": t.get("data_lost")})
+                     "internal errors": t.get("internal_errors"), "service survived": t.get("service_survived"),
+                     "data lost": t.get("data_lost")})
     return pd.DataFrame(rows)
 
 

@@ -52,12 +52,14 @@ def _soak(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
             f["rss_kib_second_half_median"] - f["rss_kib_first_half_median"]
         case.check("rss_bounded", growth is not None and growth <= SOAK_RSS_GROWTH_KIB,
                    {"second_minus_first_half_kib": growth, "limit_kib": SOAK_RSS_GROWTH_KIB})
+        case.check("no_internal_errors", f["internal_errors"] == 0, f["internal_errors"])
         res.extra["soak"] = {"load": f"{f['ops']} ops by {spec.clients} clients in {f['wall_s']:.0f} s; "
                                      f"{spec.working_set} objects over a {spec.ram_objects}-object RAM tier",
                              "faults": f"{f['cancels_sent']} loads cancelled mid-copy",
                              "bad_inputs": None, "divergences": f["mismatches"], "service_survived": f["service_alive"],
                              "data_lost": f["mismatches"] + len(f["objects_wrong"]),
-                             "verified_loads": f["verified_loads"], "rss_growth_kib": growth}
+                             "verified_loads": f["verified_loads"], "rss_growth_kib": growth,
+                             "internal_errors": f["internal_errors"]}
 
 
 def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
@@ -88,9 +90,12 @@ def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
             except Exception as e:   # a divergence, shrunk by hypothesis (the minimal sequence is in the message)
                 counts, divergence = fuzz.outcomes_so_far(), f"{type(e).__name__}: {str(e)[:4000]}"
             alive = sp.alive()
+            with sp.admin_client(name="fuzz-end") as adm:
+                internal = adm.summary("all")["stats"]["internal_errors"]
         finally:
             sp.stop()
         case.record("outcomes", counts)
+        case.check("no_internal_errors", internal == 0, internal)
         case.record("batches", batches)
         case.check("no_divergence", divergence is None, divergence)
         case.check("every_outcome_reached", not fuzz.MUST_REACH - set(counts), sorted(fuzz.MUST_REACH - set(counts)))
@@ -103,7 +108,7 @@ def _fuzz(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
                                      f"{sec['examples']} sequences",
                              "faults": f"{counts.get('disconnect', 0)} disconnects", "bad_inputs": refused,
                              "divergences": 0 if divergence is None else 1, "service_survived": alive,
-                             "data_lost": 0 if divergence is None else None}
+                             "data_lost": 0 if divergence is None else None, "internal_errors": internal}
 
 
 def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
@@ -120,6 +125,7 @@ def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
                    and f["load_mismatches"] == 0, f["problems"])
         case.check("no_temp_file_left", not [p for p in f["problems"] if "temp_files_left" in p], f["problems"])
         case.check("saves_acknowledged", f["saves_acknowledged"] > 0, f["saves_acknowledged"])
+        case.check("no_internal_errors", f["internal_errors"] == 0, f["internal_errors"])
         lost = sum(len(p.get("durable_missing", [])) + len(p.get("adopted_wrong", [])) for p in f["problems"])
         res.extra["crash"] = {"load": f"{f['saves_acknowledged']} saves acknowledged, {f['loads_verified']} loads; "
                                       f"{f['loads_after_restart_verified']} loads after restarts",
@@ -128,7 +134,7 @@ def _crash(res: Result, sec: dict[str, Any], work: Path, seed: int) -> None:
                               "divergences": len(f["problems"]),
                               # killed on purpose: what counts is that it came back over its disk dir every time
                               "service_survived": f"restarted {f['kills']} of {int(sec['kills'])} times",
-                              "data_lost": lost,
+                              "data_lost": lost, "internal_errors": f["internal_errors"],
                               "committed_unacknowledged": f["committed_unacknowledged"]}
 
 
@@ -153,11 +159,13 @@ def _churn(res: Result, cfg: Config, sec: dict[str, Any], work: Path, seed: int)
                    f["originals_changed"])
         case.check("service_alive_and_empty", f["service_alive"] and f["registrations_left"] == 0,
                    {"alive": f["service_alive"], "registrations_left": f["registrations_left"]})
+        case.check("no_internal_errors", f["internal_errors"] == 0, f["internal_errors"])
         res.extra["churn"] = {"load": f"{f['kills']} long requests, each killed while it ran",
                               "faults": f"{f['kills']} engine SIGKILLs (released within {f['release_s_max']:.2f} s)"
                               if f["release_s_max"] is not None else f"{f['kills']} engine SIGKILLs",
                               "bad_inputs": None, "divergences": int(not f["tokens_equal_after_churn"]),
-                              "service_survived": f["service_alive"], "data_lost": len(f["originals_changed"])}
+                              "service_survived": f["service_alive"], "data_lost": len(f["originals_changed"]),
+                              "internal_errors": f["internal_errors"]}
 
 
 def run(cfg: Config) -> Result:
