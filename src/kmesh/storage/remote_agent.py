@@ -84,6 +84,8 @@ def serve(spec: RemoteSpec, fd_in: int = 0, fd_out: int = 1) -> int:
                     result = None
                 elif op == "fetch":
                     result = client.fetch(req["key"])
+                elif op == "exists":
+                    result = client.exists(req["key"])
                 elif op == "remove":
                     client.remove(req["key"])
                     result = None
@@ -158,6 +160,14 @@ class Agent:
         if reply["ok"]:
             return reply["result"]
         raise ERRORS.get(reply["type"], RemoteStoreError)(f"{reply['message']}")
+
+    def restart(self) -> None:
+        """A new agent in place of this one (its client connects on the next call)."""
+        self.kill()
+        self._spawn()
+
+    def exists(self, key: bytes) -> bool:
+        return bool(self.call("exists", key=bytes(key)))
 
     @property
     def pid(self) -> int | None:

@@ -1,6 +1,7 @@
-"""Two hosts over one Mooncake Store: the store's master, host A's service (the leader saves there) and host B's
-service (the children load there), each a real process with its own runtime and disk dirs, plus an operator's
-store client of this process (for the failure cases: remove an object, overwrite its bytes).
+"""Two hosts over one Mooncake Store: the store's master, a store node that lends the store its memory, host A's
+service (the leader saves there) and host B's service (the children load there), each a real process with its own
+runtime and disk dirs, plus an operator's store client of this process (for the failure cases: remove an object,
+overwrite its bytes).
 
     with TwoHosts(setup, workdir, sec) as hosts:
         hosts.save_leader()                       # A commits every segment; its remote tier publishes them
@@ -23,6 +24,7 @@ from kmesh.segments import ServiceSegments
 from kmesh.service.harness import Harness
 from kmesh.service_side import ServiceSide, Staging
 from kmesh.storage.remote import MooncakeClient, MooncakeMaster
+from kmesh.storage.remote_agent import Agent
 from kmesh.storage.routes import drop_page_cache
 
 
@@ -44,8 +46,14 @@ class TwoHosts:
         shutil.rmtree(self.workdir, ignore_errors=True)   # a previous run's disk tiers would be re-adopted
         self.master = self.stack.enter_context(MooncakeMaster(self.workdir / "master"))
         self.master.start()
-        spec = dataclasses.replace(self.master.spec(segment_bytes=int(sec["segment_bytes"])),
-                                   call_timeout_s=float(sec["call_timeout_s"]))
+        # The store's memory is a store node's (an agent process that only lends it), not the hosts': a host's
+        # agent is replaced after a hung call, and what it had lent would go with it (objects placed there become
+        # unreadable: tests/test_remote_tier.py shows it).
+        self.store_node = Agent(self.master.spec(segment_bytes=int(sec["segment_bytes"])),
+                                self.workdir / "store-node.log")
+        self.stack.callback(self.store_node.close)
+        self.mount_store_node()
+        spec = dataclasses.replace(self.master.spec(segment_bytes=0), call_timeout_s=float(sec["call_timeout_s"]))
         eq = setup.cfg.section("equivalence")
         self.hosts: dict[str, Harness] = {}
         for name in ("a", "b"):
@@ -122,10 +130,17 @@ class TwoHosts:
     def alive(self) -> bool:
         return all(h.service.alive() for h in self.hosts.values())
 
+    def mount_store_node(self) -> None:
+        """(Re)start the store node and have it connect: its segment is mounted when this returns."""
+        self.store_node.restart()
+        self.store_node.exists(b"kmesh-store-node")
+
     def restart_master(self) -> None:
-        """Start the killed master again (same ports; it has forgotten every object). The hosts' store agents
-        connect again on their next call; the operator's client is made anew."""
+        """Start the killed master again (same ports; it has forgotten every object and every segment): the
+        store node lends its memory anew; the hosts' agents connect again on their next call; the operator's
+        client is made anew."""
         self.master.start()
+        self.mount_store_node()
         self.operator.close()
         self.operator = MooncakeClient(self.master.spec(segment_bytes=0))
 

@@ -20,8 +20,8 @@ Cases:
   fail-tampered         one object's bytes flipped through the store's own API: B refuses it (rejected, nothing
                         installed), the child recomputes = full reference
   fail-evicted          one object removed from the store: a miss, the child recomputes
-  fail-hung-store       the master frozen (SIGSTOP) while a child loads: the store agent's call times out, the
-                        child recomputes; the master thawed
+  fail-hung-store       the master frozen (SIGSTOP) while a child loads, for one call timeout + 1 s: the store
+                        agent's call times out, the child recomputes; thawed, the next child restores
   fail-unreachable      the master killed: the child's load fails at once, it recomputes
   fail-master-restarted the master started again (it forgot every object): a miss, the child recomputes; the
                         operator republishes and the next child restores = reference
@@ -301,9 +301,21 @@ def _failure_cases(res: Result, setup: ModelSetup, hosts: TwoHosts, refs: dict[s
              undo=lambda: hosts.operator.publish(key0, images[key0]), recovers=True)
 
     pid = hosts.master.proc.pid if hosts.master.proc is not None else None
-    _failure(res, setup, hosts, "fail-hung-store", refs, fulls, lambda: os.kill(pid, signal.SIGSTOP),
-             "the store agent hung", undo=lambda: os.kill(pid, signal.SIGCONT), recovers=True)
-    _failure(res, setup, hosts, "fail-unreachable", refs, fulls, hosts.master.kill, "RemoteStoreError")
+    # frozen for one call timeout and a second more: long enough that the fetch's call times out, short of the
+    # master's client TTL (10 s), after which a thawed master would drop the store node's segment as dead
+    thaw = threading.Timer(float(hosts.sec["call_timeout_s"]) + 1.0, lambda: os.kill(pid, signal.SIGCONT))
+
+    def freeze() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        thaw.start()
+
+    def unfreeze() -> None:
+        thaw.join()
+        os.kill(pid, signal.SIGCONT)   # (again: harmless) the master runs before the next case
+    _failure(res, setup, hosts, "fail-hung-store", refs, fulls, freeze, "the store agent hung", undo=unfreeze,
+             recovers=True)
+    _failure(res, setup, hosts, "fail-unreachable", refs, fulls, hosts.master.kill,
+             "could not be fetched from the remote tier")
 
     def republish() -> None:
         for k, img in images.items():
