@@ -134,7 +134,7 @@ def test_tampered_evicted_and_missing_objects_are_refused_by_name(master, tmp_pa
             assert k["fetch_rejected"] == 1 and k["fetched"] == 0
             assert not b.status()["store"]["objects"]                               # nothing installed
             # evicted from the store: a plain miss, and the loader's buffer untouched
-            time.sleep(0.2)   # past the store's lease on what it just served
+            time.sleep(master.lease_ms / 1000 + 0.2)   # past the store's lease on what it just served
             tamper.remove(KEY)
             state, digest = _load(b, w, ref)
             assert state == "ObjectMissingError" and digest == sha(pattern(POISON, N))

@@ -170,6 +170,8 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
         cmd += ["--remote-master", remote.master, "--remote-metadata", remote.metadata,
                 "--remote-hostname", remote.hostname, "--remote-segment-bytes", str(remote.segment_bytes),
                 "--remote-call-timeout", str(remote.call_timeout_s)]
+        if log_path is not None:   # the agent's log beside the service's (a runtime dir is removed at its end)
+            cmd += ["--remote-agent-log", str(Path(log_path).with_name("remote-agent.log"))]
     for uid in allow_uids or ():
         cmd += ["--allow-uid", str(uid)]
     for f in faults or ():

@@ -71,6 +71,7 @@ class ServiceOptions:
     low_watermark: float = 0.9            # ... down to this fraction
     remote: RemoteSpec | None = None      # remote tier (kmesh.storage.remote): publish commits, fetch what is missing
     max_remote_fetches: int = 64          # fetches in flight (one per object; joined loads not counted)
+    remote_agent_log: Path | None = None  # the store agent's log (None: remote-agent.log in the runtime dir)
 
     def check(self) -> None:
         """Every collection the service keeps has a limit of at least one (ServiceError otherwise)."""
@@ -120,6 +121,8 @@ class ServiceOptions:
         p.add_argument("--remote-call-timeout", type=float, default=10.0,
                        help="the longest one store call may take (a hung store: the load fails, the agent restarts)")
         p.add_argument("--max-remote-fetches", type=int, default=64)
+        p.add_argument("--remote-agent-log", type=Path, default=None,
+                       help="the store agent's log (the client's own lines; default: in the runtime dir)")
         p.add_argument("--log-level", default="INFO")
         p.add_argument("--fault", action="append", choices=FAULTS, default=[], help=argparse.SUPPRESS)
         a = p.parse_args(argv)
@@ -135,7 +138,7 @@ class ServiceOptions:
                    disk_read_threads=a.disk_read_threads, max_disk_reads=a.max_disk_reads,
                    disk_read_gate_fd=a.disk_read_gate_fd, eviction=a.eviction,
                    high_watermark=a.high_watermark, low_watermark=a.low_watermark, remote=remote,
-                   max_remote_fetches=a.max_remote_fetches)
+                   max_remote_fetches=a.max_remote_fetches, remote_agent_log=a.remote_agent_log)
         return opts, a.log_level
 
 
@@ -204,7 +207,8 @@ class ServiceState:
         copies = CopyRunner(opts.chunk_bytes, opts.gate_fd, max_jobs=opts.max_jobs)
         remote = None
         if opts.remote is not None:
-            remote = RemoteTier(opts.remote, opts.max_remote_fetches, agent_log=opts.runtime_dir / "remote-agent.log")
+            remote = RemoteTier(opts.remote, opts.max_remote_fetches,
+                                agent_log=opts.remote_agent_log or opts.runtime_dir / "remote-agent.log")
             store.on_commit = lambda obj: remote.publish(obj.key, obj.tensor, header_section(obj, obj.sha256))
         return cls(opts, registry, store, reads, copies, remote, admin_path=opts.runtime_dir / ADMIN_TOKEN_NAME)
 

@@ -127,10 +127,15 @@ class MooncakeClient:
         if not self.exists(key):
             raise RemoteMissingError(f"the store holds no {remote_key(key)[:80]}")
         size = self._store.get_size(remote_key(key))
-        data = self._store.get(remote_key(key))
-        if not data or (size >= 0 and len(data) != size):
-            raise RemoteStoreError(f"fetching {remote_key(key)[:80]} failed ({len(data)} of {size} bytes came)")
-        return data
+        # `get` answers b"" for a transfer that failed as for a missing key; a listed object's transfer failing is
+        # retried once (its log names why, e.g. LEASE_EXPIRED: the transfer outlived the master's lease on it)
+        for attempt in range(2):
+            data = self._store.get(remote_key(key))
+            if data and (size < 0 or len(data) == size):
+                return data
+            if attempt == 0:
+                time.sleep(0.05)
+        raise RemoteStoreError(f"fetching {remote_key(key)[:80]} failed twice ({len(data)} of {size} bytes came)")
 
     def remove(self, key: bytes) -> None:
         rc = self._store.remove(remote_key(key))
@@ -161,7 +166,7 @@ def master_binary() -> str:
 class MooncakeMaster:
     """The store's master with its HTTP metadata service, a real process on loopback (stage and tests)."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", lease_ms: int = 50) -> None:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", lease_ms: int = 2000) -> None:
         self.workdir, self.host, self.lease_ms = Path(workdir), host, lease_ms
         self.rpc_port, self.http_port, self.metrics_port = free_port(host), free_port(host), free_port(host)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -175,7 +180,9 @@ class MooncakeMaster:
         return m
 
     def command(self) -> list[str]:
-        # a short lease: the store keeps an object it just served from removal for this long
+        # the lease a `get` takes on an object: it may not be removed for this long, and the transfer must end
+        # within it (LEASE_EXPIRED otherwise). Mooncake's default is 10 s; 2 s keeps the failure cases' removals
+        # quick. 50 ms was too short: a 3.7 MB transfer with both cores busy outlived it (a pipeline run's failure).
         return [master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                 f"--http_metadata_server_port={self.http_port}", f"--metrics_host={self.host}",

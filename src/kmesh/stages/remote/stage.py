@@ -47,7 +47,7 @@ from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
 from kmesh.segments import InProcessSegments, restore_child
 from kmesh.stages.remote.hosts import TwoHosts
-from kmesh.storage.remote import unavailable_reason
+from kmesh.storage.remote import RemoteStoreError, unavailable_reason
 from kmesh.workload import Child
 
 ARMS = ("remote", "disk", "ram", "full")
@@ -295,7 +295,7 @@ def _failure_cases(res: Result, setup: ModelSetup, hosts: TwoHosts, refs: dict[s
     res.extra["fail_tampered_rejected"] = d["fetch_rejected"]
 
     def evict() -> None:
-        time.sleep(0.2)   # past the store's lease on what it served last
+        time.sleep(hosts.master.lease_ms / 1000 + 0.2)   # past the store's lease on what it served last
         hosts.operator.remove(key0)
     _failure(res, setup, hosts, "fail-evicted", refs, fulls, evict, "here or in the remote tier",
              undo=lambda: hosts.operator.publish(key0, images[key0]), recovers=True)
@@ -318,8 +318,17 @@ def _failure_cases(res: Result, setup: ModelSetup, hosts: TwoHosts, refs: dict[s
              "could not be fetched from the remote tier")
 
     def republish() -> None:
+        # the operator's part, right after the restart: a put can be refused for a moment while the store node's
+        # memory registers with the new master (code -800 seen once), so each key is tried again for up to 5 s
         for k, img in images.items():
-            hosts.operator.publish(k, img)
+            for attempt in range(10):
+                try:
+                    hosts.operator.publish(k, img)
+                    break
+                except RemoteStoreError:
+                    if attempt == 9:
+                        raise
+                    time.sleep(0.5)
     _failure(res, setup, hosts, "fail-master-restarted", refs, fulls, hosts.restart_master,
              "here or in the remote tier", undo=republish, recovers=True)
 
