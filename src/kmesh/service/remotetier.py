@@ -162,9 +162,6 @@ class RemoteTier:
                 log.warning("remote tier: %s", self.last_error)
         return out
 
-    def in_flight(self) -> int:
-        return len(self.flights) + self.pending_publishes
-
     def describe(self) -> dict[str, Any]:
         return {"spec": self.spec.describe(), "connected": self.connected, "in_flight": len(self.flights),
                 "agent_pid": self.agent.pid, "agent_starts": self.agent.starts,
