@@ -44,10 +44,11 @@ __host__ __device__ inline void tree_copy8(uint32_t* dst, const uint32_t* src) {
 
 // Level `l` (1..TREE_LEVELS) of a block: thread t makes node t of this block's level-l nodes from src[2t], src[2t+1]
 // (level l − 1). n_prev: the object's global node count at level l − 1. H::node(l, r, root, out).
+// `threads`: the block's input nodes (TREE_THREADS for the per-pass kernels; the one-launch kernels choose theirs).
 template <class H>
 __host__ __device__ inline void tree_level(const H& h, const TreeBlock& tb, uint32_t n_prev, int l, int t,
-                                           uint32_t (*src)[8], uint32_t (*dst)[8]) {
-    uint32_t width = TREE_THREADS >> l;
+                                           uint32_t (*src)[8], uint32_t (*dst)[8], uint32_t threads = TREE_THREADS) {
+    uint32_t width = threads >> l;
     if ((uint32_t)t >= width) return;
     uint64_t j = (uint64_t)tb.bo * width + t;
     uint64_t m = (n_prev + 1) / 2;
@@ -96,3 +97,85 @@ struct TreePassInput {
         tree_copy8(out, in + ((uint64_t)prev_blk0[tb.obj] + idx) * 8);
     }
 };
+
+// ---- One launch per request (the `*_set` entry points) ----------------------------------------------------------
+// The leaf phase and in-block folding as above, with SET_THREADS input nodes per block (SET_LEVELS = log2 of it:
+// smaller blocks spread a small request over more SMs). Then each block stores its node in nodes[b], and the LAST
+// block of an object to finish (a per-object atomic counter, after a release fence) folds that object's nodes to
+// the root itself, SET_THREADS at a time, in place in `nodes` (the node of sub-block sb goes to index sb, which no
+// later sub-block of that level reads), writes the digest words to digests[8·o] and resets the counter to 0 for the
+// next launch (a captured graph replays the same counters). An object with one block writes its root directly.
+// The fold reads other blocks' nodes through L2 (ld.global.cg): this SM's L1 may hold an earlier launch's lines.
+template <int THREADS>
+struct TreeSetShape {
+    static constexpr int LEVELS = THREADS == 32 ? 5 : THREADS == 64 ? 6 : THREADS == 128 ? 7 : 8;
+    static_assert(THREADS == 32 || THREADS == 64 || THREADS == 128 || THREADS == 256, "THREADS: 32/64/128/256");
+};
+
+__host__ __device__ inline void tree_load8_l2(uint32_t* dst, const uint32_t* src) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = __ldcg(src + i);
+#else
+    tree_copy8(dst, src);
+#endif
+}
+
+#ifdef __CUDACC__
+template <int THREADS, class H>
+__device__ inline void tree_set_run(const H& h, const uint32_t* blk0, int n_obj, uint32_t* nodes, uint32_t* done,
+                                    uint32_t* digests) {
+    constexpr int LEVELS = TreeSetShape<THREADS>::LEVELS;
+    __shared__ uint32_t buf[2][THREADS][8];
+    __shared__ int last;
+    uint32_t b = blockIdx.x;
+    int t = threadIdx.x;
+    TreeBlock tb;
+    tb.obj = tree_object_of(blk0, n_obj, b);
+    tb.bo = b - blk0[tb.obj];
+    tb.n_in = h.inputs(tb.obj);
+    uint64_t idx = (uint64_t)tb.bo * THREADS + t;
+    if (idx < tb.n_in) h.leaf(tb, idx, buf[0][t]);
+    __syncthreads();
+    uint32_t n = tb.n_in;
+    for (int l = 1; l <= LEVELS; ++l) {
+        tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+        n = (n + 1) / 2;
+        __syncthreads();
+    }
+    uint32_t first = blk0[tb.obj], nblk = blk0[tb.obj + 1] - first;
+    if (nblk == 1) {
+        if (t < 8) digests[(uint64_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+        return;
+    }
+    if (t < 8) nodes[(uint64_t)b * 8 + t] = buf[LEVELS & 1][0][t];
+    __threadfence();                       // release: this block's node before its count
+    __syncthreads();
+    if (t == 0) last = atomicAdd(done + tb.obj, 1u) == nblk - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();                       // acquire: every other block's node after the count
+    uint32_t* base = nodes + (uint64_t)first * 8;
+    uint32_t cnt = nblk;
+    while (cnt > 1) {
+        uint32_t subs = (cnt + THREADS - 1) / THREADS;
+        for (uint32_t sb = 0; sb < subs; ++sb) {
+            TreeBlock fb{tb.obj, sb, cnt};
+            uint64_t j = (uint64_t)sb * THREADS + t;
+            if (j < cnt) tree_load8_l2(buf[0][t], base + j * 8);
+            __syncthreads();
+            uint32_t m = cnt;
+            for (int l = 1; l <= LEVELS; ++l) {
+                tree_level(h, fb, m, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+                m = (m + 1) / 2;
+                __syncthreads();
+            }
+            if (t < 8) base[(uint64_t)sb * 8 + t] = buf[LEVELS & 1][0][t];
+            __syncthreads();               // the stores before the next sub-block's loads (same block: visible)
+        }
+        cnt = subs;
+    }
+    if (t < 8) digests[(uint64_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+    if (t == 0) done[tb.obj] = 0;          // ready for the next launch
+}
+#endif

@@ -20,8 +20,9 @@ from kmesh.integrity import tree
 from kmesh.stages.kernels import compile_cubin, kernel_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"sha256": ["sha256_whole"], "sha256_tree": ["sha256_tree_leaves", "sha256_tree_nodes"],
-           "blake3": ["blake3_chunks", "blake3_parents"]}
+KERNELS = {"sha256": ["sha256_whole"],
+           "sha256_tree": ["sha256_tree_leaves", "sha256_tree_nodes"] + [f"sha256_tree_set_{n}" for n in (64, 128, 256)],
+           "blake3": ["blake3_chunks", "blake3_parents"] + [f"blake3_set_{n}" for n in (64, 128, 256)]}
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
@@ -34,8 +35,9 @@ def test_kernel_compiles_for_sm90(name, tmp_path):
     info = compile_cubin(NVCC, "-gencode=arch=compute_90,code=sm_90", src, tmp_path / f"{name}.cubin")
     assert info["returncode"] == 0, info["stderr_tail"]
     assert (tmp_path / f"{name}.cubin").stat().st_size > 0
+    assert set(KERNELS[name]) <= set(info["compiled_entry_functions"]), info["ptxas"]   # none preprocessed away
     used = [ln for ln in info["ptxas"] if "Used" in ln and "registers" in ln]
-    assert len(used) >= len(KERNELS[name]), info["ptxas"]      # ptxas reported every entry point
+    assert len(used) >= len(KERNELS[name]), info["ptxas"]      # ptxas reported every entry point's resources
 
 
 def test_loader_tracks_included_headers(tmp_path, monkeypatch):
@@ -285,6 +287,13 @@ def test_gpu_module_on_emulated_launches(emulated_gpu, mis):
     lengths = [0, 1, 63, 64, 65, 1023, 1024, 1025, 3 << 20, 256 * 1024 + 1, 257 * 1024]
     host, bufs = _inputs(lengths, mis, 21)
     assert gpu.hash_buffers("blake3", bufs, stream=0, poison=True) == want("blake3", host)
+    assert [e for e, _, _ in launches] == [f"blake3_set_{gpu.SET_THREADS['blake3']}"]     # one launch per request
+    launches.clear()
+    prev = gpu.set_one_launch(False)
+    try:
+        assert gpu.hash_buffers("blake3", bufs, stream=0, poison=True) == want("blake3", host)
+    finally:
+        gpu.set_one_launch(prev)
     assert [e for e, _, _ in launches] == ["blake3_chunks", "blake3_parents"]
     launches.clear()
     for mode in ("concurrent", "serial"):
@@ -300,13 +309,47 @@ def test_gpu_module_on_emulated_launches(emulated_gpu, mis):
 def test_gpu_module_three_passes_and_corruption(emulated_gpu):
     gpu, launches = emulated_gpu
     host, bufs = _inputs([256 * 256 * 1024 + 1, 5000], 0, 22)
-    p = gpu.hash_async("blake3", bufs, stream=0)
+    prev = gpu.set_one_launch(False)
+    try:
+        p = gpu.hash_async("blake3", bufs, stream=0)
+    finally:
+        gpu.set_one_launch(prev)
     assert p.result() == want("blake3", host) and p.done()
     assert [e for e, _, _ in launches] == ["blake3_chunks", "blake3_parents", "blake3_parents"]
     assert [g[0] for _, g, _ in launches] == [257 + 1, 2 + 1, 2]
+    launches.clear()
+    p = gpu.hash_async("blake3", bufs, stream=0)          # one launch: the last block folds 1025 nodes in two rounds
+    assert p.result() == want("blake3", host)
+    assert launches == [("blake3_set_64", (1025 + 1, 1, 1), (64, 1, 1))]
     good = p.result()
     host[1][17] ^= 4
     from kmesh.integrity import DigestMismatchError
 
     with pytest.raises(DigestMismatchError, match="object 1"):
         gpu.verify_buffers("blake3", bufs, good, stream=0)
+
+
+@pytest.mark.parametrize("threads", [64, 128, 256])
+@pytest.mark.parametrize("algorithm, kw", [("blake3", {}), ("sha256-tree", {"chunk_bytes": 64}),
+                                           ("sha256-tree", {"chunk_bytes": 1024})])
+def test_one_launch_equals_reference_for_every_block_size(emulated_gpu, monkeypatch, threads, algorithm, kw):
+    """The `*_set_N` kernels' code (blocks run in a scrambled order, the last block of each object folding it):
+    objects of one block, of a block and one leaf, and of enough blocks that the fold takes several rounds."""
+    gpu, launches = emulated_gpu
+    monkeypatch.setitem(gpu.SET_THREADS, algorithm, threads)
+    leaf = 1024 if algorithm == "blake3" else kw["chunk_bytes"]
+    lengths = [0, 1, leaf * threads, leaf * threads + 1, leaf * threads * (threads + 2) + 7, 3 * leaf + 5]
+    host, bufs = _inputs(lengths, 3, threads)
+    assert gpu.hash_buffers(algorithm, bufs, stream=0, poison=True, **kw) == want(algorithm, host, kw.get("chunk_bytes", 0))
+    kname = algorithm.replace("-", "_")
+    assert [(e, b[0]) for e, _, b in launches] == [(f"{kname}_set_{threads}", threads)]
+    assert launches[0][1][0] == sum(max(1, -(-max(1, -(-n // leaf)) // threads)) for n in lengths)
+
+
+def test_one_launch_counters_are_zeroed_per_request(emulated_gpu):
+    """Each request's per-object counters are zeroed on its stream: `empty` here returns garbage (as the device
+    does), so a request that relied on leftover counters would fold at the wrong block and give wrong digests."""
+    gpu, launches = emulated_gpu
+    host, bufs = _inputs([300 * 1024, 70 * 1024], 0, 5)
+    for _ in range(3):
+        assert gpu.hash_buffers("blake3", bufs, stream=0) == want("blake3", host)

@@ -12,6 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -48,6 +51,62 @@ static void run_pass(const H& h, const std::vector<uint32_t>& blk0, int n_obj, s
     run_grid(h, blk0[n_obj], blk0.data(), n_obj, out.data());
 }
 
+// One launch of a `*_set_N` kernel (integrity_tree.cuh, tree_set_run): blocks run to completion one after another,
+// in a scrambled order (the device gives none); the atomic count and the last block's fold as the device does them.
+template <int THREADS, class H>
+static void run_set(const H& h, uint32_t grid, const uint32_t* blk0, int n_obj, uint32_t* nodes, uint32_t* done,
+                    uint32_t* digests) {
+    constexpr int LEVELS = TreeSetShape<THREADS>::LEVELS;
+    static uint32_t buf[2][THREADS][8];
+    std::vector<uint32_t> order(grid);
+    std::iota(order.begin(), order.end(), 0u);
+    std::shuffle(order.begin(), order.end(), std::mt19937(grid));
+    for (uint32_t b : order) {
+        memset(buf, 0xA5, sizeof(buf));
+        TreeBlock tb;
+        tb.obj = tree_object_of(blk0, n_obj, b);
+        tb.bo = b - blk0[tb.obj];
+        tb.n_in = h.inputs(tb.obj);
+        for (int t = 0; t < THREADS; ++t) {
+            uint64_t idx = (uint64_t)tb.bo * THREADS + t;
+            if (idx < tb.n_in) h.leaf(tb, idx, buf[0][t]);
+        }
+        uint32_t n = tb.n_in;
+        for (int l = 1; l <= LEVELS; ++l) {
+            for (int t = 0; t < THREADS; ++t) tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+            n = (n + 1) / 2;
+        }
+        uint32_t first = blk0[tb.obj], nblk = blk0[tb.obj + 1] - first;
+        if (nblk == 1) {
+            for (int t = 0; t < 8; ++t) digests[(size_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+            continue;
+        }
+        for (int t = 0; t < 8; ++t) nodes[(size_t)b * 8 + t] = buf[LEVELS & 1][0][t];
+        if (done[tb.obj]++ != nblk - 1) continue;
+        uint32_t* base = nodes + (size_t)first * 8;
+        uint32_t cnt = nblk;
+        while (cnt > 1) {
+            uint32_t subs = (cnt + THREADS - 1) / THREADS;
+            for (uint32_t sb = 0; sb < subs; ++sb) {
+                TreeBlock fb{tb.obj, sb, cnt};
+                for (int t = 0; t < THREADS; ++t) {
+                    uint64_t j = (uint64_t)sb * THREADS + t;
+                    if (j < cnt) tree_load8_l2(buf[0][t], base + j * 8);
+                }
+                uint32_t m = cnt;
+                for (int l = 1; l <= LEVELS; ++l) {
+                    for (int t = 0; t < THREADS; ++t) tree_level(h, fb, m, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+                    m = (m + 1) / 2;
+                }
+                for (int t = 0; t < 8; ++t) base[(size_t)sb * 8 + t] = buf[LEVELS & 1][0][t];
+            }
+            cnt = subs;
+        }
+        for (int t = 0; t < 8; ++t) digests[(size_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+        done[tb.obj] = 0;
+    }
+}
+
 // Per-launch emulation of every entry point, for tests/test_integrity_kernels.py's fake cupy (the shared-library
 // build of this file): same parameters as the __global__ functions, plus the grid and block the launcher chose.
 #define P32(x) ((uint32_t*)(uintptr_t)(x))
@@ -82,6 +141,26 @@ extern "C" int emu_blake3_parents(uint32_t grid, uint32_t block, uint64_t in, ui
     run_grid(Blake3Parents{{C32(in), C32(prev)}}, grid, C32(blk0), n_obj, P32(out));
     return 0;
 }
+
+#define EMU_SET(N)                                                                                              \
+    extern "C" int emu_blake3_set_##N(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, uint64_t blk0,   \
+                                      int n_obj, uint64_t nodes, uint64_t done, uint64_t digests) {                 \
+        if (block != N) return 1;                                                                                   \
+        run_set<N>(Blake3Chunks{C64(ptrs), C64(lens)}, grid, C32(blk0), n_obj, P32(nodes), P32(done),               \
+                   P32(digests));                                                                                   \
+        return 0;                                                                                                   \
+    }                                                                                                               \
+    extern "C" int emu_sha256_tree_set_##N(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens,             \
+                                           uint32_t chunk, uint64_t blk0, int n_obj, uint64_t nodes, uint64_t done, \
+                                           uint64_t digests) {                                                      \
+        if (block != N) return 1;                                                                                   \
+        run_set<N>(Sha256TreeLeaves{C64(ptrs), C64(lens), chunk}, grid, C32(blk0), n_obj, P32(nodes), P32(done),    \
+                   P32(digests));                                                                                   \
+        return 0;                                                                                                   \
+    }
+EMU_SET(64)
+EMU_SET(128)
+EMU_SET(256)
 
 static std::vector<uint32_t> blocks_for(const std::vector<uint32_t>& counts) {
     std::vector<uint32_t> blk0(counts.size() + 1, 0);

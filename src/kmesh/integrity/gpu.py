@@ -21,6 +21,13 @@ as a CUDA graph with its own scratch and pinned digest buffer (`Replay`); later 
 what makes a small set cheaper: on the H200, issuing a 4 × 3 MiB BLAKE3 request pass by pass put ~250 µs between
 the CUDA events around it, its GPU work ~43 µs (docs/measurements/integrity-h200, `kmesh diagnose gpu_hash_overhead`).
 Requests whose previous digests are still unread, poisoned ones, and `set_replay(False)` take the allocating path.
+
+One launch per request (sha256-tree, blake3): the `*_set_N` kernels hash every leaf, fold every tree level and write
+each object's root in ONE grid (the last block of an object to finish folds it; kernels/integrity_tree.cuh), so a
+request is one kernel plus the digest copy; a replayed one is a graph of that one kernel, writing the digests
+straight into its pinned buffer. `set_one_launch(False)` restores the pass-per-launch kernels (a second code path for
+tests and `kmesh diagnose gpu_hash_set`). A caller that hashes the same buffers again and again keeps a
+`SetRequest` (`prepare(...)`): its launch() is the graph launch and one event record, nothing else on the host.
 """
 from __future__ import annotations
 
@@ -38,6 +45,10 @@ GPU_ALGORITHMS = ("sha256", "sha256-tree", "blake3")
 TREE_THREADS = 256          # kernels/integrity_tree.cuh
 SHA256_THREADS = 32         # kernels/sha256.cu
 BLAKE3_CHUNK = 1024
+# Leaves per block of the one-launch kernels (each has entry points for 64, 128 and 256): measured on the H200,
+# docs/measurements/integrity-h200 (`kmesh diagnose gpu_hash_set`).
+SET_THREADS = {"blake3": 64, "sha256-tree": 64}
+SET_CHOICES = (64, 128, 256)
 _INT32 = 2**31 - 1
 _PLAN_CACHE = 64
 
@@ -82,20 +93,20 @@ def device_buffer(obj: Any) -> DeviceBuffer:
     return DeviceBuffer(int(cai["data"][0]), int(np.prod(shape, dtype=np.int64)) * itemsize, int(dev))
 
 
-def pass_tables(counts: Sequence[int]) -> list[np.ndarray]:
+def pass_tables(counts: Sequence[int], threads: int = TREE_THREADS, passes: int | None = None) -> list[np.ndarray]:
     """Per pass, the block prefix sums blk0 (n_obj + 1, uint32) for objects of `counts` input nodes
-    (kernels/integrity_tree.cuh): 256 nodes per block, passes until every object has one node."""
+    (kernels/integrity_tree.cuh): `threads` nodes per block, passes until every object has one node (or `passes`)."""
     n = len(counts)
     tables = []
     cur = np.asarray(counts, dtype=np.int64)
     while True:
-        blocks = -(-cur // TREE_THREADS)
+        blocks = -(-cur // threads)
         blk0 = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(blocks, out=blk0[1:])
         if blk0[-1] > _INT32:
             raise GpuHashError(f"{blk0[-1]} blocks exceed one launch's grid")
         tables.append(blk0.astype(np.uint32))
-        if blk0[-1] == n:
+        if blk0[-1] == n or len(tables) == passes:
             return tables
         cur = blocks
 
@@ -121,8 +132,11 @@ class Plan:
     meta: Any                       # cupy uint64 [ptrs..., lens...]
     tables: list[Any]               # cupy uint32 blk0 per pass (tree algorithms)
     blocks: list[int]               # grid size per pass
+    set_threads: int = 0            # one-launch kernels: leaves per block (0: sha256, no tree)
+    set_table: Any = None           # cupy uint32 blk0 of the one launch
+    set_blocks: int = 0
     uses: int = 0                   # requests made with it (the second one captures its Replay)
-    replays: dict[str, Any] = field(default_factory=dict)   # mode -> Replay, or None (capture refused)
+    replays: dict[str, Any] = field(default_factory=dict)   # (mode, one_launch) -> Replay, or None (refused)
 
     def ptrs(self) -> Any:
         return self.meta[: self.n_obj]
@@ -143,12 +157,17 @@ def _build_plan(algorithm: str, bufs: list[DeviceBuffer], lengths: list[int], ch
     with cupy.cuda.Device(dev):
         meta = cupy.asarray(np.array([b.ptr for b in bufs] + lengths, dtype=np.uint64))
         tables, blocks = [], []
+        set_threads, set_table, set_blocks = 0, None, 0
         if algorithm != "sha256":
-            for t in pass_tables(leaf_counts(algorithm, lengths, chunk_bytes)):
+            counts = leaf_counts(algorithm, lengths, chunk_bytes)
+            for t in pass_tables(counts):
                 tables.append(cupy.asarray(t))
                 blocks.append(int(t[-1]))
+            set_threads = SET_THREADS[algorithm]
+            first = pass_tables(counts, set_threads, passes=1)[0]
+            set_table, set_blocks = cupy.asarray(first), int(first[-1])
         cupy.cuda.get_current_stream().synchronize()   # uploads done before any stream uses them
-    return Plan(algorithm, len(bufs), dev, chunk_bytes, meta, tables, blocks)
+    return Plan(algorithm, len(bufs), dev, chunk_bytes, meta, tables, blocks, set_threads, set_table, set_blocks)
 
 
 def plan_for(algorithm: str, buffers: Sequence[Any], lengths: Sequence[int] | None = None,
@@ -175,7 +194,7 @@ def plan_for(algorithm: str, buffers: Sequence[Any], lengths: Sequence[int] | No
         bad = [i for i, (n, b) in enumerate(zip(lens, bufs)) if not 0 <= n <= b.nbytes]
         if bad:
             raise GpuHashError(f"lengths outside their buffers at {bad}")
-    key = (algorithm, chunk_bytes, tuple((b.ptr, b.device) for b in bufs), tuple(lens))
+    key = (algorithm, chunk_bytes, tuple((b.ptr, b.device) for b in bufs), tuple(lens), SET_THREADS.get(algorithm))
     with _lock:
         plan = _plans.get(key)
         if plan is not None:
@@ -223,7 +242,7 @@ class PendingDigests:
 
     algorithm: str
     n_obj: int
-    words: Any                      # cupy uint32 [n_obj, 8] on the device (final pass output)
+    words: Any                      # cupy uint32 [n_obj, 8] on the device (final output); None: written to host
     host: np.ndarray                # pinned uint32 [n_obj * 8], filled by the ordered device→host copy
     event: Any
     keep: list[Any] = field(default_factory=list)   # plan, scratch, pinned memory: alive until the copy is done
@@ -254,13 +273,29 @@ def _launch(fn: Any, grid: int, block: int, args: tuple) -> None:
     fn((grid, 1, 1), (block, 1, 1), args)
 
 
-def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, keep: list[Any]) -> Any:
+def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, keep: list[Any],
+             one_launch: bool = False, to_host: bool = False, counters: Any = None) -> Any:
     """Issue every pass of plan's request on cupy stream cs (the current one), then the ordered copy of the final
-    words into pinned `host`; scratch(words) gives each pass's output. Returns the final words (device)."""
+    words into pinned `host`; scratch(words) gives each pass's output. Returns the final words (device).
+    one_launch: the tree algorithms' `*_set_N` kernel instead of a launch per pass; to_host (one_launch only): that
+    kernel writes the digests into pinned `host` itself (a mapped address: no copy) and None is returned.
+    counters (one_launch): n_obj zeroed uint32 words of this request alone (the kernel leaves them zeroed; two requests
+    in flight at once must not share them)."""
     from kmesh.cuda.loader import get_function
 
     n = plan.n_obj
-    if plan.algorithm == "sha256":
+    if one_launch and plan.algorithm != "sha256":
+        kname = "sha256_tree" if plan.algorithm == "sha256-tree" else "blake3"
+        fn = get_function(kname, f"{kname}_set_{plan.set_threads}", plan.device)
+        nodes = scratch(plan.set_blocks * 8)
+        keep.append(nodes)
+        out = None if to_host else scratch(n * 8)
+        dest = np.uint64(host.ctypes.data) if to_host else out
+        head = (plan.ptrs(), plan.lens()) + ((np.uint32(plan.chunk_bytes),) if kname == "sha256_tree" else ())
+        _launch(fn, plan.set_blocks, plan.set_threads, head + (plan.set_table, np.int32(n), nodes, counters, dest))
+        if out is None:
+            return None
+    elif plan.algorithm == "sha256":
         fn = get_function("sha256", "sha256_whole", plan.device)
         out = scratch(n * 8)
         if mode == "concurrent":
@@ -292,10 +327,12 @@ def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, kee
     return out
 
 
-def _scratch_words(plan: Plan) -> list[int]:
+def _scratch_words(plan: Plan, one_launch: bool = False, to_host: bool = False) -> list[int]:
     """The words of every pass's output, in the order _enqueue asks for them."""
     if plan.algorithm == "sha256":
         return [plan.n_obj * 8]
+    if one_launch:
+        return [plan.set_blocks * 8] + ([] if to_host else [plan.n_obj * 8])
     return [blocks * 8 for blocks in plan.blocks]
 
 
@@ -307,7 +344,7 @@ class Replay:
     time: while the previous request's digests are unread, a new one takes the allocating path."""
 
     graph: Any                      # cupy.cuda.graph.Graph
-    out: Any                        # the final pass's words (device)
+    out: Any                        # the final pass's words (device); None: the kernel writes `host` itself
     host: np.ndarray                # pinned: the graph's copy of `out`
     keep: list[Any]                 # scratch, pinned memory, capture stream
     last: Any = None                # weakref to the PendingDigests now using the buffers
@@ -340,23 +377,38 @@ def set_replay(enabled: bool) -> bool:
     return prev
 
 
-def _capture(plan: Plan, mode: str) -> Replay | None:
+def _entries(plan: Plan, one_launch: bool) -> list[tuple[str, str]]:
+    """(kernel file, entry point) of every kernel plan's request launches."""
+    if plan.algorithm == "sha256":
+        return [("sha256", "sha256_whole")]
+    kname = "sha256_tree" if plan.algorithm == "sha256-tree" else "blake3"
+    if one_launch:
+        return [(kname, f"{kname}_set_{plan.set_threads}")]
+    return [(kname, e) for e in (("sha256_tree_leaves", "sha256_tree_nodes") if kname == "sha256_tree"
+                                 else ("blake3_chunks", "blake3_parents"))]
+
+
+def _zeroed_counters(n: int) -> Any:
+    import cupy
+
+    return cupy.asarray(np.zeros(n, dtype=np.uint32))
+
+
+def _capture(plan: Plan, mode: str, one_launch: bool) -> Replay | None:
     """Capture plan's request into a graph (relaxed mode: other threads' CUDA calls are not disturbed); None if
-    this cupy / driver cannot (the reason is kept in capture_errors)."""
+    this cupy / driver cannot (the reason is kept in capture_errors). One-launch requests write the digests into
+    the pinned buffer from the kernel: the graph is that one kernel."""
     import cupy
 
     from kmesh.cuda.loader import get_function
 
+    to_host = one_launch and plan.algorithm != "sha256"
     pinned = cupy.cuda.alloc_pinned_memory(plan.n_obj * 32)
     host = np.frombuffer(pinned, dtype=np.uint32, count=plan.n_obj * 8)
-    bufs = [cupy.empty(w, dtype=np.uint32) for w in _scratch_words(plan)]   # made outside the capture
-    if plan.algorithm == "sha256":
-        get_function("sha256", "sha256_whole", plan.device)
-    else:
-        kname = "sha256_tree" if plan.algorithm == "sha256-tree" else "blake3"
-        for entry in (("sha256_tree_leaves", "sha256_tree_nodes") if kname == "sha256_tree"
-                      else ("blake3_chunks", "blake3_parents")):
-            get_function(kname, entry, plan.device)
+    bufs = [cupy.empty(w, dtype=np.uint32) for w in _scratch_words(plan, one_launch, to_host)]   # outside the capture
+    counters = _zeroed_counters(plan.n_obj) if one_launch else None
+    for kname, entry in _entries(plan, one_launch):   # module loads are not allowed while capturing
+        get_function(kname, entry, plan.device)
     it = iter(bufs)
     cap = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device(plan.device).synchronize()   # the plan's uploads and these allocations are complete
@@ -364,7 +416,7 @@ def _capture(plan: Plan, mode: str) -> Replay | None:
         cap.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
         try:
             with cap:
-                out = _enqueue(plan, mode, cap, lambda words: next(it), host, [])
+                out = _enqueue(plan, mode, cap, lambda words: next(it), host, [], one_launch, to_host, counters)
         finally:
             graph = cap.end_capture()
     except Exception as e:  # capture refused by this cupy / driver: keep launching pass by pass
@@ -374,7 +426,18 @@ def _capture(plan: Plan, mode: str) -> Replay | None:
         return None
     stats["captures"] += 1
     # the graph's kernels read the plan's descriptors and tables: they live as long as the graph may run
-    return Replay(graph, out, host, [bufs, pinned, cap, plan.meta, plan.tables])
+    return Replay(graph, out, host, [bufs, pinned, cap, counters, plan.meta, plan.tables, plan.set_table])
+
+
+_one_launch = True
+
+
+def set_one_launch(enabled: bool) -> bool:
+    """Tree algorithms: one `*_set_N` launch per request (default) or the per-pass kernels; returns the previous
+    setting. Both give the same digests (tests compare them)."""
+    global _one_launch
+    prev, _one_launch = _one_launch, bool(enabled)
+    return prev
 
 
 def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int] | None = None,
@@ -399,11 +462,13 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
     try:
         with cupy.cuda.Device(plan.device), cs:
             r = None
+            one = _one_launch and algorithm != "sha256"
             with _lock:   # capture once, and claim the replay's buffers for one request at a time
                 if _replay_enabled and not poison:
-                    if mode not in plan.replays and plan.uses > 0:   # from the second request with this plan on
-                        plan.replays[mode] = _capture(plan, mode)
-                    r = plan.replays.get(mode)
+                    key = (mode, one)
+                    if key not in plan.replays and plan.uses > 0:   # from the second request with this plan on
+                        plan.replays[key] = _capture(plan, mode, one)
+                    r = plan.replays.get(key)
                     if r is not None and r.free():
                         r.last = _claimed
                     else:
@@ -418,7 +483,7 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
                 ev = cupy.cuda.Event(block=False, disable_timing=True)
                 ev.record(cs)
                 stats["graph_launches"] += 1
-                pend = PendingDigests(algorithm, n, r.out.reshape(n, 8), r.host, ev, [r])
+                pend = PendingDigests(algorithm, n, None if r.out is None else r.out.reshape(n, 8), r.host, ev, [r])
                 r.last = weakref.ref(pend)
                 return pend
             stats["allocating"] += 1
@@ -434,7 +499,12 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
             host = np.frombuffer(pinned, dtype=np.uint32, count=n * 8)
             if poison:
                 host.fill(0xFFFFFFFF)
-            out = _enqueue(plan, mode, cs, scratch, host, keep)
+            counters = None
+            if one:   # this request's own counters, zeroed on the stream (after any poison)
+                counters = cupy.empty(n, dtype=np.uint32)
+                cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, n * 4, cs.ptr)
+                keep.append(counters)
+            out = _enqueue(plan, mode, cs, scratch, host, keep, one, False, counters)
             ev = cupy.cuda.Event(block=False, disable_timing=True)
             ev.record(cs)
             keep += [out, pinned]
@@ -443,6 +513,67 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
     except Exception as e:  # cupy raises its own CUDA driver/runtime errors
         raise GpuHashError(f"{algorithm} launch failed: {type(e).__name__}: {e}") from e
     return PendingDigests(algorithm, n, out.reshape(n, 8), host, ev, keep)
+
+
+class SetRequest:
+    """The same buffers hashed again and again (a staging area checked on every arrival, a benchmark's set): made
+    once by prepare(), it owns a captured graph of the whole request (for sha256-tree / blake3 one kernel that also
+    writes the digests into its pinned buffer), an event and its buffers. launch() is that graph's launch plus one
+    event record: no plan lookup, no allocation, no Python per buffer. One request in flight at a time: result()
+    (or verify()) before the next launch(). The caller keeps the buffers alive and at the same addresses."""
+
+    def __init__(self, algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int] | None = None,
+                 chunk_bytes: int | None = None, stream: Any = None) -> None:
+        plan, _ = plan_for(algorithm, buffers, lengths, chunk_bytes)
+        import cupy
+
+        self.algorithm, self.n_obj = algorithm, plan.n_obj
+        self._order = "<u4" if algorithm == "blake3" else ">u4"
+        with cupy.cuda.Device(plan.device):
+            self._cs = _cupy_stream(stream, plan.device)
+            replay = _capture(plan, "concurrent", _one_launch and algorithm != "sha256")
+            if replay is None:
+                raise GpuHashError(f"{algorithm}: this cupy / driver cannot capture the request "
+                                   f"({capture_errors[-1] if capture_errors else 'no reason given'})")
+            self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._replay, self._plan = replay, plan
+        self._launch, self._host = replay.graph.launch, replay.host
+        self._in_flight = False
+
+    def launch(self) -> None:
+        if self._in_flight:
+            raise GpuHashError("the previous request's digests are unread: call result() before launch()")
+        self._launch(stream=self._cs)
+        self._event.record(self._cs)
+        self._in_flight = True
+
+    def result(self) -> list[bytes]:
+        if not self._in_flight:
+            raise GpuHashError("nothing launched: call launch() first")
+        self._event.synchronize()
+        raw = self._host.astype(self._order).tobytes()
+        self._in_flight = False
+        return [raw[32 * i:32 * (i + 1)] for i in range(self.n_obj)]
+
+    def verify(self, expected: Sequence[bytes], what: str = "object") -> None:
+        got = self.result()
+        if len(expected) != len(got):
+            raise GpuHashError(f"{len(expected)} expected digests for {len(got)} buffers")
+        for i, (e, a) in enumerate(zip(expected, got)):
+            if e != a:
+                raise DigestMismatchError(self.algorithm, e, a, f"{what} {i}")
+
+    def __del__(self) -> None:  # the graph may still write the pinned buffer: wait before it is freed
+        if getattr(self, "_in_flight", False):
+            try:
+                self._event.synchronize()
+            except Exception:  # interpreter shutdown
+                pass
+
+
+def prepare(algorithm: str, buffers: Sequence[Any], **kw: Any) -> SetRequest:
+    """A SetRequest for these buffers (keyword arguments: lengths, chunk_bytes, stream)."""
+    return SetRequest(algorithm, buffers, **kw)
 
 
 def hash_buffers(algorithm: str, buffers: Sequence[Any], **kw: Any) -> list[bytes]:

@@ -39,7 +39,7 @@ def compile_cubin(nvcc: str, gencode: str, src: Path, out: Path) -> dict[str, ob
            str(src), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return {"cmd": " ".join(cmd), "returncode": proc.returncode,
-            "ptxas": [ln.strip() for ln in proc.stderr.splitlines() if "ptxas" in ln][-12:],
+            "ptxas": [ln.strip() for ln in proc.stderr.splitlines() if "ptxas" in ln][-40:],
             "compiled_entry_functions": sorted(set(re.findall(r"Compiling entry function '(\w+)'", proc.stderr))),
             "stderr_tail": proc.stderr[-2000:] if proc.returncode else ""}
 

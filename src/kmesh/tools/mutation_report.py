@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         by_module[module][row["status"]] += 1
         if row["status"] == "survived":
             survivors[f"{module}:{func}"].append(row["name"])
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
+    if os.environ.get("KMESH_REVISION"):     # a mutation set's copy has no .git: kmesh.tools.mutation_set names it
+        rev, _, flag = os.environ["KMESH_REVISION"].partition(" ")
+        dirty = bool(flag)
+    else:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True).stdout.strip())
     total = collections.Counter(r["status"] for r in rows)
     args.out.mkdir(parents=True, exist_ok=True)
     diffs = {n: mutmut("show", n) for names in survivors.values() for n in names} if args.diffs else {}
