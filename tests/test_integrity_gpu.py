@@ -156,3 +156,57 @@ def test_graph_replay_hashes_the_bytes_there_now(torch, algorithm, kw):
     finally:
         gpu.set_replay(prev)
     gpu.clear_plans()
+
+
+@pytest.mark.parametrize("threads", [64, 128, 256])
+@pytest.mark.parametrize("algorithm, kw", [("blake3", {}), ("sha256-tree", {"chunk_bytes": 512})])
+def test_one_launch_equals_passes_and_reference(torch, monkeypatch, threads, algorithm, kw):
+    """The one-launch kernel of every block size against the per-pass kernels and the CPU reference, on objects
+    of one leaf, one block, one block + 1 leaf and enough blocks for a fold of several rounds, misaligned by 3."""
+    from kmesh.integrity import get, gpu
+
+    monkeypatch.setitem(gpu.SET_THREADS, algorithm, threads)
+    leaf = 1024 if algorithm == "blake3" else kw["chunk_bytes"]
+    sizes = [0, 1, leaf * threads, leaf * threads + 1, leaf * threads * (threads + 2) + 7, 3 << 20]
+    host, dev = _dev(torch, sum(sizes) + 3, threads)
+    offs = (3 + np.cumsum([0] + sizes[:-1])).tolist()
+    objs = [dev[o:o + n] for o, n in zip(offs, sizes)]
+    want = [get(algorithm).digest(host[o:o + n], **kw) for o, n in zip(offs, sizes)]
+    gpu.clear_plans()
+    assert gpu.hash_buffers(algorithm, objs, poison=True, **kw) == want
+    for _ in range(5):   # replays: a graph of the one kernel, its counters left zeroed for the next
+        assert gpu.hash_buffers(algorithm, objs, **kw) == want
+    prev = gpu.set_one_launch(False)
+    try:
+        assert gpu.hash_buffers(algorithm, objs, **kw) == want
+    finally:
+        gpu.set_one_launch(prev)
+    gpu.clear_plans()
+
+
+@pytest.mark.parametrize("algorithm, kw", [("blake3", {}), ("sha256-tree", {"chunk_bytes": 512}), ("sha256", {})])
+def test_set_request_hashes_the_bytes_there_now(torch, algorithm, kw):
+    """A SetRequest launched again and again hashes what the buffers hold at each launch; a second launch before
+    the result is refused; verify() names the object that changed."""
+    from kmesh.integrity import get, gpu
+    from kmesh.integrity.gpu import GpuHashError
+
+    sizes = [3 << 20, (1 << 20) + 5, 4096, 1]
+    base = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda")
+    offs = np.cumsum([0] + sizes[:-1]).tolist()
+    objs = [base[o:o + n] for o, n in zip(offs, sizes)]
+    req = gpu.prepare(algorithm, objs, **kw)
+    for seed in range(6):
+        base.copy_(torch.randint(0, 256, base.shape, dtype=torch.uint8, device="cuda"))
+        req.launch()
+        if seed == 0:
+            with pytest.raises(GpuHashError, match="unread"):
+                req.launch()
+        want = [get(algorithm).digest(o.cpu().numpy(), **kw) for o in objs]
+        assert req.result() == want, seed
+    with pytest.raises(GpuHashError, match="nothing launched"):
+        req.result()
+    objs[2][7] ^= 1
+    req.launch()
+    with pytest.raises(DigestMismatchError, match="object 2"):
+        req.verify(want)
