@@ -189,22 +189,23 @@ blake3_parents(const uint32_t* in, const uint32_t* prev_blk0, const uint32_t* bl
     tree_block_run(h, blk0, n_obj, out);
 }
 
-// One launch per request (integrity_tree.cuh, tree_set_run): every chunk, every parent level and each object's
-// ROOT in one grid of blk0[n_obj] blocks of N threads; nodes: blk0[n_obj] × 8 words of scratch, done: n_obj zeroed
-// counters (left zeroed), digests: n_obj × 8 words (may be mapped pinned host memory). N = 64 / 128 / 256: the
-// planner (kmesh.integrity.gpu.SET_THREADS) picks one; the others stay for `kmesh diagnose gpu_hash_set`.
+// One launch per request (integrity_tree.cuh, tree_set_run): every chunk, every parent level and each object's ROOT
+// in one grid of tables[0][n_obj] blocks of N threads. tables: passes × (n_obj + 1) block prefix sums of N nodes per
+// block; nodes: Σ blocks × 8 words of scratch; counters: Σ_{p≥1} blocks, zeroed (left zeroed); digests: n_obj × 8
+// words (may be mapped pinned host memory). N = 64 / 128 / 256: kmesh.integrity.gpu.SET_THREADS picks one; all three
+// are timed by `kmesh diagnose gpu_hash_overhead`.
 extern "C" __global__ __launch_bounds__(64) void
-blake3_set_64(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* blk0, int n_obj, uint32_t* nodes,
-               uint32_t* done, uint32_t* digests) {
-    tree_set_run<64>(Blake3Chunks{ptrs, lens}, blk0, n_obj, nodes, done, digests);
+blake3_set_64(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* tables, int passes, int n_obj,
+              uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<64>(Blake3Chunks{ptrs, lens}, TreeSetTables{tables, passes, n_obj}, nodes, counters, digests);
 }
 extern "C" __global__ __launch_bounds__(128) void
-blake3_set_128(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* blk0, int n_obj, uint32_t* nodes,
-               uint32_t* done, uint32_t* digests) {
-    tree_set_run<128>(Blake3Chunks{ptrs, lens}, blk0, n_obj, nodes, done, digests);
+blake3_set_128(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* tables, int passes, int n_obj,
+              uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<128>(Blake3Chunks{ptrs, lens}, TreeSetTables{tables, passes, n_obj}, nodes, counters, digests);
 }
 extern "C" __global__ __launch_bounds__(256) void
-blake3_set_256(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* blk0, int n_obj, uint32_t* nodes,
-               uint32_t* done, uint32_t* digests) {
-    tree_set_run<256>(Blake3Chunks{ptrs, lens}, blk0, n_obj, nodes, done, digests);
+blake3_set_256(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* tables, int passes, int n_obj,
+              uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<256>(Blake3Chunks{ptrs, lens}, TreeSetTables{tables, passes, n_obj}, nodes, counters, digests);
 }

@@ -98,14 +98,18 @@ struct TreePassInput {
     }
 };
 
-// ---- One launch per request (the `*_set` entry points) ----------------------------------------------------------
-// The leaf phase and in-block folding as above, with SET_THREADS input nodes per block (SET_LEVELS = log2 of it:
-// smaller blocks spread a small request over more SMs). Then each block stores its node in nodes[b], and the LAST
-// block of an object to finish (a per-object atomic counter, after a release fence) folds that object's nodes to
-// the root itself, SET_THREADS at a time, in place in `nodes` (the node of sub-block sb goes to index sb, which no
-// later sub-block of that level reads), writes the digest words to digests[8·o] and resets the counter to 0 for the
-// next launch (a captured graph replays the same counters). An object with one block writes its root directly.
-// The fold reads other blocks' nodes through L2 (ld.global.cg): this SM's L1 may hold an earlier launch's lines.
+// ---- One launch per request (the `*_set_N` entry points) --------------------------------------------------------
+// The same tree as the per-pass kernels, with N = THREADS input nodes per block, in ONE grid: the grid is pass 0's
+// blocks (leaves); every later pass's block is done by the LAST of its (up to N) input blocks to finish. A block
+// stores its node, counts itself in its parent's counter (after a release fence), and the one that completes the
+// count (acquire fence) loads its N siblings' nodes through L2 and folds them as the per-pass kernel would, then
+// goes on with the parent's node; the block that makes an object's one root writes the digest. So the tree levels
+// fold in parallel across groups (no one-block serial tail), with no launch between them.
+//   tables: passes × (n_obj + 1) block prefix sums (pass_tables with N), one row per pass; pass p's nodes at
+//           nodes[8·(Σ_{q<p} blocks_q + tables[p][o] + bo)]; pass p ≥ 1's counters at Σ_{1≤q<p} blocks_q +
+//           tables[p][o] + group; counters start zeroed and each is zeroed again by the block completing it (a
+//           captured graph replays them).
+// The loads of siblings' nodes bypass L1 (ld.global.cg): this SM's L1 may hold an earlier launch's lines.
 template <int THREADS>
 struct TreeSetShape {
     static constexpr int LEVELS = THREADS == 32 ? 5 : THREADS == 64 ? 6 : THREADS == 128 ? 7 : 8;
@@ -121,61 +125,71 @@ __host__ __device__ inline void tree_load8_l2(uint32_t* dst, const uint32_t* src
 #endif
 }
 
+// Offsets of pass p in the node and counter arrays (Σ of the earlier passes' blocks).
+struct TreeSetTables {
+    const uint32_t* tables;
+    int passes, n_obj;
+    __host__ __device__ const uint32_t* row(int p) const { return tables + (uint64_t)p * (n_obj + 1); }
+    __host__ __device__ uint64_t node_base(int p) const {
+        uint64_t s = 0;
+        for (int q = 0; q < p; ++q) s += row(q)[n_obj];
+        return s;
+    }
+    __host__ __device__ uint64_t counter_base(int p) const {   // p >= 1
+        uint64_t s = 0;
+        for (int q = 1; q < p; ++q) s += row(q)[n_obj];
+        return s;
+    }
+};
+
 #ifdef __CUDACC__
 template <int THREADS, class H>
-__device__ inline void tree_set_run(const H& h, const uint32_t* blk0, int n_obj, uint32_t* nodes, uint32_t* done,
+__device__ inline void tree_set_run(const H& h, const TreeSetTables& ts, uint32_t* nodes, uint32_t* counters,
                                     uint32_t* digests) {
     constexpr int LEVELS = TreeSetShape<THREADS>::LEVELS;
     __shared__ uint32_t buf[2][THREADS][8];
     __shared__ int last;
-    uint32_t b = blockIdx.x;
     int t = threadIdx.x;
+    const uint32_t* blk0 = ts.row(0);
     TreeBlock tb;
-    tb.obj = tree_object_of(blk0, n_obj, b);
-    tb.bo = b - blk0[tb.obj];
+    tb.obj = tree_object_of(blk0, ts.n_obj, blockIdx.x);
+    tb.bo = blockIdx.x - blk0[tb.obj];
     tb.n_in = h.inputs(tb.obj);
     uint64_t idx = (uint64_t)tb.bo * THREADS + t;
     if (idx < tb.n_in) h.leaf(tb, idx, buf[0][t]);
     __syncthreads();
-    uint32_t n = tb.n_in;
-    for (int l = 1; l <= LEVELS; ++l) {
-        tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
-        n = (n + 1) / 2;
-        __syncthreads();
-    }
-    uint32_t first = blk0[tb.obj], nblk = blk0[tb.obj + 1] - first;
-    if (nblk == 1) {
-        if (t < 8) digests[(uint64_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
-        return;
-    }
-    if (t < 8) nodes[(uint64_t)b * 8 + t] = buf[LEVELS & 1][0][t];
-    __threadfence();                       // release: this block's node before its count
-    __syncthreads();
-    if (t == 0) last = atomicAdd(done + tb.obj, 1u) == nblk - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();                       // acquire: every other block's node after the count
-    uint32_t* base = nodes + (uint64_t)first * 8;
-    uint32_t cnt = nblk;
-    while (cnt > 1) {
-        uint32_t subs = (cnt + THREADS - 1) / THREADS;
-        for (uint32_t sb = 0; sb < subs; ++sb) {
-            TreeBlock fb{tb.obj, sb, cnt};
-            uint64_t j = (uint64_t)sb * THREADS + t;
-            if (j < cnt) tree_load8_l2(buf[0][t], base + j * 8);
+    for (int p = 0;; ++p) {
+        // buf[0] holds this block's input nodes of pass p; fold them to the block's one node
+        uint32_t n = tb.n_in;
+        for (int l = 1; l <= LEVELS; ++l) {
+            tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+            n = (n + 1) / 2;
             __syncthreads();
-            uint32_t m = cnt;
-            for (int l = 1; l <= LEVELS; ++l) {
-                tree_level(h, fb, m, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
-                m = (m + 1) / 2;
-                __syncthreads();
-            }
-            if (t < 8) base[(uint64_t)sb * 8 + t] = buf[LEVELS & 1][0][t];
-            __syncthreads();               // the stores before the next sub-block's loads (same block: visible)
         }
-        cnt = subs;
+        const uint32_t* row = ts.row(p);
+        uint32_t nblk = row[tb.obj + 1] - row[tb.obj];       // this object's nodes out of pass p
+        if (nblk == 1) {                                      // the root
+            if (t < 8) digests[(uint64_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+            return;
+        }
+        uint32_t* level = nodes + 8 * (ts.node_base(p) + row[tb.obj]);
+        if (t < 8) level[(uint64_t)tb.bo * 8 + t] = buf[LEVELS & 1][0][t];
+        uint32_t group = tb.bo / THREADS;
+        uint32_t members = nblk - group * THREADS < THREADS ? nblk - group * THREADS : THREADS;
+        __threadfence();                                      // release: the node before the count
+        __syncthreads();
+        if (t == 0) {
+            uint32_t* c = counters + ts.counter_base(p + 1) + ts.row(p + 1)[tb.obj] + group;
+            last = atomicAdd(c, 1u) == members - 1;
+            if (last) *c = 0;                                 // every member has counted: ready for the next launch
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();                                      // acquire: the siblings' nodes after the count
+        if ((uint32_t)t < members) tree_load8_l2(buf[0][t], level + ((uint64_t)group * THREADS + t) * 8);
+        __syncthreads();
+        tb.bo = group;
+        tb.n_in = nblk;
     }
-    if (t < 8) digests[(uint64_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
-    if (t == 0) done[tb.obj] = 0;          // ready for the next launch
 }
 #endif

@@ -57,19 +57,22 @@ sha256_tree_nodes(const uint32_t* in, const uint32_t* prev_blk0, const uint32_t*
 }
 
 // One launch per request (integrity_tree.cuh, tree_set_run): every leaf, every node level and each object's root in
-// one grid of blk0[n_obj] blocks of N threads; arguments as blake3_set_N (kernels/blake3.cu) plus chunk_bytes.
+// one grid; arguments as blake3_set_N (kernels/blake3.cu) plus chunk_bytes.
 extern "C" __global__ __launch_bounds__(64) void
-sha256_tree_set_64(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* blk0, int n_obj,
-               uint32_t* nodes, uint32_t* done, uint32_t* digests) {
-    tree_set_run<64>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, blk0, n_obj, nodes, done, digests);
+sha256_tree_set_64(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* tables,
+                   int passes, int n_obj, uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<64>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, TreeSetTables{tables, passes, n_obj}, nodes,
+                    counters, digests);
 }
 extern "C" __global__ __launch_bounds__(128) void
-sha256_tree_set_128(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* blk0, int n_obj,
-               uint32_t* nodes, uint32_t* done, uint32_t* digests) {
-    tree_set_run<128>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, blk0, n_obj, nodes, done, digests);
+sha256_tree_set_128(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* tables,
+                   int passes, int n_obj, uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<128>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, TreeSetTables{tables, passes, n_obj}, nodes,
+                    counters, digests);
 }
 extern "C" __global__ __launch_bounds__(256) void
-sha256_tree_set_256(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* blk0, int n_obj,
-               uint32_t* nodes, uint32_t* done, uint32_t* digests) {
-    tree_set_run<256>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, blk0, n_obj, nodes, done, digests);
+sha256_tree_set_256(const uint64_t* ptrs, const uint64_t* lens, uint32_t chunk_bytes, const uint32_t* tables,
+                   int passes, int n_obj, uint32_t* nodes, uint32_t* counters, uint32_t* digests) {
+    tree_set_run<256>(Sha256TreeLeaves{ptrs, lens, chunk_bytes}, TreeSetTables{tables, passes, n_obj}, nodes,
+                    counters, digests);
 }

@@ -124,8 +124,8 @@ def test_pass_tables_cover_every_pass():
     assert [t.tolist() for t in tabs] == [[0, 257, 258], [0, 2, 3], [0, 1, 2]]
     # sizes per pass: 3 MiB BLAKE3 = 3072 chunks -> 12 blocks -> 1
     assert [int(t[-1]) for t in gpu.pass_tables(gpu.leaf_counts("blake3", [3 << 20] * 4, None))] == [48, 4]
-    # the one-launch kernels' table: one pass of `threads` leaves per block
-    assert [t.tolist() for t in gpu.pass_tables([1, 64, 65, 3072], threads=64, passes=1)] == [[0, 1, 2, 4, 52]]
+    # the one-launch kernels' tables: `threads` nodes per block
+    assert [t.tolist() for t in gpu.pass_tables([1, 64, 65, 3072], threads=64)] == [[0, 1, 2, 4, 52], [0, 1, 2, 3, 4]]
 
 
 def test_gpu_requests_validated_without_a_gpu():

@@ -52,58 +52,50 @@ static void run_pass(const H& h, const std::vector<uint32_t>& blk0, int n_obj, s
 }
 
 // One launch of a `*_set_N` kernel (integrity_tree.cuh, tree_set_run): blocks run to completion one after another,
-// in a scrambled order (the device gives none); the atomic count and the last block's fold as the device does them.
+// in a scrambled order (the device gives none); the counts and the last arrivals' folds as the device does them.
 template <int THREADS, class H>
-static void run_set(const H& h, uint32_t grid, const uint32_t* blk0, int n_obj, uint32_t* nodes, uint32_t* done,
+static void run_set(const H& h, uint32_t grid, const TreeSetTables& ts, uint32_t* nodes, uint32_t* counters,
                     uint32_t* digests) {
     constexpr int LEVELS = TreeSetShape<THREADS>::LEVELS;
     static uint32_t buf[2][THREADS][8];
     std::vector<uint32_t> order(grid);
     std::iota(order.begin(), order.end(), 0u);
     std::shuffle(order.begin(), order.end(), std::mt19937(grid));
+    const uint32_t* blk0 = ts.row(0);
     for (uint32_t b : order) {
         memset(buf, 0xA5, sizeof(buf));
         TreeBlock tb;
-        tb.obj = tree_object_of(blk0, n_obj, b);
+        tb.obj = tree_object_of(blk0, ts.n_obj, b);
         tb.bo = b - blk0[tb.obj];
         tb.n_in = h.inputs(tb.obj);
         for (int t = 0; t < THREADS; ++t) {
             uint64_t idx = (uint64_t)tb.bo * THREADS + t;
             if (idx < tb.n_in) h.leaf(tb, idx, buf[0][t]);
         }
-        uint32_t n = tb.n_in;
-        for (int l = 1; l <= LEVELS; ++l) {
-            for (int t = 0; t < THREADS; ++t) tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
-            n = (n + 1) / 2;
-        }
-        uint32_t first = blk0[tb.obj], nblk = blk0[tb.obj + 1] - first;
-        if (nblk == 1) {
-            for (int t = 0; t < 8; ++t) digests[(size_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
-            continue;
-        }
-        for (int t = 0; t < 8; ++t) nodes[(size_t)b * 8 + t] = buf[LEVELS & 1][0][t];
-        if (done[tb.obj]++ != nblk - 1) continue;
-        uint32_t* base = nodes + (size_t)first * 8;
-        uint32_t cnt = nblk;
-        while (cnt > 1) {
-            uint32_t subs = (cnt + THREADS - 1) / THREADS;
-            for (uint32_t sb = 0; sb < subs; ++sb) {
-                TreeBlock fb{tb.obj, sb, cnt};
-                for (int t = 0; t < THREADS; ++t) {
-                    uint64_t j = (uint64_t)sb * THREADS + t;
-                    if (j < cnt) tree_load8_l2(buf[0][t], base + j * 8);
-                }
-                uint32_t m = cnt;
-                for (int l = 1; l <= LEVELS; ++l) {
-                    for (int t = 0; t < THREADS; ++t) tree_level(h, fb, m, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
-                    m = (m + 1) / 2;
-                }
-                for (int t = 0; t < 8; ++t) base[(size_t)sb * 8 + t] = buf[LEVELS & 1][0][t];
+        for (int p = 0;; ++p) {
+            uint32_t n = tb.n_in;
+            for (int l = 1; l <= LEVELS; ++l) {
+                for (int t = 0; t < THREADS; ++t) tree_level(h, tb, n, l, t, buf[(l - 1) & 1], buf[l & 1], THREADS);
+                n = (n + 1) / 2;
             }
-            cnt = subs;
+            const uint32_t* row = ts.row(p);
+            uint32_t nblk = row[tb.obj + 1] - row[tb.obj];
+            if (nblk == 1) {
+                for (int t = 0; t < 8; ++t) digests[(size_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
+                break;
+            }
+            uint32_t* level = nodes + 8 * (ts.node_base(p) + row[tb.obj]);
+            for (int t = 0; t < 8; ++t) level[(size_t)tb.bo * 8 + t] = buf[LEVELS & 1][0][t];
+            uint32_t group = tb.bo / THREADS;
+            uint32_t members = std::min<uint32_t>(THREADS, nblk - group * THREADS);
+            uint32_t* c = counters + ts.counter_base(p + 1) + ts.row(p + 1)[tb.obj] + group;
+            if ((*c)++ != members - 1) break;
+            *c = 0;
+            memset(buf, 0xA5, sizeof(buf));
+            for (uint32_t t = 0; t < members; ++t) tree_load8_l2(buf[0][t], level + ((size_t)group * THREADS + t) * 8);
+            tb.bo = group;
+            tb.n_in = nblk;
         }
-        for (int t = 0; t < 8; ++t) digests[(size_t)tb.obj * 8 + t] = buf[LEVELS & 1][0][t];
-        done[tb.obj] = 0;
     }
 }
 
@@ -143,19 +135,19 @@ extern "C" int emu_blake3_parents(uint32_t grid, uint32_t block, uint64_t in, ui
 }
 
 #define EMU_SET(N)                                                                                              \
-    extern "C" int emu_blake3_set_##N(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, uint64_t blk0,   \
-                                      int n_obj, uint64_t nodes, uint64_t done, uint64_t digests) {                 \
+    extern "C" int emu_blake3_set_##N(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens, uint64_t tables, \
+                                      int passes, int n_obj, uint64_t nodes, uint64_t counters, uint64_t digests) { \
         if (block != N) return 1;                                                                                   \
-        run_set<N>(Blake3Chunks{C64(ptrs), C64(lens)}, grid, C32(blk0), n_obj, P32(nodes), P32(done),               \
-                   P32(digests));                                                                                   \
+        run_set<N>(Blake3Chunks{C64(ptrs), C64(lens)}, grid, TreeSetTables{C32(tables), passes, n_obj},             \
+                   P32(nodes), P32(counters), P32(digests));                                                        \
         return 0;                                                                                                   \
     }                                                                                                               \
     extern "C" int emu_sha256_tree_set_##N(uint32_t grid, uint32_t block, uint64_t ptrs, uint64_t lens,             \
-                                           uint32_t chunk, uint64_t blk0, int n_obj, uint64_t nodes, uint64_t done, \
-                                           uint64_t digests) {                                                      \
+                                           uint32_t chunk, uint64_t tables, int passes, int n_obj, uint64_t nodes,  \
+                                           uint64_t counters, uint64_t digests) {                                   \
         if (block != N) return 1;                                                                                   \
-        run_set<N>(Sha256TreeLeaves{C64(ptrs), C64(lens), chunk}, grid, C32(blk0), n_obj, P32(nodes), P32(done),    \
-                   P32(digests));                                                                                   \
+        run_set<N>(Sha256TreeLeaves{C64(ptrs), C64(lens), chunk}, grid, TreeSetTables{C32(tables), passes, n_obj},  \
+                   P32(nodes), P32(counters), P32(digests));                                                        \
         return 0;                                                                                                   \
     }
 EMU_SET(64)

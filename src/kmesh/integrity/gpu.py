@@ -23,8 +23,8 @@ the CUDA events around it, its GPU work ~43 µs (docs/measurements/integrity-h20
 Requests whose previous digests are still unread, poisoned ones, and `set_replay(False)` take the allocating path.
 
 One launch per request (sha256-tree, blake3): the `*_set_N` kernels hash every leaf, fold every tree level and write
-each object's root in ONE grid (the last block of an object to finish folds it; kernels/integrity_tree.cuh), so a
-request is one kernel plus the digest copy; a replayed one is a graph of that one kernel, writing the digests
+each object's root in ONE grid (each parent block is done by the last of its input blocks to finish;
+kernels/integrity_tree.cuh), so a request is one kernel plus the digest copy; a replayed one is a graph of that one kernel, writing the digests
 straight into its pinned buffer. `set_one_launch(False)` restores the pass-per-launch kernels (a second code path for
 tests and `kmesh diagnose gpu_hash_set`). A caller that hashes the same buffers again and again keeps a
 `SetRequest` (`prepare(...)`): its launch() is the graph launch and one event record, nothing else on the host.
@@ -93,9 +93,9 @@ def device_buffer(obj: Any) -> DeviceBuffer:
     return DeviceBuffer(int(cai["data"][0]), int(np.prod(shape, dtype=np.int64)) * itemsize, int(dev))
 
 
-def pass_tables(counts: Sequence[int], threads: int = TREE_THREADS, passes: int | None = None) -> list[np.ndarray]:
+def pass_tables(counts: Sequence[int], threads: int = TREE_THREADS) -> list[np.ndarray]:
     """Per pass, the block prefix sums blk0 (n_obj + 1, uint32) for objects of `counts` input nodes
-    (kernels/integrity_tree.cuh): `threads` nodes per block, passes until every object has one node (or `passes`)."""
+    (kernels/integrity_tree.cuh): `threads` nodes per block, passes until every object has one node."""
     n = len(counts)
     tables = []
     cur = np.asarray(counts, dtype=np.int64)
@@ -106,7 +106,7 @@ def pass_tables(counts: Sequence[int], threads: int = TREE_THREADS, passes: int 
         if blk0[-1] > _INT32:
             raise GpuHashError(f"{blk0[-1]} blocks exceed one launch's grid")
         tables.append(blk0.astype(np.uint32))
-        if blk0[-1] == n or len(tables) == passes:
+        if blk0[-1] == n:
             return tables
         cur = blocks
 
@@ -133,8 +133,11 @@ class Plan:
     tables: list[Any]               # cupy uint32 blk0 per pass (tree algorithms)
     blocks: list[int]               # grid size per pass
     set_threads: int = 0            # one-launch kernels: leaves per block (0: sha256, no tree)
-    set_table: Any = None           # cupy uint32 blk0 of the one launch
-    set_blocks: int = 0
+    set_table: Any = None           # cupy uint32 [passes × (n_obj + 1)]: every pass's blk0 at set_threads per block
+    set_passes: int = 0
+    set_blocks: int = 0             # the grid: pass 0's blocks
+    set_nodes: int = 0              # node scratch (8 words each): every pass's blocks
+    set_counters: int = 0           # counters: the blocks of passes 1..
     uses: int = 0                   # requests made with it (the second one captures its Replay)
     replays: dict[str, Any] = field(default_factory=dict)   # (mode, one_launch) -> Replay, or None (refused)
 
@@ -157,17 +160,20 @@ def _build_plan(algorithm: str, bufs: list[DeviceBuffer], lengths: list[int], ch
     with cupy.cuda.Device(dev):
         meta = cupy.asarray(np.array([b.ptr for b in bufs] + lengths, dtype=np.uint64))
         tables, blocks = [], []
-        set_threads, set_table, set_blocks = 0, None, 0
+        set_threads, set_table, set_passes, set_blocks, set_nodes, set_counters = 0, None, 0, 0, 0, 0
         if algorithm != "sha256":
             counts = leaf_counts(algorithm, lengths, chunk_bytes)
             for t in pass_tables(counts):
                 tables.append(cupy.asarray(t))
                 blocks.append(int(t[-1]))
             set_threads = SET_THREADS[algorithm]
-            first = pass_tables(counts, set_threads, passes=1)[0]
-            set_table, set_blocks = cupy.asarray(first), int(first[-1])
+            rows = pass_tables(counts, set_threads)
+            set_table, set_passes = cupy.asarray(np.concatenate(rows)), len(rows)
+            set_blocks, set_nodes = int(rows[0][-1]), sum(int(r[-1]) for r in rows)
+            set_counters = max(1, set_nodes - set_blocks)
         cupy.cuda.get_current_stream().synchronize()   # uploads done before any stream uses them
-    return Plan(algorithm, len(bufs), dev, chunk_bytes, meta, tables, blocks, set_threads, set_table, set_blocks)
+    return Plan(algorithm, len(bufs), dev, chunk_bytes, meta, tables, blocks, set_threads, set_table, set_passes,
+                set_blocks, set_nodes, set_counters)
 
 
 def plan_for(algorithm: str, buffers: Sequence[Any], lengths: Sequence[int] | None = None,
@@ -279,7 +285,7 @@ def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, kee
     words into pinned `host`; scratch(words) gives each pass's output. Returns the final words (device).
     one_launch: the tree algorithms' `*_set_N` kernel instead of a launch per pass; to_host (one_launch only): that
     kernel writes the digests into pinned `host` itself (a mapped address: no copy) and None is returned.
-    counters (one_launch): n_obj zeroed uint32 words of this request alone (the kernel leaves them zeroed; two requests
+    counters (one_launch): plan.set_counters zeroed uint32 words of this request alone (the kernel leaves them zeroed; two requests
     in flight at once must not share them)."""
     from kmesh.cuda.loader import get_function
 
@@ -287,12 +293,13 @@ def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, kee
     if one_launch and plan.algorithm != "sha256":
         kname = "sha256_tree" if plan.algorithm == "sha256-tree" else "blake3"
         fn = get_function(kname, f"{kname}_set_{plan.set_threads}", plan.device)
-        nodes = scratch(plan.set_blocks * 8)
+        nodes = scratch(plan.set_nodes * 8)
         keep.append(nodes)
         out = None if to_host else scratch(n * 8)
         dest = np.uint64(host.ctypes.data) if to_host else out
         head = (plan.ptrs(), plan.lens()) + ((np.uint32(plan.chunk_bytes),) if kname == "sha256_tree" else ())
-        _launch(fn, plan.set_blocks, plan.set_threads, head + (plan.set_table, np.int32(n), nodes, counters, dest))
+        _launch(fn, plan.set_blocks, plan.set_threads,
+                head + (plan.set_table, np.int32(plan.set_passes), np.int32(n), nodes, counters, dest))
         if out is None:
             return None
     elif plan.algorithm == "sha256":
@@ -332,7 +339,7 @@ def _scratch_words(plan: Plan, one_launch: bool = False, to_host: bool = False) 
     if plan.algorithm == "sha256":
         return [plan.n_obj * 8]
     if one_launch:
-        return [plan.set_blocks * 8] + ([] if to_host else [plan.n_obj * 8])
+        return [plan.set_nodes * 8] + ([] if to_host else [plan.n_obj * 8])
     return [blocks * 8 for blocks in plan.blocks]
 
 
@@ -406,7 +413,7 @@ def _capture(plan: Plan, mode: str, one_launch: bool) -> Replay | None:
     pinned = cupy.cuda.alloc_pinned_memory(plan.n_obj * 32)
     host = np.frombuffer(pinned, dtype=np.uint32, count=plan.n_obj * 8)
     bufs = [cupy.empty(w, dtype=np.uint32) for w in _scratch_words(plan, one_launch, to_host)]   # outside the capture
-    counters = _zeroed_counters(plan.n_obj) if one_launch else None
+    counters = _zeroed_counters(plan.set_counters) if one_launch else None
     for kname, entry in _entries(plan, one_launch):   # module loads are not allowed while capturing
         get_function(kname, entry, plan.device)
     it = iter(bufs)
@@ -501,8 +508,8 @@ def hash_async(algorithm: str, buffers: Sequence[Any], *, lengths: Sequence[int]
                 host.fill(0xFFFFFFFF)
             counters = None
             if one:   # this request's own counters, zeroed on the stream (after any poison)
-                counters = cupy.empty(n, dtype=np.uint32)
-                cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, n * 4, cs.ptr)
+                counters = cupy.empty(plan.set_counters, dtype=np.uint32)
+                cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, plan.set_counters * 4, cs.ptr)
                 keep.append(counters)
             out = _enqueue(plan, mode, cs, scratch, host, keep, one, False, counters)
             ev = cupy.cuda.Event(block=False, disable_timing=True)
