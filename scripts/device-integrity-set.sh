@@ -5,7 +5,7 @@
 source scripts/device-env.sh
 set -o pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out" results/cuda/logs
-rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+rev=${KMESH_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}   # the device copy's .git can be stale: pass KMESH_REV
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   python3 -c 'import torch, cupy, blake3; print("torch", torch.__version__, "cupy", cupy.__version__, "blake3", blake3.__version__)'
@@ -22,7 +22,7 @@ echo "integrity rc=$rc" | tee -a "$out/gpu.txt"
 tail -4 results/cuda/logs/integrity.log
 cp results/cuda/integrity/result.json "$out/result-$rev.json" 2>/dev/null
 python3 -m kmesh render --profile cuda > /dev/null 2>&1
-cp results/cuda/tables/integrity_arms_* "$out/" 2>/dev/null
+cp results/cuda/tables/integrity_arms_*.md "$out/" 2>/dev/null
 python3 - "$out/hash_overhead-$rev.json" <<'PY' 2>&1 | tee -a "$out/gpu.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
