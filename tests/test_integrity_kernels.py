@@ -227,7 +227,7 @@ def _fake_cupy(launches):
     rt = types.SimpleNamespace(
         memsetAsync=lambda ptr, v, n, s: ctypes.memset(ptr, v, n),
         memcpyAsync=lambda dst, src, n, kind, s: ctypes.memmove(dst, src, n),
-        memcpyDeviceToHost=2)
+        memcpyDeviceToHost=2, getDeviceProperties=lambda dev: {"multiProcessorCount": 132})
     cp.asarray, cp.empty = asarray, empty
     cp.cuda = types.SimpleNamespace(Device=_Ctx, ExternalStream=_Ctx, Stream=_Ctx, Event=_Event, runtime=rt,
                                     get_current_stream=lambda: _Ctx(), alloc_pinned_memory=pinned)
@@ -287,7 +287,7 @@ def test_gpu_module_on_emulated_launches(emulated_gpu, mis):
     lengths = [0, 1, 63, 64, 65, 1023, 1024, 1025, 3 << 20, 256 * 1024 + 1, 257 * 1024]
     host, bufs = _inputs(lengths, mis, 21)
     assert gpu.hash_buffers("blake3", bufs, stream=0, poison=True) == want("blake3", host)
-    assert [e for e, _, _ in launches] == [f"blake3_set_{gpu.SET_THREADS['blake3']}"]     # one launch per request
+    assert [e for e, _, _ in launches] == ["blake3_set_128"]     # one launch per request; a small one: 128
     launches.clear()
     prev = gpu.set_one_launch(False)
     try:
@@ -306,8 +306,9 @@ def test_gpu_module_on_emulated_launches(emulated_gpu, mis):
     assert got == want("blake3", [host[5][:0], host[8][:70001]])
 
 
-def test_gpu_module_three_passes_and_corruption(emulated_gpu):
+def test_gpu_module_three_passes_and_corruption(emulated_gpu, monkeypatch):
     gpu, launches = emulated_gpu
+    monkeypatch.setitem(gpu.SET_THREADS, "blake3", 64)
     host, bufs = _inputs([256 * 256 * 1024 + 1, 5000], 0, 22)
     prev = gpu.set_one_launch(False)
     try:
@@ -318,7 +319,7 @@ def test_gpu_module_three_passes_and_corruption(emulated_gpu):
     assert [e for e, _, _ in launches] == ["blake3_chunks", "blake3_parents", "blake3_parents"]
     assert [g[0] for _, g, _ in launches] == [257 + 1, 2 + 1, 2]
     launches.clear()
-    p = gpu.hash_async("blake3", bufs, stream=0)          # one launch: the last block folds 1025 nodes in two rounds
+    p = gpu.hash_async("blake3", bufs, stream=0)          # one launch: 1025 leaf blocks, then 17 and 1 by the last
     assert p.result() == want("blake3", host)
     assert launches == [("blake3_set_64", (1025 + 1, 1, 1), (64, 1, 1))]
     good = p.result()
@@ -353,3 +354,14 @@ def test_one_launch_counters_are_zeroed_per_request(emulated_gpu):
     host, bufs = _inputs([300 * 1024, 70 * 1024], 0, 5)
     for _ in range(3):
         assert gpu.hash_buffers("blake3", bufs, stream=0) == want("blake3", host)
+
+
+def test_one_launch_block_size_by_request_size(monkeypatch):
+    from kmesh.integrity import gpu
+
+    assert gpu.set_threads_for("blake3", 12288, 132) == 128                 # 4 x 3 MiB: spread over more SMs
+    assert gpu.set_threads_for("blake3", 1 << 20, 132) == 256               # 1 GiB
+    assert gpu.set_threads_for("sha256-tree", 24576, 132) == 256
+    monkeypatch.setitem(gpu.SET_THREADS, "blake3", 96)
+    with pytest.raises(gpu.GpuHashError, match="96"):
+        gpu.set_threads_for("blake3", 1, 132)

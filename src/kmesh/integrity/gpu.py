@@ -31,6 +31,7 @@ tests and `kmesh diagnose gpu_hash_set`). A caller that hashes the same buffers 
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections import OrderedDict
@@ -45,10 +46,30 @@ GPU_ALGORITHMS = ("sha256", "sha256-tree", "blake3")
 TREE_THREADS = 256          # kernels/integrity_tree.cuh
 SHA256_THREADS = 32         # kernels/sha256.cu
 BLAKE3_CHUNK = 1024
-# Leaves per block of the one-launch kernels (each has entry points for 64, 128 and 256): measured on the H200,
-# docs/measurements/integrity-h200 (`kmesh diagnose gpu_hash_set`).
-SET_THREADS = {"blake3": 64, "sha256-tree": 64}
+# Nodes per block of the one-launch kernels (entry points for 64, 128 and 256); None: by size (set_threads_for).
+# From the H200 (docs/measurements/integrity-h200, `kmesh diagnose gpu_hash_overhead`): BLAKE3 on 4 × 3 MiB took
+# 26.9 / 27.1 / 37.2 µs of GPU time at 64 / 128 / 256 (small blocks spread 12k chunks over more SMs), on 1 GiB
+# 899 / 780 / 731 µs; sha256-tree (512 B) 140 / 108 / 94 µs and 4409 / 3448 / 3149 µs: 256 at both sizes.
+SET_THREADS: dict[str, int | None] = {"blake3": None, "sha256-tree": 256}
 SET_CHOICES = (64, 128, 256)
+_FULL_SM_BLOCKS = 2          # blocks of 256 per SM from which BLAKE3 takes 256 (the grid fills the GPU twice)
+
+
+def set_threads_for(algorithm: str, leaves: int, sm_count: int) -> int:
+    """Nodes per block of the one-launch kernel for a request of `leaves` leaves in all."""
+    fixed = SET_THREADS.get(algorithm)
+    if fixed is not None:
+        if fixed not in SET_CHOICES:
+            raise GpuHashError(f"SET_THREADS[{algorithm!r}] = {fixed}: the kernels have {SET_CHOICES}")
+        return fixed
+    return 256 if leaves >= _FULL_SM_BLOCKS * sm_count * 256 else 128
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 _INT32 = 2**31 - 1
 _PLAN_CACHE = 64
 
@@ -166,7 +187,7 @@ def _build_plan(algorithm: str, bufs: list[DeviceBuffer], lengths: list[int], ch
             for t in pass_tables(counts):
                 tables.append(cupy.asarray(t))
                 blocks.append(int(t[-1]))
-            set_threads = SET_THREADS[algorithm]
+            set_threads = set_threads_for(algorithm, sum(counts), _sm_count(dev))
             rows = pass_tables(counts, set_threads)
             set_table, set_passes = cupy.asarray(np.concatenate(rows)), len(rows)
             set_blocks, set_nodes = int(rows[0][-1]), sum(int(r[-1]) for r in rows)

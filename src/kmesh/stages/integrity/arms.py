@@ -110,6 +110,23 @@ def gpu_arm(name: str, algorithm: str, ref: str = "", **kw: Any) -> Arm:
     return Arm(name, algorithm, run, "gpu", ref)
 
 
+def gpu_request_arm(name: str, algorithm: str, **kw: Any) -> Arm:
+    """A caller that hashes the same buffers again and again: one SetRequest per data set (prepared, i.e. planned
+    and captured, outside the interval), then per trial its launch() inside the interval and result() after."""
+    requests: dict[int, Any] = {}
+
+    def run(ds: DataSet, iv: Intervals) -> list[bytes]:
+        from kmesh.integrity import gpu
+
+        req = requests.get(id(ds))
+        if req is None:
+            req = requests[id(ds)] = gpu.prepare(algorithm, ds.dev, **kw)
+        with iv.part("hash"):
+            req.launch()
+        return req.result()
+    return Arm(name, algorithm, run, "gpu")
+
+
 def make_arms(names: Sequence[str], on_device: bool, chunk_bytes: int) -> list[Arm]:
     table = {
         "cpu-sha256": lambda: cpu_arm("cpu-sha256", "sha256", cpu.sha256, on_device),
@@ -120,6 +137,9 @@ def make_arms(names: Sequence[str], on_device: bool, chunk_bytes: int) -> list[A
         "gpu-sha256-concurrent": lambda: gpu_arm("gpu-sha256-concurrent", "sha256", mode="concurrent"),
         "gpu-sha256-tree": lambda: gpu_arm("gpu-sha256-tree", "sha256-tree", chunk_bytes=chunk_bytes),
         "gpu-blake3": lambda: gpu_arm("gpu-blake3", "blake3"),
+        "gpu-sha256-tree-request": lambda: gpu_request_arm("gpu-sha256-tree-request", "sha256-tree",
+                                                           chunk_bytes=chunk_bytes),
+        "gpu-blake3-request": lambda: gpu_request_arm("gpu-blake3-request", "blake3"),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
