@@ -24,10 +24,10 @@ Requests whose previous digests are still unread, poisoned ones, and `set_replay
 
 One launch per request (sha256-tree, blake3): the `*_set_N` kernels hash every leaf, fold every tree level and write
 each object's root in ONE grid (each parent block is done by the last of its input blocks to finish;
-kernels/integrity_tree.cuh), so a request is one kernel plus the digest copy; a replayed one is a graph of that one kernel, writing the digests
-straight into its pinned buffer. `set_one_launch(False)` restores the pass-per-launch kernels (a second code path for
-tests and `kmesh diagnose gpu_hash_set`). A caller that hashes the same buffers again and again keeps a
-`SetRequest` (`prepare(...)`): its launch() is the graph launch and one event record, nothing else on the host.
+kernels/integrity_tree.cuh), so a request is one kernel plus the digest copy; a replayed one is a graph of that one
+kernel, writing the digests straight into its pinned buffer. `set_one_launch(False)` restores the pass-per-launch
+kernels (a second code path for tests and `kmesh diagnose gpu_hash_overhead`). A caller that hashes the same
+buffers again and again keeps a `SetRequest` (`prepare(...)`): its launch() is the graph launch and one event record, nothing else on the host.
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class Plan:
     set_nodes: int = 0              # node scratch (8 words each): every pass's blocks
     set_counters: int = 0           # counters: the blocks of passes 1..
     uses: int = 0                   # requests made with it (the second one captures its Replay)
-    replays: dict[str, Any] = field(default_factory=dict)   # (mode, one_launch) -> Replay, or None (refused)
+    replays: dict[tuple[str, bool], Any] = field(default_factory=dict)   # (mode, one launch) -> Replay or None
 
     def ptrs(self) -> Any:
         return self.meta[: self.n_obj]
@@ -306,8 +306,8 @@ def _enqueue(plan: Plan, mode: str, cs: Any, scratch: Any, host: np.ndarray, kee
     words into pinned `host`; scratch(words) gives each pass's output. Returns the final words (device).
     one_launch: the tree algorithms' `*_set_N` kernel instead of a launch per pass; to_host (one_launch only): that
     kernel writes the digests into pinned `host` itself (a mapped address: no copy) and None is returned.
-    counters (one_launch): plan.set_counters zeroed uint32 words of this request alone (the kernel leaves them zeroed; two requests
-    in flight at once must not share them)."""
+    counters (one_launch): plan.set_counters zeroed uint32 words of this request alone (the kernel leaves them
+    zeroed; two requests in flight at once must not share them)."""
     from kmesh.cuda.loader import get_function
 
     n = plan.n_obj

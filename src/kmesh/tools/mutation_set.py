@@ -89,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    env = dict(os.environ, PYTHONPATH=str(tree / "mutants" / "src"), KMESH_REVISION=rev.strip() + (" (dirty)" if dirty else ""))
+    env = dict(os.environ, PYTHONPATH=str(tree / "mutants" / "src"),
+               KMESH_REVISION=rev.strip() + (" (dirty)" if dirty else ""))
     exe = Path(sys.executable).with_name("mutmut")
     with open(out / "mutmut.log", "w") as log:
         rc = subprocess.run([str(exe), "run", "--max-children", str(args.jobs)], cwd=tree, env=env, stdout=log,
                             stderr=subprocess.STDOUT).returncode
-    report = [sys.executable, "-m", "kmesh.tools.mutation_report", "--out", str(out)] + (["--diffs"] if args.diffs else [])
+    report = [sys.executable, "-m", "kmesh.tools.mutation_report", "--out", str(out)]
+    report += ["--diffs"] if args.diffs else []
     rrc = subprocess.run(report, cwd=tree, env=env).returncode
     return rc or rrc
 
