@@ -27,7 +27,8 @@ each object's root in ONE grid (each parent block is done by the last of its inp
 kernels/integrity_tree.cuh), so a request is one kernel plus the digest copy; a replayed one is a graph of that one
 kernel, writing the digests straight into its pinned buffer. `set_one_launch(False)` restores the pass-per-launch
 kernels (a second code path for tests and `kmesh diagnose gpu_hash_overhead`). A caller that hashes the same
-buffers again and again keeps a `SetRequest` (`prepare(...)`): its launch() is the graph launch and one event record, nothing else on the host.
+buffers again and again keeps a `SetRequest` (`prepare(...)`): its launch() is the graph launch and one event
+record, nothing else on the host.
 """
 from __future__ import annotations
 
