@@ -21,7 +21,8 @@ from kmesh.stages.kernels import compile_cubin, kernel_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"sha256": ["sha256_whole"],
-           "sha256_tree": ["sha256_tree_leaves", "sha256_tree_nodes"] + [f"sha256_tree_set_{n}" for n in (64, 128, 256)],
+           "sha256_tree": ["sha256_tree_leaves", "sha256_tree_nodes"]
+           + [f"sha256_tree_set_{n}" for n in (64, 128, 256)],
            "blake3": ["blake3_chunks", "blake3_parents"] + [f"blake3_set_{n}" for n in (64, 128, 256)]}
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -341,7 +342,8 @@ def test_one_launch_equals_reference_for_every_block_size(emulated_gpu, monkeypa
     leaf = 1024 if algorithm == "blake3" else kw["chunk_bytes"]
     lengths = [0, 1, leaf * threads, leaf * threads + 1, leaf * threads * (threads + 2) + 7, 3 * leaf + 5]
     host, bufs = _inputs(lengths, 3, threads)
-    assert gpu.hash_buffers(algorithm, bufs, stream=0, poison=True, **kw) == want(algorithm, host, kw.get("chunk_bytes", 0))
+    got = gpu.hash_buffers(algorithm, bufs, stream=0, poison=True, **kw)
+    assert got == want(algorithm, host, kw.get("chunk_bytes", 0))
     kname = algorithm.replace("-", "_")
     assert [(e, b[0]) for e, _, b in launches] == [(f"{kname}_set_{threads}", threads)]
     assert launches[0][1][0] == sum(max(1, -(-max(1, -(-n // leaf)) // threads)) for n in lengths)
