@@ -113,14 +113,15 @@ def gpu_arm(name: str, algorithm: str, ref: str = "", **kw: Any) -> Arm:
 def gpu_request_arm(name: str, algorithm: str, **kw: Any) -> Arm:
     """A caller that hashes the same buffers again and again: one SetRequest per data set (prepared, i.e. planned
     and captured, outside the interval), then per trial its launch() inside the interval and result() after."""
-    requests: dict[int, Any] = {}
+    requests: dict[tuple, Any] = {}
 
     def run(ds: DataSet, iv: Intervals) -> list[bytes]:
         from kmesh.integrity import gpu
 
-        req = requests.get(id(ds))
+        key = tuple((t.data_ptr(), t.numel()) for t in ds.dev)   # the buffers it was prepared for, not the object
+        req = requests.get(key)
         if req is None:
-            req = requests[id(ds)] = gpu.prepare(algorithm, ds.dev, **kw)
+            req = requests[key] = gpu.prepare(algorithm, ds.dev, **kw)
         with iv.part("hash"):
             req.launch()
         return req.result()
