@@ -191,6 +191,15 @@ def test_subset_of_queries_attends_by_position(tiny):
     # bottom-right alignment of the same subset is a different mask: rows see keys 0..35+i, not 0..p
     br = r.attend(qs, pos[sub], k, v, mask="bottom_right")
     assert float((br - part).abs().max()) > 1e-2
+    # ... and exactly that mask (the stock arm's): an explicit reference per row and head
+    m, n = k.shape[0], len(sub)
+    for row in range(n):
+        last = m - n + row
+        for head in range(r.num_heads):
+            kvh = head // r.groups
+            w = torch.softmax((k[: last + 1, kvh] @ qs[row, head]) * r.scale, 0)
+            ref = w @ v[: last + 1, kvh]
+            assert torch.allclose(br[row, head * r.head_dim:(head + 1) * r.head_dim], ref, atol=1e-5, rtol=0), row
     # ... and for all rows in order the two masks are the same mask
     assert torch.equal(r.attend(q, pos, k, v, mask="bottom_right"), every)
     # key positions, not key order: permuted keys with their positions give the same output
