@@ -207,6 +207,16 @@ def test_subset_of_queries_attends_by_position(tiny):
     assert torch.allclose(r.attend(qs, pos[sub], k[perm], v[perm], key_pos=pos[perm]), part, atol=1e-6, rtol=0)
     with pytest.raises(ModelError, match="mask must be"):
         r.attend(qs, pos[sub], k, v, mask="causal")
+    # the fused shortcuts refuse what they cannot compute: several queries (or key positions) for a decode step,
+    # fewer queries than keys (or key positions) for the whole-prefill kernel
+    with pytest.raises(ModelError, match="last_query"):
+        r.attend(qs, pos[sub], k, v, last_query=True)
+    with pytest.raises(ModelError, match="last_query"):
+        r.attend(q[-1:], pos[-1:], k, v, key_pos=pos, last_query=True)
+    with pytest.raises(ModelError, match="all_rows"):
+        r.attend(qs, pos[sub], k, v, all_rows=True)
+    with pytest.raises(ModelError, match="all_rows"):
+        r.attend(q, pos, k, v, key_pos=pos, all_rows=True)
 
 
 # --- 3. blend over an honestly restored state -------------------------------------------------------------
