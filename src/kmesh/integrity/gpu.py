@@ -585,12 +585,7 @@ class SetRequest:
         return [raw[32 * i:32 * (i + 1)] for i in range(self.n_obj)]
 
     def verify(self, expected: Sequence[bytes], what: str = "object") -> None:
-        got = self.result()
-        if len(expected) != len(got):
-            raise GpuHashError(f"{len(expected)} expected digests for {len(got)} buffers")
-        for i, (e, a) in enumerate(zip(expected, got)):
-            if e != a:
-                raise DigestMismatchError(self.algorithm, e, a, f"{what} {i}")
+        _compare(self.algorithm, expected, self.result(), what)
 
     def __del__(self) -> None:  # the graph may still write the pinned buffer: wait before it is freed
         if getattr(self, "_in_flight", False):
@@ -617,7 +612,11 @@ def hash_buffer(algorithm: str, buffer: Any, *, length: int | None = None, **kw:
 def verify_buffers(algorithm: str, buffers: Sequence[Any], expected: Sequence[bytes], what: str = "object",
                    **kw: Any) -> None:
     """Raise DigestMismatchError for the first buffer whose GPU digest differs from `expected`."""
-    got = hash_buffers(algorithm, buffers, **kw)
+    _compare(algorithm, expected, hash_buffers(algorithm, buffers, **kw), what)
+
+
+def _compare(algorithm: str, expected: Sequence[bytes], got: list[bytes], what: str) -> None:
+    """DigestMismatchError for the first object whose digest differs from `expected`."""
     if len(expected) != len(got):
         raise GpuHashError(f"{len(expected)} expected digests for {len(got)} buffers")
     for i, (e, a) in enumerate(zip(expected, got)):
