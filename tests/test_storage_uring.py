@@ -411,3 +411,26 @@ def test_forked_child_makes_its_own_ring_and_leaves_the_parents_alone(tmp_path):
     assert torch.equal(land[:data.numel()], data)
     assert r.describe()["io_engine"]["sqes"]["readv_fixed"] >= 1
     r.close()
+
+
+def test_a_binding_that_crashes_is_found_in_a_child_and_refused(monkeypatch):
+    """The liburing wheel died of SIGILL in `Ring()` on a CPU without AVX-512, taking the suite and the service
+    with it. Its calls now run first in a child process: a crash there makes io_uring unavailable, with the reason,
+    and this process never makes them."""
+    if uring._L is None:
+        pytest.skip(uring._IMPORT_ERROR or "no liburing")
+    try:
+        monkeypatch.setattr(uring, "_SMOKE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+        uring.binding_crash.cache_clear()
+        why = uring.binding_crash()
+        assert why is not None and "SIGILL" in why and "AVX-512" in why
+        with pytest.raises(RouteUnavailableError, match="SIGILL"):
+            uring.UringReader(queue_depth=2, chunk_bytes=ALIGN)
+        monkeypatch.setattr(uring, "_SMOKE", "raise RuntimeError('binding fault')")
+        uring.binding_crash.cache_clear()
+        assert "RuntimeError: binding fault" in uring.binding_crash()
+        monkeypatch.setattr(uring, "_SMOKE", "pass")
+        uring.binding_crash.cache_clear()
+        assert uring.binding_crash() is None
+    finally:
+        uring.binding_crash.cache_clear()

@@ -39,6 +39,9 @@ import functools
 import mmap
 import os
 import resource
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,51 @@ try:                                 # the module imports without the package; p
 except ImportError as _e:            # pragma: no cover - the package is in the pinned environments
     _L = None
     _IMPORT_ERROR = f"the liburing package cannot be imported: {_e}"
+
+
+# The binding's calls this module makes, run once in a child process before any in this one: the PyPI wheel is
+# built for a CPU level of its own (liburing 2026.3.30 has AVX-512 code, and `Ring()` dies of SIGILL on an AMD EPYC
+# without AVX-512), and a crash in-process would take the service or the stage with it, not fall back to preadv.
+_SMOKE = """
+import os, liburing as L
+r, c = L.Ring(), L.Cqe()
+try:
+    L.io_uring_queue_init(2, r)
+except OSError:
+    raise SystemExit(0)            # a refused ring is the in-process probe's to explain
+try:
+    L.probe()
+    buf = bytearray(4096)
+    fd = os.open("/dev/zero", os.O_RDONLY)
+    sqe = L.io_uring_get_sqe(r)
+    L.io_uring_prep_readv(sqe, fd, L.Iovec([memoryview(buf)]), 0)
+    sqe.user_data = 1
+    L.io_uring_submit(r)
+    L.io_uring_wait_cqe(r, c)
+    c[0].res
+    L.io_uring_cqe_seen(r, c[0])
+    os.close(fd)
+finally:
+    L.io_uring_queue_exit(r)
+"""
+
+
+@functools.cache
+def binding_crash() -> str | None:
+    """Why the liburing binding cannot run on this machine (its calls killed a child process), or None."""
+    if _L is None:
+        return None
+    try:
+        r = subprocess.run([sys.executable, "-c", _SMOKE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the liburing binding's check in a child process did not complete: {e}"
+    if r.returncode >= 0:
+        # an exception in the child (other than a refused ring) is a binding fault too: say what it was
+        return None if r.returncode == 0 else ("the liburing binding failed in a child process: "
+                                               + (r.stderr.strip().splitlines() or ["?"])[-1])
+    sig = signal.Signals(-r.returncode).name if -r.returncode in signal.valid_signals() else str(-r.returncode)
+    hint = (" (the wheel's code needs CPU instructions this CPU lacks, e.g. AVX-512)" if sig == "SIGILL" else "")
+    return f"the liburing binding {getattr(_L, '__version__', '?')} killed a child process with {sig}{hint}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +219,9 @@ class UringReader:
                              f"multiple of {ALIGN}")
         if _L is None:
             raise RouteUnavailableError(_IMPORT_ERROR or "no liburing")
+        crash = binding_crash()
+        if crash is not None:
+            raise RouteUnavailableError(crash)
         self.queue_depth, self.chunk_bytes = int(queue_depth), int(chunk_bytes)
         self._ring = _L.Ring()
         try:
