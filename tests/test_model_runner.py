@@ -619,8 +619,8 @@ def _flip(t: torch.Tensor, bit: int) -> None:
 
 # A high mantissa bit, the highest, and the sign. Not the lowest: one ulp of one K element moves the last query's
 # score by ~1e-7 and the attention output by ~1e-9, below its float32 resolution, so whether it reaches the logits
-# depends on the CPU's summation order (it did with AVX-512 kernels, not with AVX2 ones). A flip that small is the
-# digest check on arrival's to catch (tests/test_ttft_end_to_end.py flips one bit), not something the repair can be asked to show.
+# depends on the CPU's summation order (it did with AVX-512 kernels, not with AVX2 ones). A flip that small is for
+# the digest check on arrival to catch (tests/test_ttft_end_to_end.py flips one bit), not for the repair to show.
 @pytest.mark.parametrize("bit", [16, 22, 31])
 def test_one_flipped_restored_bit_changes_blend(tiny, bit):
     r, c = tiny.runner, _case(tiny.runner)

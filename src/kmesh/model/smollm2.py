@@ -8,13 +8,15 @@ saving, so the folder is a plain float checkpoint whose reload gives the GGUF mo
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -59,14 +61,42 @@ def gguf_matches_record(path: Path) -> bool | None:
     return None
 
 
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While loading, gguf-py's reader and tensor-name map are built once, not per call.
+
+    transformers (5.x) parses the whole GGUF three times (tokenizer, config, weights: ~6 s each for SmolLM2's
+    49k-token vocabulary, as numpy memmap slices) and builds gguf's tensor-name map once per module of the model
+    (~400 times, 18 ms each): two thirds of the load, on the pipeline's critical path. Both are pure functions of
+    their arguments and only read afterwards, so each is made once here; the weights and tokens are the same
+    (the model stage's reload check compares the converted model's logits bit for bit)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def load_gguf(path: Path) -> tuple[Any, Any]:
     """(model, tokenizer) dequantized from the GGUF, float32, eval mode."""
     go_offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=path.name, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=DTYPE, **kw)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=DTYPE, **kw)
     return model.eval(), tok
 
 
