@@ -4,8 +4,9 @@
 #      its own results dir (results/test: the published results/cpu are never timed beside the suite);
 #   2. the SLURM profile's test (tests/test_slurm_profile.py: it mostly waits on a real SLURM cluster's jobs);
 #   3. the rest of the suite, less the tests marked covered_by_stage (a stage case asserts the same behaviour) or slow;
-#   then tests/test_stage_results.py: every stage's result present, ok and current for this code, and every case a
-#   covered_by_stage test names passed.
+#   then tests/test_stage_results.py: every stage's result present, ok and current for this code, every case a
+#   covered_by_stage test names passed, and nothing left in the pipeline's own TMPDIR (a fresh directory: every
+#   stage and the processes it starts make their temporary files there through `tempfile`).
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
 #   KMESH_TEST_OVERLAY  its overlay over the cpu profile (default: config/overlays/test.yaml)
 #   args                passed to the suite's pytest run (e.g. -x); `make test-all` runs the whole suite alone
@@ -23,7 +24,10 @@ console="$results/pipeline-console.log"
 slurm_log="$results/slurm-test.log"
 start=$(date +%s)
 
-python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$overlay" > "$console" 2>&1 &
+# /tmp, not under results: the ownership stage's foreign-uid case needs a parent every user can traverse
+stage_tmp=$(mktemp -d /tmp/kmesh-stage-tmp.XXXXXX) && chmod 755 "$stage_tmp"
+TMPDIR="$stage_tmp" python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$overlay" \
+  > "$console" 2>&1 &
 pipeline=$!
 python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py > "$slurm_log" 2>&1 &
 slurm=$!
@@ -38,9 +42,10 @@ wait "$pipeline"
 stages=$?
 echo "--- the pipeline beside the suite ($console) ---"
 cat "$console"
-KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" \
+KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" KMESH_STAGE_TMPDIR="$stage_tmp" \
   python -m pytest -q -p no:cacheprovider tests/test_stage_results.py
 checked=$?
+rm -rf "$stage_tmp"
 echo "[kmesh] make test: suite exit $suite, slurm test exit $slurm_rc, pipeline exit $stages," \
   "stage results exit $checked, $(( $(date +%s) - start )) s"
 exit $(( suite || slurm_rc || stages || checked ))

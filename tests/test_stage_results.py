@@ -55,6 +55,21 @@ def test_stage_ran_and_is_ok(stage):
     assert summary["passed"] > 0
 
 
+def test_the_stages_left_no_temporary_files():
+    """make test runs the pipeline with TMPDIR at a fresh directory of its own (KMESH_STAGE_TMPDIR): every stage
+    and every process it started (services, engines, workers) honours TMPDIR through `tempfile`, and nothing of
+    theirs may be left there once the pipeline has ended."""
+    tmp = os.environ.get("KMESH_STAGE_TMPDIR")
+    if not tmp:
+        if REQUIRED:
+            pytest.fail("KMESH_STAGE_TMPDIR is not set: scripts/test.sh runs the pipeline with a TMPDIR of its own")
+        pytest.skip("no KMESH_STAGE_TMPDIR: only make test runs the pipeline with a TMPDIR of its own")
+    root = Path(tmp)
+    assert root.is_dir(), f"{root}: the pipeline's TMPDIR is gone"
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert not left, f"the stages left temporary files behind in {root}: {left[:20]}"
+
+
 def test_results_are_current_for_this_code():
     """Snakemake has nothing left to do: every result was made by the code and config now checked out."""
     if not (_results_dir() / "report" / "result.json").is_file():
