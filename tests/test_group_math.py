@@ -49,24 +49,30 @@ def _restored(env, lengths=None):
     return out
 
 
+def _chunks(ch, T):
+    """The child's restored segments inside its first T positions (the epic arm's chunks)."""
+    return tuple((a, min(b, T)) for _, a, b in ch.segment_slices() if a < T)
+
+
 def _serial(env, arm="repair", config=RepairConfig(), lengths=None):
     runner = env[0]
     out = {}
     for ch, cache, r, T in _restored(env, lengths):
-        res = blend(runner, torch.tensor(ch.ids[:T]), cache, r, config, arm)
+        res = blend(runner, torch.tensor(ch.ids[:T]), cache, r, config, arm, chunks=_chunks(ch, T))
         out[ch.name] = (res, cache.raw.clone())
     return out
 
 
 def _members(env, arm="repair", lengths=None):
-    return [Member(ch.name, torch.tensor(ch.ids[:T]), cache, r, arm) for ch, cache, r, T in _restored(env, lengths)]
+    return [Member(ch.name, torch.tensor(ch.ids[:T]), cache, r, arm, _chunks(ch, T))
+            for ch, cache, r, T in _restored(env, lengths)]
 
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_layer_major_is_bit_identical_to_serial(env, arm):
     cfg = RepairConfig(check_layers=(1, 2), recompute_ratio=(0.3, 0.15))
     ref = _serial(env, arm, cfg)
-    members = [Member(m.name, m.ids, m.cache, m.restored, arm) for m in _members(env)]
+    members = [Member(m.name, m.ids, m.cache, m.restored, arm, m.chunks) for m in _members(env)]
     out = blend_group(env[0], members, cfg)
     assert not out.failed and sorted(out.results) == sorted(ref)
     L = env[0].num_layers

@@ -356,6 +356,63 @@ def test_repair_multiple_check_layers(tiny):
     assert not (res.masks[2] & ~res.masks[1]).any() and torch.equal(res.masks[3], res.masks[2])
 
 
+# --- epic: EPIC's LegoLink rule (the first k tokens of every restored chunk recomputed, the rest reused) -------
+
+def test_epic_plan_recomputes_each_chunk_head_even_where_chunks_touch():
+    restored = torch.zeros(44, dtype=torch.bool)
+    restored[13:37] = True
+    cfg = RepairConfig(epic_tokens=4)
+    p = plan("epic", restored, cfg, 4, torch.device("cpu"), chunks=[(25, 37), (13, 25)])   # adjacent, any order
+    assert p.forced.tolist() == list(range(13)) + [13, 14, 15, 16, 25, 26, 27, 28] + list(range(37, 44))
+    assert p.keep == () and p.check_layers == ()
+    # k longer than a chunk: the whole chunk; k = 0: naive's set; the last position always, restored or not
+    assert plan("epic", restored, RepairConfig(epic_tokens=50), 4, torch.device("cpu"),
+                chunks=[(13, 25), (25, 37)]).forced.tolist() == list(range(44))
+    allr = torch.ones(10, dtype=torch.bool)
+    assert plan("epic", allr, RepairConfig(epic_tokens=0), 4, torch.device("cpu"), chunks=[(0, 10)]).forced.tolist() \
+        == [9]
+    assert plan("epic", allr, RepairConfig(epic_tokens=2), 4, torch.device("cpu"),
+                chunks=[(0, 5), (5, 10)]).forced.tolist() == [0, 1, 5, 6, 9]
+
+
+@pytest.mark.parametrize("chunks, match", [(None, "needs the restored chunks"), ([(10, 20)], "not wholly restored"),
+                                           ([(13, 25), (20, 37)], "disjoint"), ([(13, 13)], "non-empty"),
+                                           ([(30, 50)], "inside")])
+def test_epic_refuses_missing_or_wrong_chunks(chunks, match):
+    restored = torch.zeros(44, dtype=torch.bool)
+    restored[13:37] = True
+    with pytest.raises(ModelError, match=match):
+        plan("epic", restored, RepairConfig(), 4, torch.device("cpu"), chunks=chunks)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(RepairConfigError, match="epic_tokens"):
+            plan("epic", restored, RepairConfig(epic_tokens=bad), 4, torch.device("cpu"), chunks=[(13, 37)])
+
+
+def test_epic_masks_cache_and_its_limits(tiny):
+    """epic recomputes exactly its plan's positions at every layer and leaves every other restored row as restored;
+    with k = 0 it is naive bit for bit; its logits move towards full's as k grows to the whole chunk."""
+    r, c = tiny.runner, _case(tiny.runner)
+    T, chunks = c.T, [(13, 25), (25, 37)]
+    cache = _copy(r, c.pristine)
+    res = blend(r, c.child, cache, c.restored, RepairConfig(epic_tokens=4), arm="epic", chunks=chunks)
+    heads = torch.zeros(T, dtype=torch.bool)
+    heads[[13, 14, 15, 16, 25, 26, 27, 28]] = True
+    kept = c.restored & ~heads
+    for layer in range(r.num_layers):
+        assert torch.equal(res.masks[layer], ~c.restored | heads), layer
+        assert torch.equal(cache.k[layer][:T][kept], c.pristine.k[layer][:T][kept])
+        assert torch.equal(cache.v[layer][:T][kept], c.pristine.v[layer][:T][kept])
+        if layer:   # recomputed heads hold fresh K, not the restored (layer 0's fresh K equals the shifted one)
+            assert not torch.equal(cache.k[layer][:T][heads], c.pristine.k[layer][:T][heads]), layer
+    naive = blend(r, c.child, _copy(r, c.pristine), c.restored, arm="naive")
+    zero = blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(epic_tokens=0), arm="epic", chunks=chunks)
+    assert torch.equal(zero.masks, naive.masks) and torch.equal(zero.logits, naive.logits)
+    whole = blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(epic_tokens=12), arm="epic",
+                  chunks=chunks)
+    assert bool(whole.masks.all())
+    assert _kl(c.full, whole.logits) < 1e-9 < _kl(c.full, naive.logits)
+
+
 def test_naive_masks_and_cache(tiny):
     r, c = tiny.runner, _case(tiny.runner)
     cache = _copy(r, c.pristine)
@@ -579,7 +636,8 @@ def test_good_repair_configs_and_from_dict():
     d = RepairConfig.from_dict({"check_layers": [1, 2], "recompute_ratio": [0.3, 0.1], "deviation": "v"})
     assert d == RepairConfig((1, 2), (0.3, 0.1), "v") and d.ratios() == (0.3, 0.1)
     assert RepairConfig.from_dict({}) == RepairConfig() and RepairConfig().ratios() == (0.15,)
-    assert ARMS == ("full", "naive", "stock", "repair")
+    assert ARMS == ("full", "naive", "stock", "repair", "epic")
+    assert RepairConfig.from_dict({"epic_tokens": 32}).epic_tokens == 32 and RepairConfig().epic_tokens == 16
 
 
 def test_blend_argument_errors(tiny):

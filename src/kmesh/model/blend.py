@@ -19,6 +19,12 @@ stock   stock CacheBlend as LMCache implements it: check layer(s) as configured 
         control, given exactly the repair arm's recomputed count (every position it recomputes, restored or
         not), so the two selection rules are compared at one budget.
 naive   restored positions reuse their (shifted) K/V at every layer, no repair; others recomputed.
+epic    EPIC's LegoLink rule (Hu et al., ICML 2025), from the paper's description: the first k tokens of every
+        restored chunk are recomputed at every layer (they absorb the attention-sink effect a chunk learned at
+        the start of its own prompt), with every position without restored data and the last one; every other
+        restored position reuses its shifted K/V at every layer, like naive. No check layer: which positions are
+        recomputed is fixed by the chunk boundaries, so blend() needs them (`chunks`: [start, end) per restored
+        chunk, as the workload placed them; adjacent chunks are not one run). k = RepairConfig.epic_tokens.
 full    every position recomputed at every layer: the reference (a plain prefill through the runner).
 
 Per-layer recompute masks (bool [layers, T]) are returned. blend() is a loop of BlendState.step() (one layer
@@ -38,8 +44,9 @@ from kmesh.model.errors import ModelError
 from kmesh.model.runner import KVCache, LayerRunner
 
 # "repair" is KMesh's repair arm (not "kmesh": that names the project and the vLLM engine arm)
-Arm = Literal["full", "naive", "stock", "repair"]
-ARMS: tuple[str, ...] = ("full", "naive", "stock", "repair")
+Arm = Literal["full", "naive", "stock", "repair", "epic"]
+ARMS: tuple[str, ...] = ("full", "naive", "stock", "repair", "epic")
+REUSE_ARMS = ("naive", "epic")    # a fixed set of positions is recomputed; the rest reuse restored K/V throughout
 
 
 class RepairConfigError(ModelError):
@@ -54,6 +61,7 @@ class RepairConfig:
     # stock arm only: positions kept after each check layer instead of the ratio (the stock-matched budget,
     # set per request to the repair arm's recomputed count; never read from the config file)
     recompute_counts: tuple[int, ...] | None = None
+    epic_tokens: int = 16    # epic arm: leading tokens of every restored chunk recomputed (EPIC's k)
 
     def ratios(self) -> tuple[float, ...]:
         r = self.recompute_ratio
@@ -77,6 +85,8 @@ class RepairConfig:
             raise RepairConfigError(f"recompute ratios must be in (0, 1] and non-increasing, got {ratios}")
         if self.deviation not in ("k", "v"):
             raise RepairConfigError(f"deviation must be 'k' or 'v', got {self.deviation!r}")
+        if type(self.epic_tokens) is not int or self.epic_tokens < 0:
+            raise RepairConfigError(f"epic_tokens must be an integer >= 0, got {self.epic_tokens!r}")
         counts = self.recompute_counts
         if counts is not None:
             if len(counts) != len(self.check_layers):
@@ -88,7 +98,7 @@ class RepairConfig:
     def from_dict(cls, d: dict) -> "RepairConfig":
         r = d.get("recompute_ratio", 0.15)
         return cls(tuple(d.get("check_layers", (1,))), tuple(r) if isinstance(r, list) else float(r),
-                   d.get("deviation", "k"))
+                   d.get("deviation", "k"), epic_tokens=d.get("epic_tokens", 16))
 
 
 @dataclass
@@ -109,15 +119,31 @@ class BlendPlan:
 
     arm: str
     T: int
-    forced: torch.Tensor        # int64 positions always recomputed (repair, naive: missing + last)
+    forced: torch.Tensor        # int64 positions always recomputed (repair, naive: missing + last; epic: + chunk heads)
     is_forced: torch.Tensor     # the same as a bool [T] mask
     keep: tuple[int, ...]       # per check layer: how many rows survive the selection
     check_layers: tuple[int, ...]
     deviation: str
 
 
+def _chunk_heads(r: torch.Tensor, chunks: Sequence[tuple[int, int]] | None, k: int) -> torch.Tensor:
+    """bool [T]: the first k positions of every chunk (epic). Chunks must be restored, in-bounds, disjoint."""
+    T = r.numel()
+    if chunks is None:
+        raise ModelError("the epic arm needs the restored chunks' [start, end) spans (blend(..., chunks=...))")
+    heads = torch.zeros(T, dtype=torch.bool)
+    spans = sorted((int(a), int(b)) for a, b in chunks)
+    for (a, b), nxt in zip(spans, [*spans[1:], (T, T)]):
+        if not 0 <= a < b <= min(T, nxt[0]):
+            raise ModelError(f"chunks {spans} must be non-empty, disjoint and inside the {T}-position prompt")
+        if not bool(r[a:b].all()):
+            raise ModelError(f"chunk [{a}, {b}) is not wholly restored")
+        heads[a:min(a + k, b)] = True
+    return heads
+
+
 def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig, num_layers: int,
-         device: torch.device) -> BlendPlan:
+         device: torch.device, chunks: Sequence[tuple[int, int]] | None = None) -> BlendPlan:
     if arm not in ARMS:
         raise ModelError(f"arm must be one of {ARMS}, got {arm!r}")
     config.validate(num_layers)
@@ -128,7 +154,9 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
     if T == 0:
         raise ModelError("empty prompt")
     forced = ~r
-    if arm in ("repair", "naive"):  # the last position's hidden state gives the next token: always computed
+    if arm == "epic":
+        forced |= _chunk_heads(r, chunks, config.epic_tokens)
+    if arm in ("repair", *REUSE_ARMS):  # the last position's hidden state gives the next token: always computed
         forced[T - 1] = True
     n_forced, n_restored = int(forced.sum()), int((~forced).sum())
     if arm == "repair":
@@ -189,7 +217,7 @@ class BlendState:
             for layer in range(runner.num_layers):
                 cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
                             torch.zeros_like(cache.v[layer][p.forced]))
-        self.active = p.forced if p.arm == "naive" else torch.arange(T, device=dev)
+        self.active = p.forced if p.arm in REUSE_ARMS else torch.arange(T, device=dev)
         self.h = runner.embed(ids[self.active])
         self.rot = runner.rotary(self.active)
         self.masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
@@ -206,7 +234,7 @@ class BlendState:
     def all_rows(self, layer: int) -> bool:
         """Known on the host: the rows are still every position in order (before any selection / full arm)."""
         p = self.plan
-        return p.arm != "naive" and (not p.check_layers or layer < p.check_layers[0])
+        return p.arm not in REUSE_ARMS and (not p.check_layers or layer < p.check_layers[0])
 
     def deviation_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fresh, restored) rows a check layer compares: K or V of the active positions."""
@@ -258,9 +286,11 @@ class BlendState:
 
 @torch.no_grad()
 def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequence[bool] | torch.Tensor,
-          config: RepairConfig = RepairConfig(), arm: str = "repair", plan_: BlendPlan | None = None) -> BlendResult:
-    """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc)."""
-    p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device)
+          config: RepairConfig = RepairConfig(), arm: str = "repair", plan_: BlendPlan | None = None,
+          chunks: Sequence[tuple[int, int]] | None = None) -> BlendResult:
+    """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc);
+    `chunks` ([start, end) of each restored chunk) only for the epic arm."""
+    p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device, chunks)
     state = BlendState(runner, ids, cache, p)
     for _ in range(runner.num_layers):
         state.step()

@@ -53,6 +53,7 @@ class Member:
     cache: KVCache            # the member's private working cache (restored inputs already in place, or
     restored: torch.Tensor    # written layer by layer by a LayerwiseRestore); bool [T]
     arm: str = "repair"
+    chunks: tuple[tuple[int, int], ...] | None = None   # the epic arm's restored chunks, [start, end) each
 
 
 @dataclass
@@ -199,7 +200,7 @@ def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairCo
     if restore is not None and not batched:
         raise ModelError("a layer-wise group restore belongs to the batched path")
     states = {m.name: BlendState(runner, m.ids, m.cache,
-                                 plan(m.arm, m.restored, config, runner.num_layers, runner.device)) for m in members}
+                                 plan(m.arm, m.restored, config, runner.num_layers, runner.device, m.chunks)) for m in members}
     out = GroupResult()
     for layer in range(runner.num_layers):
         live = [n for n in names if n not in out.failed]
