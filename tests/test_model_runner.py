@@ -15,7 +15,6 @@ Measured on CPU (torch 2.13, transformers 5.19), asserted with margin:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +24,8 @@ from kmesh.model.blend import ARMS, RepairConfig, RepairConfigError, blend, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import LayerRunner
 from kmesh.restore import capture, restore
+from smollm2_model import converted
 
-SMOLLM2 = Path(__file__).resolve().parents[1] / "results" / "models" / "smollm2-135m-instruct"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=300, max_position_embeddings=512)
 LOGIT_TOL = 1e-5        # tiny float32 models, measured ~6e-7
@@ -75,11 +74,9 @@ def tiny(request):
 
 @pytest.fixture(scope="module")
 def smol():
-    if not (SMOLLM2 / "config.json").is_file() or not (SMOLLM2 / "model.safetensors").is_file():
-        pytest.skip(f"no converted SmolLM2 at {SMOLLM2} (run the model stage)")
     from kmesh.model import smollm2
 
-    model, tok = smollm2.load_converted(SMOLLM2)
+    model, tok = smollm2.load_converted(converted())
     return SimpleNamespace(model=model, tok=tok, runner=LayerRunner(model), smollm2=smollm2)
 
 

@@ -1,21 +1,18 @@
 """The equivalence stage's workload: exact lengths, placements, determinism and answerable questions."""
-from pathlib import Path
 
 import pytest
 
 from kmesh.errors import KMeshError
-from kmesh.workload import (ByteTokenizer, HFTokenizer, Workload, WorkloadError, WorkloadSpec, answer_matches,
-                            build)
+from kmesh.workload import (ByteTokenizer, HFTokenizer, RagSpec, Workload, WorkloadError, WorkloadSpec,
+                            answer_matches, build, build_rag)
+from smollm2_model import converted
 
 SEED = 20261130
-SMOLLM2 = Path(__file__).resolve().parents[1] / "results" / "models" / "smollm2-135m-instruct"
 
 
 def _smollm2_tokenizer():
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"no SmolLM2 tokenizer at {SMOLLM2} (run the model stage)")
     transformers = pytest.importorskip("transformers")
-    return HFTokenizer(transformers.AutoTokenizer.from_pretrained(SMOLLM2, local_files_only=True))
+    return HFTokenizer(transformers.AutoTokenizer.from_pretrained(converted(), local_files_only=True))
 
 
 @pytest.fixture(scope="module", params=["byte", "smollm2"])
@@ -127,6 +124,55 @@ def test_bad_specs_raise(spec, message):
     with pytest.raises(WorkloadError, match=message) as err:
         build(ByteTokenizer(512), SEED, spec)
     assert isinstance(err.value, KMeshError)
+
+
+# --- the RAG shape ------------------------------------------------------------------------------------------
+
+BYTE_RAG = RagSpec(chunk_tokens=192, prompt_tokens=1700)     # bytes: a fact sentence needs ~70 of them
+
+
+@pytest.fixture(scope="module")
+def rag(tok) -> Workload:
+    return build_rag(tok, SEED, RagSpec() if isinstance(tok, HFTokenizer) else BYTE_RAG)
+
+
+def test_rag_children_hold_every_chunk_in_orders_of_their_own(tok, rag):
+    spec = rag.spec
+    n, size = spec.chunks, spec.chunk_tokens
+    assert len(rag.children) == spec.children == 32 and len(rag.segments) == n
+    assert rag.leader_ids == tuple(rag.leader_ids[:16]) + tuple(i for s in rag.segments for i in s.ids)
+    assert [s.leader_start for s in rag.segments] == [16 + i * size for i in range(n)]
+    pre = len(getattr(tok, "prefix_ids", ()))
+    orders = []
+    for c in rag.children:
+        assert len(c.ids) == spec.prompt_tokens
+        assert len(c.restored_positions()) == n * size and len(c.restored_positions()) / len(c.ids) >= 0.9
+        assert [p.start for p in c.placements] == [pre + j * size for j in range(n)]      # back to back
+        assert all(c.ids[p.start:p.end] == rag.segments[p.segment].ids for p in c.placements)
+        assert all(p.start != rag.segments[p.segment].leader_start for p in c.placements)  # every key rotated
+        orders.append(tuple(p.segment for p in c.placements))
+    assert len(set(orders)) == 32 and tuple(range(n)) not in orders
+    assert set(c.asks for c in rag.children) == set(range(n))                        # every chunk asked about
+    for c in rag.children:
+        texts = [tok.decode(s.ids) for s in rag.segments]
+        assert c.answer in texts[c.asks] and rag.segments[c.asks].name in c.question
+        assert tok.decode(c.ids).count(c.answer) == 1
+    again = build_rag(tok, SEED, spec)
+    assert again.sha256() == rag.sha256() and build_rag(tok, SEED + 1, spec).sha256() != rag.sha256()
+
+
+@pytest.mark.parametrize("spec,message", [
+    (RagSpec(chunks=1), "at least 2 chunks"),
+    (RagSpec(chunk_tokens=60), "multiples of block_size"),
+    (RagSpec(chunks=3, children=6), "too few for 6 children"),
+    (RagSpec(prompt_tokens=640), "needs >= 0.9"),
+    (RagSpec(prompt_tokens=512), "room for a private question"),
+    (RagSpec(chunk_tokens=192, prompt_tokens=1540), "private tail"),     # the static check passes, not the question
+    (RagSpec(chunk_tokens=16, prompt_tokens=140), "too short"),
+])
+def test_bad_rag_specs_raise(spec, message):
+    with pytest.raises(WorkloadError, match=message):
+        build_rag(ByteTokenizer(512), SEED, spec)
 
 
 def test_byte_tokenizer():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import random
 import re
 from dataclasses import asdict, dataclass, replace
@@ -166,7 +167,7 @@ class Child:
 
 @dataclass(frozen=True)
 class Workload:
-    spec: WorkloadSpec
+    spec: WorkloadSpec | RagSpec
     seed: int
     leader_ids: tuple[int, ...]
     segments: tuple[Segment, ...]
@@ -341,6 +342,97 @@ def build(tokenizer: Tokenizer, seed: int, spec: WorkloadSpec = WorkloadSpec()) 
         children.append(Child(chr(ord("A") + c) if c < 26 else f"C{c}", ids, placements, question, answer, target))
     return Workload(spec, seed, tuple(preamble) + tuple(i for s in segments for i in s.ids),
                     tuple(segments), tuple(children))
+
+
+@dataclass(frozen=True)
+class RagSpec:
+    """A retrieval-augmented prompt: `chunks` retrieved documents of `chunk_tokens` each, back to back after the
+    chat template's opening, then a short private tail (an instruction and the question) to exactly
+    `prompt_tokens`. The leader saves each chunk once; every child holds all of them, in an order of its own."""
+
+    chunks: int = 8
+    chunk_tokens: int = 64
+    prompt_tokens: int = 568         # SmolLM2: 30 template tokens, questions of 16-25, the rest a private tail
+    children: int = 32
+    block_size: int = 16
+    leader_preamble_tokens: int = 16
+    min_restorable: float = 0.9        # the RAG shape: at least this fraction of every prompt is restored chunks
+
+    @property
+    def segment_tokens(self) -> tuple[int, ...]:
+        return (self.chunk_tokens,) * self.chunks
+
+    def validate(self) -> None:
+        b = self.block_size
+        if b < 1 or self.children < 1 or self.chunks < 2:
+            raise WorkloadError(f"need block_size >= 1, children >= 1 and at least 2 chunks (got {self})")
+        if self.chunk_tokens <= 0 or self.chunk_tokens % b or self.leader_preamble_tokens < 0 \
+                or self.leader_preamble_tokens % b:
+            raise WorkloadError(f"chunk tokens {self.chunk_tokens} and leader preamble {self.leader_preamble_tokens} "
+                                f"must be positive multiples of block_size {b} (preamble may be 0)")
+        if math.factorial(self.chunks) - 1 < self.children:
+            raise WorkloadError(f"{self.chunks} chunks have {math.factorial(self.chunks) - 1} orders other than the "
+                                f"leader's: too few for {self.children} children of distinct orders")
+        restorable = self.chunks * self.chunk_tokens / self.prompt_tokens
+        if not restorable >= self.min_restorable or self.chunks * self.chunk_tokens >= self.prompt_tokens:
+            raise WorkloadError(f"{self.chunks} x {self.chunk_tokens} chunk tokens in a {self.prompt_tokens}-token "
+                                f"prompt: {restorable:.3f} restorable, the RAG shape needs >= {self.min_restorable} "
+                                f"and room for a private question")
+
+
+_TAIL = "\n\nUse the notes above to answer. "
+
+
+def build_rag(tokenizer: Tokenizer, seed: int, spec: RagSpec = RagSpec()) -> Workload:
+    """The leader, its chunks and spec.children RAG children, all a function of (tokenizer, seed, spec).
+
+    Each child: template opening, every chunk in an order no sibling and not the leader has (so every chunk sits
+    at other positions than where it was saved, and its keys are rotated on restore), then the private tail and a
+    question about one chunk's fact. Workload/Child/Placement are the write-up workload's types."""
+    spec.validate()
+    rng, pre, suf = random.Random(seed), getattr(tokenizer, "prefix_ids", ()), getattr(tokenizer, "suffix_ids", ())
+    gen, n, size = _Text(rng), spec.chunks, spec.chunk_tokens
+    npre = spec.leader_preamble_tokens
+    preamble = _exact(tokenizer, npre, "Reference notes:\n\n", gen.docs()) if npre else []
+    segments, facts = [], []
+    for i in range(n):
+        name, sents, qa = gen.doc()
+        more = (" " + gen.filler(name) for _ in itertools.count())
+        ids = _exact(tokenizer, size, "\n\n", itertools.chain([" ".join(sents)], more))
+        text = tokenizer.decode(ids)
+        kept = {k: v for k, v in qa.items() if (sents[0] if k in "PR" else sents[1]) in text}
+        if not kept:
+            raise WorkloadError(f"a {size}-token chunk is too short to hold one complete fact sentence")
+        segments.append(Segment(name, tuple(ids), text, npre + i * size))
+        facts.append(kept)
+    asks = rng.sample(range(n), n)
+    used: set[tuple[int, ...]] = {tuple(range(n))}
+    children = []
+    for c in range(spec.children):
+        for _ in range(10000):   # an order of its own, with no chunk where the leader saved it
+            order = tuple(rng.sample(range(n), n))
+            starts = {s: len(pre) + j * size for j, s in enumerate(order)}
+            if order not in used and all(starts[s] != segments[s].leader_start for s in starts):
+                break
+        else:
+            raise WorkloadError(f"child {c}: found no chunk order distinct from the leader's and its siblings'")
+        used.add(order)
+        target = asks[c % n]
+        question, answer = facts[target][rng.choice(sorted(facts[target]))]
+        q_ids = tokenizer.encode("\n\nQuestion: " + question)
+        gap = spec.prompt_tokens - len(pre) - len(suf) - len(q_ids) - n * size
+        if gap < 0:
+            raise WorkloadError(f"child {c}: {spec.prompt_tokens} tokens leave {gap} for the private tail after "
+                                f"{n} x {size} chunk tokens, template {len(pre) + len(suf)} and question {len(q_ids)}")
+        tail = _exact(tokenizer, gap, _TAIL, gen.docs()) if gap else []
+        body = list(pre) + [i for s in order for i in segments[s].ids] + tail
+        ids = tuple(body + q_ids + list(suf))
+        placements = tuple(Placement(s, starts[s], size) for s in order)
+        if len(ids) != spec.prompt_tokens or any(ids[p.start:p.end] != segments[p.segment].ids for p in placements):
+            raise WorkloadError(f"child {c}: internal accounting error (length {len(ids)})")
+        children.append(Child(chr(ord("A") + c) if c < 26 else f"C{c}", ids, placements, question, answer, target))
+    return Workload(spec, seed, tuple(preamble) + tuple(i for s in segments for i in s.ids), tuple(segments),
+                    tuple(children))
 
 
 def _norm(s: str) -> str:
