@@ -258,6 +258,7 @@ def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable
         a, b = ref[m.name][0], out.results[m.name]
         assert torch.equal(a.masks, b.masks)
         assert float((a.logits - b.logits).abs().max()) <= BATCHED_TOL * max(1.0, float(a.logits.abs().max()))
-    ch, cache, r, _ = _restored(env_)[0]
-    g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), "repair")
-    assert all(g.verify_against_eager().values())
+    for arm in ("repair", "epic"):
+        ch, cache, r, T = _restored(env_)[0]
+        g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), arm, chunks=_chunks(ch, T))
+        assert all(g.verify_against_eager().values()), arm

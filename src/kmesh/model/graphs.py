@@ -7,7 +7,7 @@ eager path on the same inputs and compares bit for bit — a graph is only timed
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -18,12 +18,13 @@ from kmesh.model.runner import KVCache, LayerRunner
 
 class GraphedBlend:
     def __init__(self, runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: torch.Tensor,
-                 config: RepairConfig, arm: str, warmup: int = 2) -> None:
+                 config: RepairConfig, arm: str, warmup: int = 2,
+                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
         if runner.device.type != "cuda":
             raise ModelError("CUDA graphs need the runner on a CUDA device")
         self.runner, self.cache, self.restored, self.config, self.arm = runner, cache, restored, config, arm
         self.ids = ids.to(runner.device)
-        self.plan = plan(arm, restored, config, runner.num_layers, runner.device)
+        self.plan = plan(arm, restored, config, runner.num_layers, runner.device, chunks)   # chunks: epic only
         self._pristine = cache.raw.clone()   # the state replays start from (restored K/V as given)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
