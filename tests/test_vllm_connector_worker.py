@@ -187,6 +187,15 @@ def test_more_blocks_than_the_staging_window_in_chunks(service):
     assert n == 5 * BS
     assert _execute(b, meta) == set() and b.stats["loaded_blocks"] == 5
     assert torch.equal(_kv(b, ids_b, range(5 * BS)), _kv(a, ids_a, range(5 * BS)))
+    # a prompt of exactly those 5 blocks: supplied up to its last token, which the second chunk leaves to the engine
+    c = _worker(extra, seed=22)
+    before = c.engine.raw.clone()
+    n, meta = _schedule(sched, _request("w", prompt[:5 * BS]), ids_b[:5])
+    assert n == 5 * BS - 1 and _execute(c, meta) == set()
+    assert torch.equal(_kv(c, ids_b, range(5 * BS - 1)), _kv(a, ids_a, range(5 * BS - 1)))
+    last = torch.tensor([5 * BS - 1])
+    assert torch.equal(_kv(c, ids_b, range(5 * BS - 1, 5 * BS)),
+                       _bytes(capture(before, c.engine.layout, slots_of(ids_b, last, BS), last)))
 
 
 def test_a_corrupt_payload_fails_its_blocks_and_the_report_says_so(service):
@@ -293,3 +302,150 @@ def test_a_negative_control_worker_loads_but_never_writes(service):
     assert n == BS
     assert _execute(liar, meta) == set() and liar.stats["loaded_blocks"] == 1 and liar.stats["writes_skipped"] == 1
     assert torch.equal(liar.engine.raw, before)
+
+
+def test_a_local_prefix_hit_is_subtracted_and_its_blocks_not_loaded(service):
+    """vLLM's own prefix cache already holds the first block (num_computed_tokens = 4): KMesh supplies the rest,
+    and the load starts after the engine's blocks."""
+    extra = _extra(service, "w-local")
+    sched, a, b = _scheduler(extra), _worker(extra, seed=14), _worker(extra, seed=15)
+    prompt = [900 + i for i in range(3 * BS + 1)]
+    _execute(a, _schedule(sched, _request("s", prompt), [0, 1, 2, 3])[1])
+    req = _request("l", prompt)
+    n, asynchronous = sched.get_num_new_matched_tokens(req, BS)
+    assert (n, asynchronous) == (2 * BS, False)
+    sched.update_state_after_alloc(req, None, n)
+    new = SimpleNamespace(req_id="l", prompt_token_ids=prompt, num_computed_tokens=BS + n, sampling_params=None,
+                          block_ids=([7, 8, 9, 10],))
+    meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"l": 1}))
+    plan = meta.loads[0]
+    assert (plan.first, plan.num_tokens, [it.start for it in plan.items]) == (BS, 3 * BS, [BS, 2 * BS])
+    before = b.engine.raw.clone()
+    assert _execute(b, meta) == set() and b.stats["loaded_blocks"] == 2
+    assert torch.equal(_kv(b, [7, 8, 9], range(BS, 3 * BS)), _kv(a, [0, 1, 2], range(BS, 3 * BS)))
+    first = torch.arange(BS)
+    assert torch.equal(_kv(b, [7], range(BS)), _bytes(capture(before, b.engine.layout, slots_of([7], first, BS),
+                                                             first)))
+    # all of it local: nothing to supply, and no plan left behind
+    req2 = _request("m", prompt)
+    assert sched.get_num_new_matched_tokens(req2, 3 * BS) == (0, False) and "m" not in sched._plans
+
+
+def test_service_down_supplies_nothing_and_the_report_says_so(tmp_path):
+    """No service at the socket: no crash, nothing supplied, the report says the service is down."""
+    sched = _scheduler({"socket": str(tmp_path / "nobody.sock"), "retry_s": 60.0, "namespace": "w-down"})
+    req = _request("r", [1] * (2 * BS + 1))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert _finished(sched, req)["service"] == "down"
+    assert sched.link.warnings == 1 and sched.link.down_reason
+
+
+def test_the_service_gone_before_the_load_fails_every_claimed_block(tmp_path):
+    """The service dies between the scheduler's plan and the worker's load: every claimed block is reported
+    failed (vLLM recomputes them), the engine's blocks keep their bytes, the request's step saves nothing."""
+    from kmesh.service import process
+
+    rt = Path(tempfile.mkdtemp(prefix="kmesh-vd-"))
+    sp = process.start(rt / "svc", store_bytes=16 << 20)
+    try:
+        extra = {"socket": str(sp.socket_path), "staging_blocks": 4, "retry_s": 60.0, "namespace": "w-gone"}
+        sched, a = _scheduler(extra), _worker(extra, seed=16)
+        prompt = [950 + i for i in range(2 * BS + 1)]
+        _execute(a, _schedule(sched, _request("s", prompt), [0, 1, 2])[1])
+        longer = prompt[:2 * BS] + [960 + i for i in range(2 * BS + 1)]       # 2 stored blocks, 2 new ones
+        n, meta = _schedule(sched, _request("l", longer), [5, 6, 7, 8, 9])
+        assert n == 2 * BS and len(meta.saves[0].items) == 2
+        sp.stop()
+        before = a.engine.raw.clone()
+        assert _execute(a, meta) == {5, 6}
+        assert torch.equal(a.engine.raw, before) and a.stats["saved"] == 2          # the first step's two only
+    finally:
+        sp.stop()
+
+
+def test_a_failed_load_saves_nothing_of_its_request_but_the_others_in_its_step_do(service):
+    """One step, two new requests. "bad": block 0 stored, block 1's record vouches for other bytes than its payload,
+    blocks 2-4 new. "good": blocks 0-2 stored, 3-4 new. The worker finds bad's corruption at block 1: block 1 is
+    reported failed and none of bad's new blocks is saved from this step (its K/V is not trusted), while good's
+    loads and saves go through."""
+    extra = _extra(service, "w-failsave")
+    sched, a, b = _scheduler(extra), _worker(extra, seed=17), _worker(extra, seed=18)
+    good = [1000 + i for i in range(5 * BS + 1)]
+    bad = [2000 + i for i in range(5 * BS + 1)]
+    gkeys, bkeys = prefix_keys(sched.ns, good, BS, 5), prefix_keys(sched.ns, bad, BS, 5)
+    _execute(a, _schedule(sched, _request("g0", good[:3 * BS + 1]), [0, 1, 2, 3])[1])     # good's blocks 0-2
+    _execute(a, _schedule(sched, _request("b0", bad[:BS + 1]), [0, 1])[1])                # bad's block 0
+    w, rw = a._window("save"), a._window("records")
+    w.tensor[:a._block_bytes] = torch.randint(0, 256, (a._block_bytes,), dtype=torch.uint8)
+    assert a.link.save(w, bkeys[1], 0, a._block_bytes)
+    rec = Record(KIND_PREFIX, BS, BS, a._block_bytes, bytes(32), token_digest(bad[BS:2 * BS]))
+    rw.tensor[:RECORD_BYTES] = torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8)
+    assert a.link.save(rw, record_key(bkeys[1]), 0, RECORD_BYTES)
+    reqs = {"bad": (_request("bad", bad), [0, 1, 2, 3, 4, 5]), "good": (_request("good", good), [6, 7, 8, 9, 10, 11])}
+    news, counts = [], {}
+    for rid, (req, ids) in reqs.items():
+        counts[rid], _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, None, counts[rid])
+        news.append(SimpleNamespace(req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                                    num_computed_tokens=counts[rid], sampling_params=None, block_ids=(ids,)))
+    meta = sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=news, num_scheduled_tokens={n.req_id: len(n.prompt_token_ids) - counts[n.req_id]
+                                                       for n in news}))
+    assert counts == {"bad": 2 * BS, "good": 3 * BS}
+    assert {p.req_id: [it.start for it in p.items] for p in meta.saves} == {"bad": [2 * BS, 3 * BS, 4 * BS],
+                                                                            "good": [3 * BS, 4 * BS]}
+    assert _execute(b, meta) == {1} and b.stats["load_errors"] == 1 and b.stats["loaded_blocks"] == 1 + 3
+    assert b.stats["saved"] == 2 and b.stats["save_skipped"] == 0
+    assert all(sched._read_record(k) is not None for k in gkeys[3:])
+    assert all(sched._read_record(k) is None for k in bkeys[2:])
+    assert torch.equal(_kv(b, [6, 7, 8], range(3 * BS)), _kv(a, [0, 1, 2], range(3 * BS)))
+    # the scheduler learns of the failure from vLLM: bad's report counts its block from there on, good's is intact
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids={1}))
+    reports = {rid: _finished(sched, req) for rid, (req, _) in reqs.items()}
+    assert (reports["bad"]["tokens_supplied"], reports["bad"]["load_errors"]) == (BS, 1)
+    assert (reports["good"]["tokens_supplied"], reports["good"]["load_errors"]) == (3 * BS, 0)
+
+
+def test_a_payload_without_its_record_is_kept_and_the_rest_of_the_prompt_saved(service):
+    """A writer died between a block's payload and its record: the lookup misses the block, the save finds the
+    payload already stored (it is not written again) and goes on with the prompt's next block."""
+    extra = _extra(service, "w-norecord")
+    sched, a = _scheduler(extra), _worker(extra, seed=19)
+    prompt = [3000 + i for i in range(2 * BS + 1)]
+    keys = prefix_keys(sched.ns, prompt, BS, 2)
+    w = a._window("save")
+    w.tensor[:a._block_bytes] = 7
+    assert a.link.save(w, keys[0], 0, a._block_bytes)
+    n, meta = _schedule(sched, _request("s", prompt), [0, 1, 2])
+    assert n == 0 and [it.start for it in meta.saves[0].items] == [0, BS]
+    _execute(a, meta)
+    assert a.stats["saved"] == 1 and sched._read_record(keys[0]) is None and sched._read_record(keys[1]) is not None
+
+
+def test_a_missing_first_block_reports_no_token_supplied(service):
+    extra = _extra(service, "w-missing0")
+    sched, b = _scheduler(extra), _worker(extra, seed=20)
+    prompt = [4000 + i for i in range(2 * BS + 1)]
+    keys = prefix_keys(sched.ns, prompt, BS, 2)
+    rw = b._window("records")
+    for i in range(2):           # records whose payloads were never stored
+        rec = Record(KIND_PREFIX, BS, i * BS, b._block_bytes, bytes(32), token_digest(prompt[i * BS:(i + 1) * BS]))
+        rw.tensor[:RECORD_BYTES] = torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8)
+        assert b.link.save(rw, record_key(keys[i]), 0, RECORD_BYTES)
+    req = _request("l", prompt)
+    n, meta = _schedule(sched, req, [4, 2, 3])
+    assert n == 2 * BS and _execute(b, meta) == {4, 2}
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids={4, 2}))
+    assert (_finished(sched, req)["tokens_supplied"], b.stats["load_errors"]) == (0, 2)
+
+
+def test_request_finished_for_an_unknown_request_and_a_plan_never_scheduled(service):
+    extra = _extra(service, "w-finish")
+    sched, a = _scheduler(extra), _worker(extra, seed=21)
+    assert sched.request_finished(_request("nobody", [1, 2, 3]), []) == (False, None)
+    prompt = [5000 + i for i in range(BS + 1)]
+    _execute(a, _schedule(sched, _request("s", prompt), [0, 1])[1])
+    req = _request("aborted", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (BS, False) and "aborted" in sched._plans
+    assert _finished(sched, req)["tokens_supplied"] == 0           # finished before it was ever scheduled
+    assert "aborted" not in sched._plans and "aborted" not in sched._reports

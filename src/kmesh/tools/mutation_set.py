@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--diffs", action="store_true", help="add every survivor's diff to the report")
+    parser.add_argument("mutants", nargs="*", help="only these mutants (names or globs, as mutmut prints them): e.g. "
+                        "the survivors again after tests were added (mutmut keeps earlier results otherwise)")
     args = parser.parse_args(argv)
     config = set_config(ROOT / "pyproject.toml", args.name)
     out = ROOT / "results" / "mutation" / args.name
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                KMESH_REVISION=rev.strip() + (" (dirty)" if dirty else ""))
     exe = Path(sys.executable).with_name("mutmut")
     with open(out / "mutmut.log", "w") as log:
-        rc = subprocess.run([str(exe), "run", "--max-children", str(args.jobs)], cwd=tree, env=env, stdout=log,
+        rc = subprocess.run([str(exe), "run", "--max-children", str(args.jobs), *args.mutants], cwd=tree, env=env,
+                            stdout=log,
                             stderr=subprocess.STDOUT).returncode
     report = [sys.executable, "-m", "kmesh.tools.mutation_report", "--out", str(out)]
     report += ["--diffs"] if args.diffs else []
