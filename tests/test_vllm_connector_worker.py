@@ -449,3 +449,20 @@ def test_request_finished_for_an_unknown_request_and_a_plan_never_scheduled(serv
     assert sched.get_num_new_matched_tokens(req, 0) == (BS, False) and "aborted" in sched._plans
     assert _finished(sched, req)["tokens_supplied"] == 0           # finished before it was ever scheduled
     assert "aborted" not in sched._plans and "aborted" not in sched._reports
+
+
+def test_namespaces_keep_engines_apart_and_reports_start_empty(service):
+    """Two engines whose namespaces differ (another model, dtype or block size) never see each other's blocks; a
+    request that gets nothing reports mode none with the service up; a plan vLLM allocates nothing for is dropped."""
+    one, other = _scheduler(_extra(service, "w-ns-one")), _scheduler(_extra(service, "w-ns-other"))
+    a = _worker(_extra(service, "w-ns-one"), seed=23)
+    prompt = [6000 + i for i in range(BS + 1)]
+    _execute(a, _schedule(one, _request("s", prompt), [0, 1])[1])
+    req = _request("o", prompt)
+    assert other.get_num_new_matched_tokens(req, 0) == (0, False)
+    rep = _finished(other, req)
+    assert (rep["mode"], rep["service"], rep["tokens_supplied"], rep["load_errors"]) == ("none", "up", 0, 0)
+    req = _request("dropped", prompt)
+    assert one.get_num_new_matched_tokens(req, 0) == (BS, False) and "dropped" in one._plans
+    one.update_state_after_alloc(req, None, 0)            # vLLM allocated the request without external tokens
+    assert "dropped" not in one._plans
