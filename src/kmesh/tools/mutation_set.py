@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diffs", action="store_true", help="add every survivor's diff to the report")
     parser.add_argument("mutants", nargs="*", help="only these mutants (names or globs, as mutmut prints them): e.g. "
                         "the survivors again after tests were added (mutmut keeps earlier results otherwise)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)   # names may follow the options
     config = set_config(ROOT / "pyproject.toml", args.name)
     out = ROOT / "results" / "mutation" / args.name
     tree = out / "tree"
