@@ -442,6 +442,10 @@ def test_exact_reuse_checks_fail_on_a_connector_that_reports_supplied_without_wr
     case = Case("exact-reuse")
     warm_checks(case, ref, [_out(o["tokens"], [-9, -9, -9], 0) for o in ref], expect, 0.01)
     assert not control_verdict(case, "warm_supplied_full_blocks", "warm_tokens_equal_plain_vllm")[0]
+    # nothing compared is no agreement (found by mutation: `> 0` -> `>= 0` survived)
+    case = Case("exact-reuse")
+    warm_checks(case, [], [], [], 0.01)
+    assert case.checks["warm_tokens_equal_plain_vllm"]["ok"] is False
 
 
 def _interior_fixture():
@@ -492,6 +496,19 @@ def test_interior_checks_match_repairs_by_request_id_and_fail_on_a_lying_connect
     interior_checks(case, workload, lying, repairs_by_request(lying, repairs), refs, 0.01)
     assert case.passed is False and case.checks["span_handed_over"]["ok"]
     assert control_verdict(case, "span_handed_over", "tokens_equal_runner_repair")[0]
+    # found by mutation (`and` -> `or` survived in both): a child repaired twice while the counts match, and a repair
+    # from fewer segments than the child placed with none reported missing; no children at all is no agreement
+    twice = [[repairs[2], dict(repairs[2])], [repairs[0]]]
+    case = Case("interior")
+    interior_checks(case, workload, got, twice, refs, 0.01)
+    assert case.checks["one_repair_per_child_by_request_id"]["ok"] is False
+    short = [[{**repairs[2], "segments": 1}], [repairs[0]]]
+    case = Case("interior")
+    interior_checks(case, workload, got, short, refs, 0.01)
+    assert case.checks["segments_loaded_and_repaired"]["ok"] is False and case.checks["span_handed_over"]["ok"]
+    case = Case("interior")
+    interior_checks(case, type(workload)(children=()), [], [], refs, 0.01)
+    assert case.checks["tokens_equal_runner_repair"]["ok"] is False
 
 
 def test_unknown_arrangements_refused_at_registration():
