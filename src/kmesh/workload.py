@@ -288,15 +288,13 @@ def _exact(tok: Tokenizer, n: int, lead: str, chunks: Iterator[str]) -> list[int
     return ids[:n]
 
 
-def build(tokenizer: Tokenizer, seed: int, spec: WorkloadSpec = WorkloadSpec()) -> Workload:
-    """The leader, its segments and spec.children children, all a function of (tokenizer, seed, spec)."""
-    spec.validate()
-    rng, pre, suf = random.Random(seed), getattr(tokenizer, "prefix_ids", ()), getattr(tokenizer, "suffix_ids", ())
-    gen, nseg = _Text(rng), len(spec.segment_tokens)
-    npre = spec.leader_preamble_tokens
+def _leader(tokenizer: Tokenizer, gen: "_Text", npre: int, sizes: Sequence[int]
+            ) -> tuple[list[int], list[Segment], list[dict[str, tuple[str, str]]]]:
+    """The leader's preamble and its segments back to back after it (each one document with at least one whole
+    fact sentence), with each segment's answerable facts: shared by both workload shapes."""
     preamble = _exact(tokenizer, npre, "Reference notes:\n\n", gen.docs()) if npre else []
-    segments, facts, start = [], [], spec.leader_preamble_tokens
-    for n in spec.segment_tokens:
+    segments, facts, start = [], [], npre
+    for n in sizes:
         name, sents, qa = gen.doc()
         more = (" " + gen.filler(name) for _ in itertools.count())
         ids = _exact(tokenizer, n, "\n\n", itertools.chain([" ".join(sents)], more))
@@ -307,6 +305,15 @@ def build(tokenizer: Tokenizer, seed: int, spec: WorkloadSpec = WorkloadSpec()) 
         segments.append(Segment(name, tuple(ids), text, start))
         facts.append(kept)
         start += n
+    return preamble, segments, facts
+
+
+def build(tokenizer: Tokenizer, seed: int, spec: WorkloadSpec = WorkloadSpec()) -> Workload:
+    """The leader, its segments and spec.children children, all a function of (tokenizer, seed, spec)."""
+    spec.validate()
+    rng, pre, suf = random.Random(seed), getattr(tokenizer, "prefix_ids", ()), getattr(tokenizer, "suffix_ids", ())
+    gen, nseg = _Text(rng), len(spec.segment_tokens)
+    preamble, segments, facts = _leader(tokenizer, gen, spec.leader_preamble_tokens, spec.segment_tokens)
     perms = [p for p in itertools.permutations(range(nseg)) if p != tuple(range(nseg))] or [tuple(range(nseg))]
     rng.shuffle(perms)
     asks, seen = rng.sample(range(nseg), nseg), [set() for _ in range(nseg)]
@@ -392,19 +399,7 @@ def build_rag(tokenizer: Tokenizer, seed: int, spec: RagSpec = RagSpec()) -> Wor
     spec.validate()
     rng, pre, suf = random.Random(seed), getattr(tokenizer, "prefix_ids", ()), getattr(tokenizer, "suffix_ids", ())
     gen, n, size = _Text(rng), spec.chunks, spec.chunk_tokens
-    npre = spec.leader_preamble_tokens
-    preamble = _exact(tokenizer, npre, "Reference notes:\n\n", gen.docs()) if npre else []
-    segments, facts = [], []
-    for i in range(n):
-        name, sents, qa = gen.doc()
-        more = (" " + gen.filler(name) for _ in itertools.count())
-        ids = _exact(tokenizer, size, "\n\n", itertools.chain([" ".join(sents)], more))
-        text = tokenizer.decode(ids)
-        kept = {k: v for k, v in qa.items() if (sents[0] if k in "PR" else sents[1]) in text}
-        if not kept:
-            raise WorkloadError(f"a {size}-token chunk is too short to hold one complete fact sentence")
-        segments.append(Segment(name, tuple(ids), text, npre + i * size))
-        facts.append(kept)
+    preamble, segments, facts = _leader(tokenizer, gen, spec.leader_preamble_tokens, spec.segment_tokens)
     asks = rng.sample(range(n), n)
     used: set[tuple[int, ...]] = {tuple(range(n))}
     children = []
