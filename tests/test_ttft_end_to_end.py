@@ -200,10 +200,10 @@ def test_prefill_from_segments_is_run_childs_path_with_nested_parts(setup):
 
 
 def test_graph_prefill_refuses_another_cache():
-    from kmesh.stages.equivalence.ttft import _graph_prefill
+    from kmesh.stages.equivalence.ttft import graph_prefill
 
     graph = SimpleNamespace(cache=object(), restored=torch.ones(4, dtype=torch.bool), replay=lambda: "replayed")
-    replay = _graph_prefill(graph)
+    replay = graph_prefill(graph)
     assert replay(graph.cache, torch.ones(4, dtype=torch.bool)) == "replayed"
     with pytest.raises(endtoend.EndToEndError):
         replay(object(), torch.ones(4, dtype=torch.bool))

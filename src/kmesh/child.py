@@ -93,10 +93,18 @@ def written_slots(cache: KVCache) -> torch.Tensor:
     return written.cpu()
 
 
+def restored_chunks(child: Child, restored: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of every segment the child placed that is wholly restored: the chunks the epic arm
+    recomputes the heads of (a segment a failure left unrestored is no chunk; its positions are recomputed)."""
+    r = restored.cpu()
+    return [(p.start, p.end) for p in child.placements if bool(r[p.start:p.end].all())]
+
+
 def prefill(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor, arm: str) -> BlendResult:
     """The child's prefill with repair `arm` over its restored positions: the first token's logits."""
     ids = torch.tensor(child.ids, device=ctx.runner.device)
-    return blend(ctx.runner, ids, cache, restored, ctx.repair, arm)
+    chunks = restored_chunks(child, restored) if arm == "epic" else None
+    return blend(ctx.runner, ids, cache, restored, ctx.repair, arm, chunks=chunks)
 
 
 def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,

@@ -35,7 +35,7 @@ can be captured in a CUDA graph (kmesh.model.graphs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import torch
@@ -99,6 +99,13 @@ class RepairConfig:
         r = d.get("recompute_ratio", 0.15)
         return cls(tuple(d.get("check_layers", (1,))), tuple(r) if isinstance(r, list) else float(r),
                    d.get("deviation", "k"), epic_tokens=d.get("epic_tokens", 16))
+
+
+def matched_stock(stock: RepairConfig, masks: torch.Tensor) -> RepairConfig:
+    """The stock rule at another arm's budget for one request (the stock-matched control): at each of stock's
+    check layers, as many positions as that arm's per-layer recompute masks (bool [layers, T]) recomputed there."""
+    counts = tuple(int(masks[layer].sum()) for layer in stock.check_layers)
+    return replace(stock, recompute_counts=counts)
 
 
 @dataclass

@@ -90,6 +90,34 @@ def quality_plot(quality: dict[str, dict[str, Any]], base: Path, formats: Iterab
     return _save(fig, base, formats)
 
 
+def frontier_plot(rag: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
+    """Teacher-forced KL (log) against TTFT ratio vs full, one labelled point per arm, the Pareto front joined;
+    the first-token KL as open markers beside."""
+    points = [p for p in rag.get("frontier") or [] if p["arm"] != "full"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colors = {"repair": "#c0392b", "epic": "#2471a3", "stock": "#7f8c8d", "naive": "#34495e"}
+    for p in points:
+        family = p["arm"].split("-")[0]
+        color = colors.get(family, "#3a7d44")
+        ax.scatter(p["ttft_ratio_vs_full"], p["kl_teacher_forced_mean"], s=30, color=color, zorder=3)
+        ax.scatter(p["ttft_ratio_vs_full"], max(p["kl_first_token_mean"], 1e-12), s=18, facecolors="none",
+                   edgecolors=color, zorder=2)
+        ax.annotate(p["arm"], (p["ttft_ratio_vs_full"], p["kl_teacher_forced_mean"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    front = sorted((p for p in points if p.get("on_front")), key=lambda p: p["ttft_ratio_vs_full"])
+    if front:
+        ax.plot([p["ttft_ratio_vs_full"] for p in front], [p["kl_teacher_forced_mean"] for p in front],
+                color="#3a7d44", lw=1, ls="--", label="Pareto front (teacher-forced KL)", zorder=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("TTFT / full recompute (repair-only, median of pair ratios)")
+    ax.set_ylabel("KL(full ‖ arm) [nats], mean over children")
+    ax.scatter([], [], s=30, color="grey", label="teacher-forced")
+    ax.scatter([], [], s=18, facecolors="none", edgecolors="grey", label="first token")
+    ax.legend(frameon=False, fontsize=7)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, base, formats)
+
+
 def arms_plot(timing: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
     """GB/s per arm (log scale) with every trial's value as a dot and the median as a bar."""
     arms = list(timing["rows"])

@@ -103,6 +103,15 @@ def render_all(cfg: Config) -> list[Path]:
             written += tables.write_table(tables.quality_frame(quality), tdir / f"{stage}_quality", fmts,
                                           tables.quality_caption(stage))
             written += plots.quality_plot(quality, pdir / f"{stage}_quality", pfmts, f"{stage}: repair quality")
+        rag = r["summary"].get("rag") if stage == "equivalence" else None
+        if isinstance(rag, dict) and rag.get("quality"):
+            written += tables.write_table(tables.quality_frame(rag["quality"]), tdir / f"{stage}_rag_quality", fmts,
+                                          "RAG-shaped workload. " + tables.quality_caption(stage))
+        if isinstance(rag, dict) and rag.get("frontier"):
+            written += tables.write_table(tables.frontier_frame(rag), tdir / f"{stage}_rag_frontier", fmts,
+                                          tables.frontier_caption(rag))
+            written += plots.frontier_plot(rag, pdir / f"{stage}_rag_frontier", pfmts,
+                                           f"{stage} ({cfg.profile}): RAG workload, quality vs TTFT per arm")
         ttft = r["summary"].get("ttft") if stage == "equivalence" else None
         if isinstance(ttft, dict) and ttft:
             written += tables.write_table(tables.ttft_frame(ttft), tdir / f"{stage}_ttft", fmts,

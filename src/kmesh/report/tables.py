@@ -133,6 +133,55 @@ def quality_caption(stage: str) -> str:
             "positions and over the restored ones; layer × positions counts the layers before the check as well.")
 
 
+FRONTIER_COLUMNS = {
+    "ttft_ratio_vs_full": "TTFT / full (repair-only, median of pair ratios)",
+    "kl_teacher_forced_mean": "KL teacher-forced, mean",
+    "kl_first_token_mean": "KL first token, mean",
+    "top1_teacher_forced": "top-1 teacher-forced",
+    "exact_match": "answer exact-match",
+    "recomputed_fraction_of_positions_mean": "recomputed / all positions",
+    "recomputed_fraction_of_layer_positions_mean": "recomputed / layer × positions",
+}
+
+
+def frontier_frame(rag: dict[str, Any]) -> pd.DataFrame:
+    """One row per arm of an equivalence summary's `rag`: its frontier point (TTFT ratio, teacher-forced KL), its
+    other quality measures, whether it is on the Pareto front, and the arms that beat it (lower KL at no more TTFT)."""
+    goals = rag.get("goals") or {}
+    beaten = goals.get("arms_with_lower_kl_at_no_more_ttft") or {}
+    dominates = goals.get("repair_dominates") or {}
+    rows = []
+    for point in rag.get("frontier") or []:
+        arm = point["arm"]
+        pairs = point.get("pairs_faster_than_full")
+        rows.append({"arm": arm, **{label: point.get(key) for key, label in FRONTIER_COLUMNS.items()},
+                     "faster than full (pairs)": "" if pairs is None else str(pairs),
+                     "on the front": "yes" if point.get("on_front") else "",
+                     "lower KL at no more TTFT": " ".join(beaten.get(arm, [])),
+                     "dominates": " ".join(d["arm"] for d in dominates.get(arm, []))})
+    return pd.DataFrame(rows)
+
+
+def frontier_caption(rag: dict[str, Any]) -> str:
+    w = rag.get("workload") or {}
+    goals = rag.get("goals") or {}
+    e2e, ideal = goals.get("goal_ttft_3x_end_to_end") or {}, goals.get("goal_within_ideal") or {}
+    text = (f"Stage equivalence, RAG-shaped workload ({w.get('children')} children of {w.get('prompt_tokens')} "
+            f"tokens, {w.get('chunks')} chunks each reused in an order of its own, at least "
+            f"{(w.get('restorable_fraction') or 0):.0%} restorable): one point per repair strategy, quality against "
+            "full recompute on every child, TTFT repair-only in matched rounds with full (the same restore for every "
+            "reuse arm). stock = CacheBlend as LMCache configures it; stock-matched = its rule at repair-"
+            f"{rag.get('matched_arm', '').removeprefix('repair-')}'s recomputed count; epic-k = EPIC's first k "
+            "tokens of every chunk. On the front = no arm is both no slower and no worse.")
+    if e2e:
+        text += (f" Goal ≥ {e2e['goal']:g}× end to end for {e2e['arm']}: {e2e['measured_speedup']:.2f}× "
+                 f"({'met' if e2e['met'] else 'missed'}; repair-only {e2e['repair_only_speedup']:.2f}×).")
+    if ideal:
+        text += (f" Within {ideal['goal']:g}× of the ideal ({ideal['ideal_ms']:.4g} ms): {ideal['ratio']:.2f}× "
+                 f"({'met' if ideal['met'] else 'missed'}).")
+    return text
+
+
 TTFT_PARTS = ("stage", "load", "private-copy", "restore", "repair")
 
 

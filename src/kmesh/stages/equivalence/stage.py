@@ -27,6 +27,8 @@ Cases:
   ttft-<T>                     time to first token, matched pairs (kmesh.bench): repair only vs full recompute,
                                end to end (request to first token through a real service: kmesh.stages.
                                equivalence.endtoend) vs full recompute, and full vs transformers' own forward
+  rag-workload, rag-quality,   the RAG-shaped workload and the repair strategies' quality/speed frontier: full,
+  rag-ttft                     naive, stock, stock-matched, repair x ratios, epic x k (kmesh.stages.equivalence.rag)
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 
 from kmesh.child import full_reference, run_child
 from kmesh.config import Config
-from kmesh.model.blend import RepairConfig
+from kmesh.model.blend import RepairConfig, matched_stock
 from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
                                  teacher_forced_logits)
 from kmesh.model.runner import transformers_sdpa_policy
@@ -47,6 +49,7 @@ from kmesh.result import Result
 from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service_side import ServiceSide
 from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.rag import rag_cases
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
 from kmesh.workload import answer_matches
@@ -136,13 +139,6 @@ STOCK_MATCHED = ("stock's selection rule (equivalence.stock: check layers, top-k
                  "recomputed count: every position it recomputes after the check layer, restored or not")
 
 
-def _matched(stock: RepairConfig, repair_out: Any) -> RepairConfig:
-    """The stock rule at the repair arm's budget for one child: at each stock check layer, as many positions as
-    the repair outcome recomputed there (its final count when the check layers are the same)."""
-    counts = tuple(int(repair_out.masks[layer].sum()) for layer in stock.check_layers)
-    return dataclasses.replace(stock, recompute_counts=counts)
-
-
 def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str, Any], dict[str, Any]]:
     """(per-arm summaries, the repair-vs-stock-matched claim as measured)."""
     stop = tuple(setup.ctx.stop_ids)
@@ -169,7 +165,7 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         for child in setup.workload.children:
             ref = refs[RefKey(FULL, child.name)]
             repaired = refs[RefKey(REPAIR, child.name)]
-            matched_ctx = dataclasses.replace(setup.ctx, repair=_matched(stock, repaired))
+            matched_ctx = dataclasses.replace(setup.ctx, repair=matched_stock(stock, repaired.masks))
             # the full arm is recomputed, not the reference itself: its row measures the full recompute again
             rerun = full_reference(setup.ctx, child)
             rerun_identical[child.name] = identical(compare_states(ref, rerun))
@@ -251,5 +247,6 @@ def run(cfg: Config) -> Result:
     res.extra["quality"], res.extra["repair_vs_stock_matched"] = _quality_case(res, setup, refs)
     res.extra["end_of_turn_ids"] = list(setup.ctx.stop_ids)
     res.extra["ttft"] = ttft_cases(res, setup)
+    res.extra["rag"] = rag_cases(res, setup)
     gc.collect()
     return res

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 TTFT_GOAL = 3.0   # the speedup over full recompute the performance issues aim at, read against end-to-end
 
 
-def _graph_prefill(graph: "GraphedBlend") -> Callable[[KVCache, torch.Tensor], BlendResult]:
+def graph_prefill(graph: "GraphedBlend") -> Callable[[KVCache, torch.Tensor], BlendResult]:
     """The repair step of a graphed arm: replays `graph` — only over the cache and restored mask it captured."""
     def replay(cache: KVCache, restored: torch.Tensor) -> BlendResult:
         if cache is not graph.cache or not torch.equal(restored.cpu(), graph.restored.cpu()):
@@ -47,7 +47,7 @@ def _graph_prefill(graph: "GraphedBlend") -> Callable[[KVCache, torch.Tensor], B
     return replay
 
 
-def _speedup(timing: dict[str, Any]) -> dict[str, Any]:
+def speedup_row(timing: dict[str, Any]) -> dict[str, Any]:
     stats = timing["summary"]["ttft"]
     return {"arm_a": timing["arms"]["A"], "arm_b": timing["arms"]["B"], "median_a_ms": stats["median_a"] * 1e3,
             "median_b_ms": stats["median_b"] * 1e3, "median_ratio_b_over_a": stats["median_ratio"],
@@ -91,7 +91,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                                           "repair": graphed_repair.verify_against_eager()}
                     runs[("full", child.name)] = lambda g=graphed_full: g.replay().logits
                     runs[("repair", child.name)] = lambda g=graphed_repair: g.replay().logits
-                    prefill_fn = _graph_prefill(graphed_repair)
+                    prefill_fn = graph_prefill(graphed_repair)
                 else:
                     runs[("full", child.name)] = (lambda ids=ids, fc=full_cache, none=none:
                                                   blend(runner, ids, fc, none, repair, "full").logits)
@@ -140,7 +140,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                     runs[("restore", child.name)]()
                 restore_s.append(intervals.seconds()["restore"])
             res.timings[f"ttft_{prompt_tokens}_full_vs_repair"] = repair_timing.to_dict()
-            repair_vs_full = _speedup(repair_timing.to_dict())
+            repair_vs_full = speedup_row(repair_timing.to_dict())
             row = {"repair_vs_full": repair_vs_full, "restore_ms_median": statistics.median(restore_s) * 1e3}
             if use_graphs:
                 case.check("graphs_equal_eager",
@@ -149,7 +149,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
             case.record("repair_vs_full", repair_vs_full)
             if tf_timing is not None:
                 res.timings[f"ttft_{prompt_tokens}_transformers_vs_full"] = tf_timing.to_dict()
-                full_vs_tf = _speedup(tf_timing.to_dict())
+                full_vs_tf = speedup_row(tf_timing.to_dict())
                 row["full_vs_transformers"] = full_vs_tf
                 case.check("pairs_recorded_transformers", full_vs_tf["pairs"] == pairs, value=full_vs_tf["pairs"])
                 case.record("full_vs_transformers", full_vs_tf)
@@ -157,7 +157,7 @@ def ttft_cases(res: Result, setup: ModelSetup) -> dict[str, Any]:
                             {"measured_ratio_full_over_transformers": full_vs_tf["median_ratio_b_over_a"],
                              "met": full_vs_tf["median_ratio_b_over_a"] <= 1.0})
             res.timings[f"ttft_{prompt_tokens}_full_vs_end_to_end"] = end_to_end_timing.to_dict()
-            end_to_end_vs_full = _speedup(end_to_end_timing.to_dict())
+            end_to_end_vs_full = speedup_row(end_to_end_timing.to_dict())
             row["end_to_end_vs_full"] = end_to_end_vs_full
             row["end_to_end_parts_ms_median"] = end_to_end_parts["parts_ms_median"]
             row["end_to_end_loading_fraction_median"] = end_to_end_parts["loading_fraction_median"]

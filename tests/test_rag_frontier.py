@@ -1,0 +1,150 @@
+"""The RAG-shaped frontier (kmesh.stages.equivalence.rag, issue 22) on a tiny CPU model: every arm of every
+child measured against full recompute, each arm's recomputed positions checked against its rule as the workload's
+placements give it (a child path that hands the epic arm fewer chunks fails that check), stock-matched at the
+matched repair arm's count, timed rounds with an end-to-end arm through a real service, the frontier and its goals,
+the report's table and plot. kmesh.frontier's dominance rules on their own. ~15 s."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kmesh.child import ChildContext
+from kmesh.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
+from kmesh.model.blend import RepairConfig
+from kmesh.model.runner import LayerRunner
+from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.result import Result
+from kmesh.stages.equivalence import rag
+from kmesh.transfer.engine import TransferEngine
+from kmesh.workload import ByteTokenizer, RagSpec, build_rag
+from tiny_llama import tiny_llama
+
+RAG = {"workload": {"chunks": 4, "chunk_tokens": 96, "prompt_tokens": 512, "children": 3, "block_size": 16,
+                    "leader_preamble_tokens": 16, "min_restorable": 0.7},
+       "max_new_tokens": 4, "repair_ratios": [0.05, 0.3], "matched_ratio": 0.3, "epic_tokens": [4, 16],
+       "ttft": {"children": 1, "pairs": 2, "warmup": 0}}
+ARMS = ["full", "naive", "stock", "repair-0.05", "repair-0.30", "stock-matched", "epic-4", "epic-16"]
+
+
+class _Cfg:
+    seed = 0
+
+    @staticmethod
+    def section(name: str) -> dict:
+        assert name == "timing"
+        return {"pairs": 2, "warmup": 0}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_llama()
+    runner = LayerRunner(model)
+    tok = ByteTokenizer(vocab_size=300)
+    # the stage's own setup prefills the equivalence workload; the rag cases only need the runner and context
+    placeholder = build_rag(tok, 1, RagSpec(**RAG["workload"]))
+    export = leader_prefill(runner, placeholder, b"kmesh-rag-test/placeholder")
+    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(check_layers=(1,)), 4)
+    sec = {"rag": RAG, "repair": {"check_layers": [1], "recompute_ratio": 0.15},
+           "stock": {"check_layers": [1], "recompute_ratio": 0.15}, "ttft": {"graphs": False},
+           "heartbeat_timeout_s": 30.0, "chunk_bytes": 65536}
+    yield ModelSetup(cfg=_Cfg(), sec=sec, device=torch.device("cpu"), model=model, what="tiny-llama", tok=tok,
+                     runner=runner, workload=placeholder, export=export, ctx=ctx)
+    ctx.engine.close()
+
+
+def _failed(res: Result) -> dict:
+    return {c.id: (c.error, {k: v for k, v in c.checks.items() if v["ok"] is False}) for c in res.cases
+            if c.passed is not True}
+
+
+@pytest.fixture(scope="module")
+def ran(setup):
+    res = Result("equivalence", "test", provenance={})
+    return res, rag.rag_cases(res, setup)
+
+
+def test_every_arm_measured_checked_and_timed(ran):
+    res, out = ran
+    assert not _failed(res)
+    assert [c.id for c in res.cases] == ["rag-workload", "rag-quality", "rag-ttft"]
+    assert out["arms"] == ARMS and list(out["quality"]) == ARMS and out["matched_arm"] == "repair-0.30"
+    assert all(out["quality"][a]["children"] == 3 for a in ARMS)
+    quality = next(c for c in res.cases if c.id == "rag-quality")
+    for check in ("arms_used_segments", "every_arm_recomputed_what_its_rule_says",
+                  "stock_matched_budget_equals_matched_repair", "teacher_forcing_reproduces_full_tokens"):
+        assert quality.checks[check]["ok"] is True, check
+    q = out["quality"]
+    assert q["full"]["kl_teacher_forced_mean"] == 0 and q["full"]["recomputed_fraction_of_positions_mean"] == 1
+    assert q["stock-matched"]["recomputed_positions"] == q["repair-0.30"]["recomputed_positions"]
+    # repair at a larger ratio recomputes more; epic with k = chunk length recomputes every position
+    assert all(a < b for a, b in zip(q["repair-0.05"]["recomputed_positions"], q["repair-0.30"]["recomputed_positions"]))
+    assert q["epic-16"]["recomputed_positions"] < q["full"]["recomputed_positions"]
+    # every reuse arm and the end-to-end arm paired with full in the same rounds, stored as timings
+    for name in ARMS[1:] + ["end-to-end"]:
+        assert out["ttft"][name]["pairs"] == 2 and f"rag_ttft_full_vs_{name}" in res.timings
+    assert out["ttft"]["end-to-end"]["arm"] == "repair-0.30"
+
+
+def test_frontier_points_front_and_goals(ran):
+    _, out = ran
+    rows = {r["arm"]: r for r in out["frontier"]}
+    assert list(rows) == ARMS and rows["full"]["ttft_ratio_vs_full"] == 1.0
+    for arm in ARMS[1:]:
+        assert rows[arm]["ttft_ratio_vs_full"] == out["ttft"][arm]["median_ratio_b_over_a"]
+        assert rows[arm]["kl_teacher_forced_mean"] == out["quality"][arm]["kl_teacher_forced_mean"]
+    points = [Point(a, r["ttft_ratio_vs_full"], r["kl_teacher_forced_mean"]) for a, r in rows.items()]
+    assert out["goals"]["front"] == pareto_front(points) and "full" in out["goals"]["front"]
+    assert {r["arm"] for r in out["frontier"] if r["on_front"]} == set(out["goals"]["front"])
+    beaten = out["goals"]["arms_with_lower_kl_at_no_more_ttft"]
+    assert set(beaten) == {"repair-0.05", "repair-0.30"}
+    assert out["goals"]["goal_no_arm_better_than_repair"]["met"] == (not any(beaten.values()))
+    ideal = out["goals"]["goal_within_ideal"]
+    assert ideal["ideal_ms"] > 0 and math.isclose(ideal["ratio"], ideal["end_to_end_ms"] / ideal["ideal_ms"])
+
+
+def test_epic_handed_fewer_chunks_fails_the_rule_check(setup, monkeypatch):
+    """The arms' recomputed counts are checked against the workload's placements, not the arm's own inputs."""
+    import kmesh.child
+
+    real = kmesh.child.restored_chunks
+    monkeypatch.setattr(kmesh.child, "restored_chunks", lambda child, restored: real(child, restored)[1:])
+    res = Result("equivalence", "test", provenance={})
+    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
+    monkeypatch.setitem(setup.sec, "rag", small)
+    rag.rag_cases(res, setup)
+    check = next(c for c in res.cases if c.id == "rag-quality").checks["every_arm_recomputed_what_its_rule_says"]
+    assert check["ok"] is False and set(check["value"]["A"]) == {"epic-4", "epic-16"}
+
+
+def test_matched_ratio_must_be_a_repair_ratio(setup, monkeypatch):
+    monkeypatch.setitem(setup.sec, "rag", dict(RAG, matched_ratio=0.15))
+    res = Result("equivalence", "test", provenance={})
+    out = rag.rag_cases(res, setup)
+    assert [c.id for c in res.cases] == ["rag-workload"] and "quality" not in out
+    assert "ConfigError" in res.cases[0].error and "equivalence.rag.matched_ratio" in res.cases[0].error
+
+
+def test_report_table_and_plot(ran, tmp_path):
+    from kmesh.report import plots, tables
+
+    _, out = ran
+    df = tables.frontier_frame(out)
+    assert list(df["arm"]) == ARMS and "on the front" in df.columns
+    caption = tables.frontier_caption(out)
+    assert "3 children of 512 tokens" in caption and ("met" in caption or "missed" in caption)
+    written = plots.frontier_plot(out, tmp_path / "frontier", ["png", "svg"], "t")
+    assert all(p.stat().st_size > 0 for p in written) and len(written) == 2
+
+
+def test_dominance_rules():
+    a, b, c, d = Point("a", 0.5, 0.2), Point("b", 0.6, 0.3), Point("c", 0.4, 0.5), Point("d", 0.5, 0.2)
+    assert dominates(a, b) and not dominates(b, a) and not dominates(a, c) and not dominates(c, a)
+    assert not dominates(a, d) and not dominates(d, a)          # a tie dominates neither way
+    assert pareto_front([a, b, c, d]) == ["c", "a", "d"]
+    assert dominated_by([a, b, c], "a") == [{"arm": "b", "cost_ratio": pytest.approx(1.2),
+                                              "loss_ratio": pytest.approx(1.5)}]
+    assert better_at_no_more_cost([a, b, c], "b") == ["a"] and better_at_no_more_cost([a, b, c], "c") == []
+    zero = Point("full", 1.0, 0.0)
+    assert dominated_by([zero, Point("x", 1.2, 0.1)], "full")[0]["loss_ratio"] is None
