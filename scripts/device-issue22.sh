@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call for issue 22: the cuda equivalence stage, now with the RAG-shaped frontier (cases rag-*: full,
+# naive, stock, stock-matched, repair x3, epic x3 on 4096-token RAG prompts, every arm's prefill one CUDA graph
+# verified equal to eager, the end-to-end arm through a real service) beside the ttft-4096 / ttft-16384 cases.
+# Builds the kernels and the model first; the stage under its own time limit.
+#   run: bash scripts/device-issue22.sh      (carry .whl: scripts/fetch-device-wheels.sh fills it)
+source scripts/device-env.sh
+set -o pipefail
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+  python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
+} > "$out/gpu.txt" 2>&1
+python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" > "$out/stages.log" 2>&1
+timeout 200 python3 -m kmesh run model --profile cuda --out /tmp/model.json >> "$out/stages.log" 2>&1
+(time timeout "${EQ_TIMEOUT:-420}" python3 -m kmesh run equivalence --profile cuda --out "$out/equivalence.json" \
+  ${EQ_SET:+--set "$EQ_SET"}) >> "$out/stages.log" 2>&1
+grep -E "^\[kmesh\] [a-z_]+ \(cuda\)|^real|Error" "$out/stages.log" | tail -n 20
