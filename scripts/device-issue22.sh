@@ -12,7 +12,10 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
   python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
 } > "$out/gpu.txt" 2>&1
 python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" > "$out/stages.log" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider --no-header -m gpu -o addopts="" tests/test_model_runner.py \
+  tests/test_group_math.py > "$out/pytest_gpu.txt" 2>&1
+echo "pytest rc=$?" >> "$out/pytest_gpu.txt"
 timeout 200 python3 -m kmesh run model --profile cuda --out /tmp/model.json >> "$out/stages.log" 2>&1
 (time timeout "${EQ_TIMEOUT:-420}" python3 -m kmesh run equivalence --profile cuda --out "$out/equivalence.json" \
   ${EQ_SET:+--set "$EQ_SET"}) >> "$out/stages.log" 2>&1
-grep -E "^\[kmesh\] [a-z_]+ \(cuda\)|^real|Error" "$out/stages.log" | tail -n 20
+tail -n 3 "$out/pytest_gpu.txt"; grep -E "^\[kmesh\] [a-z_]+ \(cuda\)|^real|Error" "$out/stages.log" | tail -n 20

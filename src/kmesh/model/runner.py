@@ -254,6 +254,10 @@ class LayerRunner:
                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
                                                  enable_gqa=self.groups > 1)
             return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+        if mask == "bottom_right":
+            # query i sees keys 0..m-n+i: the position rule with the queries at positions m-n..m-1, so the stock
+            # arm runs the same kernels as the others (an explicit mask on the CPU, Triton on CUDA)
+            q_pos, key_pos, mask = torch.arange(m - n, m, device=q.device), None, "position"
         if mask == "position" and key_pos is None and self.attention == "triton":
             from kmesh.model.attention_triton import position_causal_attention
 
@@ -262,9 +266,6 @@ class LayerRunner:
         if mask == "position":
             kp = torch.arange(m, device=q.device) if key_pos is None else key_pos
             allowed = kp[None, :] <= q_pos.to(q.device)[:, None]
-        elif mask == "bottom_right":
-            allowed = (torch.arange(m, device=q.device)[None, :]
-                       <= torch.arange(n, device=q.device)[:, None] + (m - n))
         else:
             raise ModelError(f"mask must be 'position' or 'bottom_right', got {mask!r}")
         kk = k.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None]
