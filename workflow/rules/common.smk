@@ -34,7 +34,7 @@ STAGE_CODE = {
                   "vllm/*.py"],
     "drain": ["transfer/*.py", "shm.py"],
     "ownership": [*SERVICE_CODE, "transfer/*.py", "shm.py", "layout.py"],
-    "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
+    "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py", "frontier.py"],
     "integrity": ["integrity/*.py", "cuda/*.py"],
     "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
     "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
