@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,11 +71,9 @@ def test_the_stages_left_no_temporary_files():
     # torch.compile's own cache (kmesh.diagnostics.attention_variants compiles flex_attention): torch keeps it in
     # $TMPDIR/torchinductor_<user> on purpose, for the next process to reuse; it is not a file KMesh left behind
     cache = root / f"torchinductor_{getpass.getuser()}"
-    # KNOWN LEAK, not KMesh's own: the pinned vLLM's engines leave a `vllm_dist_<hex>` file each in TMPDIR (3 per
-    # make test, found by this check at fae91b9); named here so every other file still fails the check
-    vllm_dist = re.compile(r"vllm_dist_[0-9a-f]{32}")
-    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p != cache and cache not in p.parents
-                  and not (p.parent == root and vllm_dist.fullmatch(p.name)))
+    # (the pinned vLLM's engines leave a `vllm_dist_<hex>` file each in TMPDIR, found by this check at fae91b9:
+    # kmesh.vllm.engine.EngineProcess gives each engine a TMPDIR of its own and removes it when the engine ends)
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p != cache and cache not in p.parents)
     assert not left, f"the stages left temporary files behind in {root}: {left[:20]}"
 
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +88,15 @@ class EngineProcess:
                      "workarounds": list(workarounds)}
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        # A temporary directory of its own: vLLM leaves a vllm_dist_<hex> file in TMPDIR per engine and never
+        # removes it; the directory goes when the engine has ended (close, kill, or this object's collection).
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="kmesh-engine-"))
+        self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self.tmpdir, ignore_errors=True)
         logf = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.engine"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=logf,
-                                     env={**engine_env(threads_bind), **(env or {})}, text=True)
+                                     env={**engine_env(threads_bind), **(env or {}), "TMPDIR": str(self.tmpdir)},
+                                     text=True)
         if log_path:
             logf.close()
         # One reader thread per engine: a reply is awaited with a bound (queue.get), never by a bare readline that a
@@ -182,13 +190,16 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._remove_tmpdir()
         return self.proc.returncode
 
     def kill(self) -> int:
         """SIGKILL, as a crash would end it (no exit op, no connector shutdown)."""
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.wait()
+        code = self.proc.wait()
+        self._remove_tmpdir()
+        return code
 
     def __enter__(self) -> "EngineProcess":
         return self
