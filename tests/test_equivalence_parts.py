@@ -37,7 +37,7 @@ from kmesh.result import Result
 from kmesh.sources.digest import sha256_tensor
 from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
                             SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
-                            copy_private, export_segments, stage_segments)
+                            copy_private, export_segments, stage_entry, stage_segments)
 from kmesh.stages.equivalence import controls
 from kmesh.stages.equivalence import stage as eq_stage
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey
@@ -755,6 +755,42 @@ def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
     assert n == SEG_BYTES - BLOCK_BYTES
     assert (mid["state"], mid["chunks_done"], mid["chunks_total"]) == ("running", 1, 2), mid
     assert seen == [SEG_BYTES - BLOCK_BYTES]
+
+
+def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_the_wait(env):
+    """Without after_accept (no gate: a deployed service, the TTFT's end-to-end arm) a load is `load` then `wait`
+    (no poll), the staged bytes are the export's, and a short object is still refused: on the wait's reply."""
+    from kmesh.service_side import ServiceSide
+
+    cat = env.export.catalog
+    e0 = cat.entries[0]
+    with _service(CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
+        svc.save_leader()
+        key = e0.key + b"-short"
+        svc.save_variant(e0, key, nbytes=e0.nbytes - BLOCK_BYTES)
+        svc.unpace()
+        ops: list[str] = []
+        call = svc.client.call
+
+        def counting(op, *args, **kw):
+            ops.append(op)
+            return call(op, *args, **kw)
+
+        svc.client.call = counting
+        try:
+            with svc.staging("unpaced") as st:
+                ops.clear()                                    # the staging's registration is not a load
+                src = ServiceSegments(svc.client, st.reg)
+                for e in cat.entries:
+                    stage_entry(src, st.tensor, e)
+                assert torch.equal(st.tensor[:cat.nbytes], env.export.raw)
+                loads_ops = list(ops)
+                with pytest.raises(SegmentTruncatedError, match=f"has {SEG_BYTES - BLOCK_BYTES} bytes.*done, not used"):
+                    src.load(dataclasses.replace(e0, key=key), st.tensor)
+        finally:
+            svc.client.call = call
+        assert svc.no_leaks(), svc.leaks()
+    assert loads_ops == ["load", "wait"] * len(cat.entries)
 
 
 # --- issue 21 item 6: the quality case's full arm is recomputed, not the reference scored against itself -------

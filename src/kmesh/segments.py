@@ -274,7 +274,8 @@ class ServiceSegments:
     copy part-way (kmesh.service.jobs), so the refused copy is cancelled and still let run out and drained into
     staging, whose bytes the caller then never uses (it recomputes); a client cannot ask the service for an
     object's size before it loads it. An object too large for the registration is refused by the service
-    (RangeError) before any copy: SegmentOversizeError.
+    (RangeError) before any copy: SegmentOversizeError. Without `after_accept` (no gate: a deployed service) a
+    load is two calls, load and wait (as the vLLM connector's), and the size is checked on the wait's reply.
     """
 
     name = "service"
@@ -300,14 +301,20 @@ class ServiceSegments:
             raise SegmentSourceLostError(f"cache service lost: {e}") from e
         self.requests.append(req)
         try:
-            accepted = int(self.svc.poll(req)["nbytes"])
-            if accepted != entry.nbytes:
-                self.svc.cancel(req)        # nobody wants it; it runs on (see the class doc) and is drained below
-            if self.after_accept is not None:
+            if self.after_accept is None:
+                # unpaced (a deployed service): the wait's reply carries the accepted size too. Polling for it
+                # first would cost one more round trip per segment and change nothing: a copy of the wrong size
+                # runs out either way (see the class doc) and is refused below, its bytes never used.
+                r = self.svc.wait(req, timeout=self.timeout_s)
+                accepted = int(r["nbytes"])
+            else:
+                accepted = int(self.svc.poll(req)["nbytes"])
+                if accepted != entry.nbytes:
+                    self.svc.cancel(req)    # nobody wants it; it runs on (see the class doc) and is drained below
                 # the size the service accepted (the object's), not the catalog's: a paced service needs its
                 # exact chunk count, or a short object would leave spare tokens in the gate
                 self.after_accept(req, accepted)
-            r = self.svc.wait(req, timeout=self.timeout_s)
+                r = self.svc.wait(req, timeout=self.timeout_s)
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost during load of {entry.key!r}: {e}") from e
         if accepted != entry.nbytes:

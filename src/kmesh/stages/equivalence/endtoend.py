@@ -118,7 +118,8 @@ def end_to_end_arm(case: Case, setup: ModelSetup, export: Export, children: tupl
         with svc.staging(f"ttft-{prompt_tokens}") as staging:
 
             def child_path(child: Child, events: list[str], part: Any = None) -> tuple[torch.Tensor, BlendResult]:
-                source = ServiceSegments(svc.client, staging.reg, svc.after_accept)
+                # the gate is open (unpace): no after_accept, so the source makes a deployed client's calls
+                source = ServiceSegments(svc.client, staging.reg, svc.after_accept if svc.paced else None)
                 extra = {"part": part} if part is not None else {}
                 return prefill_from_segments(ctx, child, source, staging.tensor, private, caches[child.name], arm,
                                              f"ttft-e2e-{child.name}", events,
