@@ -793,6 +793,60 @@ def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_
     assert loads_ops == ["load", "wait"] * len(cat.entries)
 
 
+def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial_path_fails(env):
+    """Unpaced, kmesh.child's path requests every segment's load first and waits in order: the same state as the
+    paced path; a refused load (missing object) or a bad one (corrupt) at segment 1 fails the child at segment 1
+    with segment 0 restored, as without prefetch, and the loads requested ahead are drained (nothing leaked)."""
+    from kmesh.service_side import ServiceSide
+
+    ex, cat = env.export, env.export.catalog
+    child = env.workload.children[0]
+    private = torch.empty(cat.nbytes, dtype=torch.uint8)
+    e1 = cat.entries[1]
+    with _service(CHUNK) as h, ServiceSide(h, ex, torch.device("cpu")) as svc:
+        svc.save_leader()
+        svc.save_variant(e1, e1.key + b"-corrupt", flip_byte=7)
+        svc.unpace()
+        ops: list[str] = []
+        call = svc.client.call
+
+        def counting(op, *args, **kw):
+            ops.append(op)
+            return call(op, *args, **kw)
+
+        svc.client.call = counting
+        try:
+            with svc.staging("prefetch") as st:
+                ops.clear()
+                out = run_child(env.ctx, child, ServiceSegments(svc.client, st.reg), st.tensor, private)
+                good_ops = list(ops)
+                assert torch.equal(st.tensor[:cat.nbytes], ex.raw)
+            assert out.fallback is None
+            assert identical(compare_states(out, env.refs[RefKey(REPAIR, child.name)]))
+            for suffix, error in ((b"-missing", "SegmentMissingError"), (b"-corrupt", "SegmentCorruptError")):
+                entries = tuple(dataclasses.replace(e, key=e.key + suffix) if e.index == 1 else e
+                                for e in cat.entries)
+                ctx = dataclasses.replace(env.ctx, catalog=dataclasses.replace(cat, entries=entries))
+                with svc.staging(f"prefetch{suffix.decode()}") as st:
+                    ops.clear()
+                    out = run_child(ctx, child, ServiceSegments(svc.client, st.reg), st.tensor, private)
+                    bad_ops = list(ops)
+                assert out.fallback.startswith(error), out.fallback
+                assert out.events[:4] == ["staged:0", "private-copy-drained:0", "restored:0", f"failed:{error}"]
+                assert out.tokens == env.refs[RefKey(FULL, child.name)].tokens
+                assert svc.no_leaks(), svc.leaks()
+                if suffix == b"-missing":   # refused at segment 1: nothing requested after it
+                    assert bad_ops == ["load", "load", "wait"], bad_ops
+                else:                       # segment 1 arrived corrupt: the loads after it cancelled and drained
+                    n = len(cat.entries)
+                    assert bad_ops == ["load"] * n + ["wait", "wait"] + ["cancel", "wait"] * (n - 2), bad_ops
+        finally:
+            svc.client.call = call
+        assert svc.no_leaks(), svc.leaks()
+    n = len(cat.entries)
+    assert good_ops == ["load"] * n + ["wait"] * n, good_ops
+
+
 # --- issue 21 item 6: the quality case's full arm is recomputed, not the reference scored against itself -------
 
 def _quality_setup(env):

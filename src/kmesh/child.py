@@ -149,19 +149,31 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
     timed_source = _TimedLoads(source, part)
     with part("stage"):
         prepare_staging(staging, ctx.catalog)
-    for entry in ctx.catalog.entries:
-        # each segment its whole way before the next loads: a failure at segment k leaves 0..k-1 restored
-        with part("stage"):
-            stage_entry(timed_source, staging, entry)
-        events.append(f"staged:{entry.index}")
-        span = slice(entry.offset, entry.offset + entry.nbytes)
-        with part("private-copy"):
-            copy_private(ctx.engine, staging[span], private[span], owner)
-        events.append(f"private-copy-drained:{entry.index}")
-        with part("restore"):
-            restored |= restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend,
-                                      segments=(entry.index,))
-        events.append(f"restored:{entry.index}")
+    prefetch = getattr(source, "prefetch", None)
+    if prefetch is not None:
+        # a source that can request every segment's load up front (the service without a gate) does, so the
+        # copies overlap; each segment is still waited for, checked, copied and restored in order below
+        with part("stage"), part("load"):
+            prefetch(ctx.catalog.entries)
+    try:
+        for entry in ctx.catalog.entries:
+            # each segment its whole way before the next is used: a failure at segment k leaves 0..k-1 restored
+            with part("stage"):
+                stage_entry(timed_source, staging, entry)
+            events.append(f"staged:{entry.index}")
+            span = slice(entry.offset, entry.offset + entry.nbytes)
+            with part("private-copy"):
+                copy_private(ctx.engine, staging[span], private[span], owner)
+            events.append(f"private-copy-drained:{entry.index}")
+            with part("restore"):
+                restored |= restore_child(cache, ctx.catalog, private, child, ctx.runner, ctx.restore_backend,
+                                          segments=(entry.index,))
+            events.append(f"restored:{entry.index}")
+    except BaseException:
+        abandon = getattr(source, "abandon", None)
+        if abandon is not None:
+            abandon()     # the loads requested ahead end before the caller reuses staging
+        raise
     with part("repair"):
         res = prefill_fn(cache, restored) if prefill_fn is not None else prefill(ctx, child, cache, restored, arm)
     return restored, res

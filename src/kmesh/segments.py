@@ -275,7 +275,8 @@ class ServiceSegments:
     staging, whose bytes the caller then never uses (it recomputes); a client cannot ask the service for an
     object's size before it loads it. An object too large for the registration is refused by the service
     (RangeError) before any copy: SegmentOversizeError. Without `after_accept` (no gate: a deployed service) a
-    load is two calls, load and wait (as the vLLM connector's), and the size is checked on the wait's reply.
+    load is two calls, load and wait (as the vLLM connector's), and the size is checked on the wait's reply;
+    prefetch() then requests every segment's load before the first wait (kmesh.child.prefill_from_segments).
     """
 
     name = "service"
@@ -284,8 +285,11 @@ class ServiceSegments:
                  timeout_s: float = 60.0) -> None:
         self.svc, self.reg, self.after_accept, self.timeout_s = svc, reg, after_accept, timeout_s
         self.requests: list[int] = []
+        # prefetch's requests (or the refusal of the first it could not make), by (key, offset), not yet waited on
+        self._ahead: dict[tuple[bytes, int], int | SegmentLoadError] = {}
 
-    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
+    def _request(self, entry: CatalogEntry) -> int:
+        """The load call, its refusals as segment errors; the request id."""
         from kmesh.service import errors as se
 
         try:
@@ -300,6 +304,44 @@ class ServiceSegments:
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost: {e}") from e
         self.requests.append(req)
+        return req
+
+    def prefetch(self, entries: Collection[CatalogEntry]) -> None:
+        """Without a gate: request every entry's load now, in order, so the service's copies overlap; load(entry)
+        then waits for its own. The first load the service refuses is kept and raised at that entry's turn (so a
+        caller going entry by entry fails at the same entry as without prefetch), and none after it is requested.
+        A caller that stops before the end must abandon() the rest. With a gate (after_accept) nothing is
+        requested ahead: a paced copy moves only the chunks granted to it, one request at a time."""
+        if self.after_accept is not None:
+            return
+        for entry in entries:
+            try:
+                self._ahead[(entry.key, entry.offset)] = self._request(entry)
+            except SegmentLoadError as e:
+                self._ahead[(entry.key, entry.offset)] = e
+                return
+
+    def abandon(self) -> None:
+        """Cancel every prefetched load not waited on and wait for its copy to end: those copies write into the
+        staging buffer, which the caller reuses once it returns. A service that is gone copies nothing more."""
+        from kmesh.service import errors as se
+
+        ahead = [r for r in self._ahead.values() if isinstance(r, int)]
+        self._ahead.clear()
+        for req in ahead:
+            try:
+                self.svc.cancel(req)
+                self.svc.wait(req, timeout=self.timeout_s)
+            except (se.ConnectionLostError, OSError):
+                return
+
+    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
+        from kmesh.service import errors as se
+
+        ahead = self._ahead.pop((entry.key, entry.offset), None)
+        if isinstance(ahead, SegmentLoadError):
+            raise ahead
+        req = ahead if ahead is not None else self._request(entry)
         try:
             if self.after_accept is None:
                 # unpaced (a deployed service): the wait's reply carries the accepted size too. Polling for it
