@@ -150,12 +150,12 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
     with part("stage"):
         prepare_staging(staging, ctx.catalog)
     prefetch = getattr(source, "prefetch", None)
-    if prefetch is not None:
-        # a source that can request every segment's load up front (the service without a gate) does, so the
-        # copies overlap; each segment is still waited for, checked, copied and restored in order below
-        with part("stage"), part("load"):
-            prefetch(ctx.catalog.entries)
     try:
+        if prefetch is not None:
+            # a source that can request every segment's load up front (the service without a gate) does, so the
+            # copies overlap; each segment is still waited for, checked, copied and restored in order below
+            with part("stage"), part("load"):
+                prefetch(ctx.catalog.entries)
         for entry in ctx.catalog.entries:
             # each segment its whole way before the next is used: a failure at segment k leaves 0..k-1 restored
             with part("stage"):
