@@ -17,6 +17,7 @@ Whole file ~10 s on CPU (fixture build ~2 s, each real service ~1-2 s).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -757,6 +758,23 @@ def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
     assert seen == [SEG_BYTES - BLOCK_BYTES]
 
 
+@contextlib.contextmanager
+def _counting_calls(client):
+    """The ops of every call the client makes meanwhile, in order (the list is the caller's to clear)."""
+    ops: list[str] = []
+    call = client.call
+
+    def counting(op, *args, **kw):
+        ops.append(op)
+        return call(op, *args, **kw)
+
+    client.call = counting
+    try:
+        yield ops
+    finally:
+        client.call = call
+
+
 def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_the_wait(env):
     """Without after_accept (no gate: a deployed service, the TTFT's end-to-end arm) a load is `load` then `wait`
     (no poll), the staged bytes are the export's, and a short object is still refused: on the wait's reply."""
@@ -769,15 +787,7 @@ def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_
         key = e0.key + b"-short"
         svc.save_variant(e0, key, nbytes=e0.nbytes - BLOCK_BYTES)
         svc.unpace()
-        ops: list[str] = []
-        call = svc.client.call
-
-        def counting(op, *args, **kw):
-            ops.append(op)
-            return call(op, *args, **kw)
-
-        svc.client.call = counting
-        try:
+        with _counting_calls(svc.client) as ops:
             with svc.staging("unpaced") as st:
                 ops.clear()                                    # the staging's registration is not a load
                 src = ServiceSegments(svc.client, st.reg)
@@ -787,8 +797,6 @@ def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_
                 loads_ops = list(ops)
                 with pytest.raises(SegmentTruncatedError, match=f"has {SEG_BYTES - BLOCK_BYTES} bytes.*done, not used"):
                     src.load(dataclasses.replace(e0, key=key), st.tensor)
-        finally:
-            svc.client.call = call
         assert svc.no_leaks(), svc.leaks()
     assert loads_ops == ["load", "wait"] * len(cat.entries)
 
@@ -807,15 +815,7 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
         svc.save_leader()
         svc.save_variant(e1, e1.key + b"-corrupt", flip_byte=7)
         svc.unpace()
-        ops: list[str] = []
-        call = svc.client.call
-
-        def counting(op, *args, **kw):
-            ops.append(op)
-            return call(op, *args, **kw)
-
-        svc.client.call = counting
-        try:
+        with _counting_calls(svc.client) as ops:
             with svc.staging("prefetch") as st:
                 ops.clear()
                 out = run_child(env.ctx, child, ServiceSegments(svc.client, st.reg), st.tensor, private)
@@ -840,8 +840,6 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
                 else:                       # segment 1 arrived corrupt: the loads after it cancelled and drained
                     n = len(cat.entries)
                     assert bad_ops == ["load"] * n + ["wait", "wait"] + ["cancel", "wait"] * (n - 2), bad_ops
-        finally:
-            svc.client.call = call
         assert svc.no_leaks(), svc.leaks()
     n = len(cat.entries)
     assert good_ops == ["load"] * n + ["wait"] * n, good_ops
