@@ -7,6 +7,11 @@ results/models is linked in (the runner tests read the converted model there). T
 .mutation_report) lands in results/mutation/NAME/, naming this checkout's revision.
 
     python -m kmesh.tools.mutation_set trust --jobs 2     # make mutation MUTATION_SET=trust
+    python -m kmesh.tools.mutation_set trust-stages --copy-only   # the copy alone, to run mutmut elsewhere
+
+`--copy-only` prepares results/mutation/NAME/tree and stops: a machine with more cores and no git checkout (the
+device host) runs `mutmut run` in that tree with PYTHONPATH=mutants/src, then `python -m kmesh.tools
+.mutation_report --out ..` from it.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--diffs", action="store_true", help="add every survivor's diff to the report")
+    parser.add_argument("--copy-only", action="store_true", help="prepare the copy and stop (module doc)")
     parser.add_argument("mutants", nargs="*", help="only these mutants (names or globs, as mutmut prints them): e.g. "
                         "the survivors again after tests were added (mutmut keeps earlier results otherwise)")
     args = parser.parse_intermixed_args(argv)   # names may follow the options
@@ -91,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    env = dict(os.environ, PYTHONPATH=str(tree / "mutants" / "src"),
-               KMESH_REVISION=rev.strip() + (" (dirty)" if dirty else ""))
+    revision = rev.strip() + (" (dirty)" if dirty else "")
+    if args.copy_only:
+        (out / "REVISION").write_text(revision + "\n", "utf-8")
+        print(f"{tree} (revision {revision}): mutmut run there with PYTHONPATH=mutants/src")
+        return 0
+    env = dict(os.environ, PYTHONPATH=str(tree / "mutants" / "src"), KMESH_REVISION=revision)
     exe = Path(sys.executable).with_name("mutmut")
     with open(out / "mutmut.log", "w") as log:
         rc = subprocess.run([str(exe), "run", "--max-children", str(args.jobs), *args.mutants], cwd=tree, env=env,
