@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A mutation set too slow for 2 cores (make mutation MUTATION_SET=NAME), run with every core of the GPU host.
+# Here:   python -m kmesh.tools.mutation_set NAME --copy-only      (results/mutation/NAME/tree, no mutmut run)
+# Device: bash scripts/device-mutation.sh NAME [SECONDS]        carry .whl and results/mutation/NAME
+# mutmut runs in that tree on the CPU (CUDA hidden, as on CI; one thread per worker, a worker per core) until done or
+# SECONDS (default 500), then gets SIGINT: it stops its workers and keeps every finished verdict. The whole state
+# comes back as $OUT/NAME.tgz: unpack it over results/mutation/ here and call again to go on where it stopped
+# (mutmut retests only what has no verdict); the report is written each time (results/mutation/NAME/report.md).
+source scripts/device-env.sh
+set -o pipefail
+name=${1:?usage: device-mutation.sh SET [SECONDS]}
+limit=${2:-500}
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+root=$PWD
+tree=$root/results/mutation/$name/tree
+[ -d "$tree" ] || { echo "no $tree: prepare it with kmesh.tools.mutation_set $name --copy-only and carry it"; exit 2; }
+cd "$tree"
+export PYTHONPATH=$tree/mutants/src:/tmp/site CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+export KMESH_REVISION="$(cat ../REVISION)"
+jobs=${JOBS:-$(nproc)}
+echo "$(date -u +%FT%TZ) mutmut run --max-children $jobs, limit ${limit}s, $(nproc) cores" >> ../runs.log
+{ time timeout -s INT "$limit" python3 -m mutmut run --max-children "$jobs"; } >> ../mutmut.log 2>&1
+echo "mutmut rc=$?" >> ../runs.log
+python3 -m kmesh.tools.mutation_report --diffs --out .. >> ../runs.log 2>&1
+tr '\r' '\n' < ../mutmut.log | grep -a -E "mutations/second|Stopping|Failed|^real" | tail -n 4 >> ../runs.log
+cd "$root"
+tar -C results/mutation -czf "$out/$name.tgz" "$name"
+tail -n 8 "results/mutation/$name/runs.log"; head -n 30 "results/mutation/$name/report.md" 2>/dev/null
