@@ -15,10 +15,10 @@ root=$PWD
 tree=$root/results/mutation/$name/tree
 [ -d "$tree" ] || { echo "no $tree: prepare it with kmesh.tools.mutation_set $name --copy-only and carry it"; exit 2; }
 cd "$tree"
+jobs=${JOBS:-$(nproc --all)}        # before OMP_NUM_THREADS: nproc honours it
 export PYTHONPATH=$tree/mutants/src:/tmp/site CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export KMESH_REVISION="$(cat ../REVISION)"
-jobs=${JOBS:-$(nproc)}
-echo "$(date -u +%FT%TZ) mutmut run --max-children $jobs, limit ${limit}s, $(nproc) cores" >> ../runs.log
+echo "$(date -u +%FT%TZ) mutmut run --max-children $jobs, limit ${limit}s, $(nproc --all) cores" >> ../runs.log
 { time timeout -s INT "$limit" python3 -m mutmut run --max-children "$jobs"; } >> ../mutmut.log 2>&1
 echo "mutmut rc=$?" >> ../runs.log
 python3 -m kmesh.tools.mutation_report --diffs --out .. >> ../runs.log 2>&1

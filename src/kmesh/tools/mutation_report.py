@@ -22,7 +22,8 @@ LINE = re.compile(r"^\s*(?P<name>\S+__mutmut_\d+): (?P<status>.+)$")
 
 def mutmut(*args: str) -> str:
     exe = Path(sys.executable).with_name("mutmut")
-    return subprocess.run([str(exe), *args], check=True, capture_output=True, text=True).stdout
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mutmut"]     # installed with --target: no script
+    return subprocess.run([*cmd, *args], check=True, capture_output=True, text=True).stdout
 
 
 def split(name: str) -> tuple[str, str]:

@@ -7,7 +7,7 @@ results/models is linked in (the runner tests read the converted model there). T
 .mutation_report) lands in results/mutation/NAME/, naming this checkout's revision.
 
     python -m kmesh.tools.mutation_set trust --jobs 2     # make mutation MUTATION_SET=trust
-    python -m kmesh.tools.mutation_set trust-stages --copy-only   # the copy alone, to run mutmut elsewhere
+    python -m kmesh.tools.mutation_set trust-equivalence --copy-only   # the copy alone, to run mutmut elsewhere
 
 `--copy-only` prepares results/mutation/NAME/tree and stops: a machine with more cores and no git checkout (the
 device host) runs `mutmut run` in that tree with PYTHONPATH=mutants/src, then `python -m kmesh.tools
