@@ -9,6 +9,10 @@ model, ~20 s), model (model.smollm2.enabled, model.qwen2_random.checkpoint), int
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,6 +94,29 @@ def test_vllm_disabled_skips_every_engine_case_allowed_only_where_the_profile_sa
         assert all("GPU host carries no vLLM" in a["reason"] for a in s["skips_allowed"])
     else:                     # the cpu profile runs the engine: switching it off cannot pass the stage
         assert not s["ok"] and len(s["skips_unallowed"]) == len(vllm_stage.ENGINE_CASES)
+
+
+# A host without vLLM and LMCache (the GPU host) runs these stages as the cuda profile says: engine-free cases, the
+# engine cases skipped with the profile's reason. Their modules once imported the connector, hence vLLM, at import
+# time, so `python -m kmesh run vllm --profile cuda` died there before skipping anything.
+_HIDE_ENGINES = ("import runpy, sys\n"
+                 "sys.modules['vllm'] = None; sys.modules['lmcache'] = None   # import vllm: ModuleNotFoundError\n"
+                 "sys.argv = ['kmesh'] + sys.argv[1:]\n"
+                 "runpy.run_module('kmesh', run_name='__main__')\n")
+
+
+@pytest.mark.parametrize("stage", ["vllm", "peers"])
+def test_cuda_profile_stage_runs_where_no_engine_is_installed(stage, tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _HIDE_ENGINES, "run", stage, "--profile", "cuda", "--out", str(out),
+                           "--set", f"results_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    skipped = [c for c in res["cases"] if c.get("skipped")]
+    assert skipped and all("carries no vLLM" in a["reason"] for a in res["summary"]["skips_allowed"])
+    assert res["summary"]["ok"] and not res["summary"]["skips_unallowed"]
 
 
 # --- peers.enabled --------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from kmesh.restore import capture, restore
 from kmesh.rope import RopeConfig
 from kmesh.sources.digest import sha256_tensor
 from kmesh.vllm import arrangement as arr
+from kmesh.vllm.controls import NEGATIVE_CONTROL, NEGATIVE_CONTROL_FAULTS
 from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceLink, shared_link
 from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record, RecordError, namespace,
                                 prefix_keys, record_key, segment_key)
@@ -68,10 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kmesh.vllm")
 
-# kv_connector_extra_config key of the negative control and the faults it knows (module doc). Only the vllm
-# stage's control engine sets it; no config file or default does.
-NEGATIVE_CONTROL = "negative_control"
-NEGATIVE_CONTROL_FAULTS = ("skip_write",)
 
 
 class ConnectorConfigError(ConfigError):

@@ -53,7 +53,7 @@ from kmesh.stages.vllm.faults import store_bad_prefix
 from kmesh.stages.vllm.prompts import logprob_gap, runner_full, runner_repair, topk_overlap
 from kmesh.stages.vllm.refusals import accepted, refusals
 from kmesh.stages.vllm.stored import stored_segments
-from kmesh.vllm.connector import NEGATIVE_CONTROL
+from kmesh.vllm.controls import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
 from kmesh.vllm.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
 from kmesh.vllm.repair import kv_digest
