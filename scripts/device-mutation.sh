@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # A mutation set too slow for 2 cores (make mutation MUTATION_SET=NAME), run with every core of the GPU host.
 # Here:   python -m kmesh.tools.mutation_set NAME --copy-only      (results/mutation/NAME/tree, no mutmut run)
-# Device: bash scripts/device-mutation.sh NAME [SECONDS]        carry .whl and results/mutation/NAME
+# Device: bash scripts/device-mutation.sh NAME [SECONDS [MUTANT-GLOB...]]   carry .whl and results/mutation/NAME
 # mutmut runs in that tree on the CPU (CUDA hidden, as on CI; one thread per worker, a worker per core) until done or
-# SECONDS (default 500), then gets SIGINT: it stops its workers and keeps every finished verdict. The whole state
-# comes back as $OUT/NAME.tgz: unpack it over results/mutation/ here and call again to go on where it stopped
-# (mutmut retests only what has no verdict); the report is written each time (results/mutation/NAME/report.md).
+# SECONDS (default 400), then gets SIGINT (SIGKILL 30 s later): it stops its workers and keeps every finished verdict.
+# The state (mutmut's per-file verdicts, its test statistics, the logs) comes back as $OUT/NAME-state.tgz: unpack it
+# over results/mutation/ here, where `mutmut run` (kmesh.tools.mutation_set) goes on with what has no verdict yet and
+# the report is written (its survivors' diffs take one mutmut process each: too slow for a device call).
 source scripts/device-env.sh
 set -o pipefail
 name=${1:?usage: device-mutation.sh SET [SECONDS]}
-limit=${2:-500}
+limit=${2:-400}
+globs=("${@:3}")
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 root=$PWD
 tree=$root/results/mutation/$name/tree
@@ -19,10 +21,11 @@ jobs=${JOBS:-$(nproc --all)}        # before OMP_NUM_THREADS: nproc honours it
 export PYTHONPATH=$tree/mutants/src:/tmp/site CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export KMESH_REVISION="$(cat ../REVISION)"
 echo "$(date -u +%FT%TZ) mutmut run --max-children $jobs, limit ${limit}s, $(nproc --all) cores" >> ../runs.log
-{ time timeout -s INT "$limit" python3 -m mutmut run --max-children "$jobs"; } >> ../mutmut.log 2>&1
+{ time timeout -k 30 -s INT "$limit" python3 -m mutmut run --max-children "$jobs" "${globs[@]}"; } >> ../mutmut.log 2>&1
 echo "mutmut rc=$?" >> ../runs.log
-python3 -m kmesh.tools.mutation_report --diffs --out .. >> ../runs.log 2>&1
+timeout 40 python3 -m kmesh.tools.mutation_report --out .. >> ../runs.log 2>&1
 tr '\r' '\n' < ../mutmut.log | grep -a -E "mutations/second|Stopping|Failed|^real" | tail -n 4 >> ../runs.log
 cd "$root"
-tar -C results/mutation -czf "$out/$name.tgz" "$name"
+(cd results/mutation && tar -czf "$out/$name-state.tgz" "$name"/*.log "$name"/report.* "$name"/tree/mutants/mutmut-stats.json \
+  $(find "$name/tree/mutants" -name "*.meta"))
 tail -n 8 "results/mutation/$name/runs.log"; head -n 30 "results/mutation/$name/report.md" 2>/dev/null
