@@ -489,8 +489,9 @@ def test_generation_measures_stop_at_end_of_turn(env):
 def test_quality_case_stock_matched_gets_the_repair_count(env):
     """The quality case's five arms: stock-matched recomputes exactly the repair arm's count for every child
     (unrestored positions included), plain stock its own int(0.15·T); every arm is measured teacher-forced."""
+    # stock's ratio differs from repair's, so an arm run with the other's config shows in its count
     setup = SimpleNamespace(**vars(env.setup), sec={"repair": {"check_layers": [1], "recompute_ratio": 0.15},
-                                                   "stock": {"check_layers": [1], "recompute_ratio": 0.15}})
+                                                   "stock": {"check_layers": [1], "recompute_ratio": 0.2}})
     res = Result("equivalence", "cpu", {}, [])
     quality, claim = eq_stage._quality_case(res, setup, env.refs)
     case = res.cases[-1]
@@ -498,9 +499,10 @@ def test_quality_case_stock_matched_gets_the_repair_count(env):
     assert list(quality) == ["full", "naive", "stock", "stock-matched", "repair"]
     per = case.checks["per_child"]["value"]
     T = len(env.workload.children[0].ids)
-    for rep, matched, stock in zip(per["repair"], per["stock-matched"], per["stock"]):
+    for rep, matched, stock, naive in zip(per["repair"], per["stock-matched"], per["stock"], per["naive"]):
         assert rep["recomputed_positions"] == matched["recomputed_positions"] == 112 + math.ceil(0.15 * 240)
-        assert stock["recomputed_positions"] == int(0.15 * T) == 52
+        assert stock["recomputed_positions"] == int(0.2 * T) == 70
+        assert naive["recomputed_positions"] == 112                        # the unrestored positions only
         assert rep["recomputed_fraction_of_positions"] == 148 / 352
         assert rep["recomputed_fraction_of_restored"] == math.ceil(0.15 * 240) / 240
         assert matched["teacher_forced_steps"] == MAX_NEW
@@ -850,6 +852,29 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
 def _quality_setup(env):
     sec = {"repair": dataclasses.asdict(env.ctx.repair), "stock": dataclasses.asdict(env.ctx.repair)}
     return SimpleNamespace(**{**vars(env.setup), "sec": sec})
+
+
+@pytest.mark.parametrize("arm", ["naive", "stock"])
+def test_quality_arm_run_by_another_rule_fails_the_rule_check(env, monkeypatch, arm):
+    """An arm whose child path runs another arm's rule (here: repair's) recomputes the wrong positions: the quality
+    case's every_arm_recomputed_what_its_rule_says check names it, and the case fails."""
+    from kmesh.stages.equivalence import stage as eq_stage
+
+    real = eq_stage.run_child
+
+    def mixed_up(ctx, child, source, staging, private, arm="repair"):
+        swap = arm == wrong and ctx.repair.recompute_counts is None     # not stock-matched's fixed budget
+        return real(ctx, child, source, staging, private, arm="repair" if swap else arm)
+
+    wrong = arm
+    monkeypatch.setattr(eq_stage, "run_child", mixed_up)
+    res = Result("equivalence", "test", provenance={})
+    eq_stage._quality_case(res, _quality_setup(env), env.refs)
+    (case,) = res.cases
+    assert case.error is None, case.error
+    check = case.checks["every_arm_recomputed_what_its_rule_says"]
+    assert check["ok"] is False and case.passed is False
+    assert {a for per_child in check["value"].values() for a in per_child} == {arm}
 
 
 def test_quality_full_arm_is_a_recompute_that_must_equal_the_reference(env, monkeypatch):

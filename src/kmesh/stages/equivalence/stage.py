@@ -49,7 +49,7 @@ from kmesh.result import Result
 from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service_side import ServiceSide
 from kmesh.stages.equivalence import controls
-from kmesh.stages.equivalence.rag import rag_cases
+from kmesh.stages.equivalence.rag import FrontierArm, expected_recomputed, rag_cases
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
 from kmesh.workload import answer_matches
@@ -159,6 +159,12 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         block = setup.export.catalog.layout.block_size
         per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in QUALITY_ARMS}
         fallbacks: dict[str, Any] = {}
+        wrong_count: dict[str, dict[str, Any]] = {}
+        # each arm's rule, for what it must recompute (computed from the placements, not by the arm's code)
+        rules = {"full": FrontierArm("full", "full", None), "naive": FrontierArm("naive", "naive", None),
+                 "stock": FrontierArm("stock", "stock", stock), "stock-matched": FrontierArm("stock-matched", "stock",
+                                                                                           None),
+                 "repair": FrontierArm("repair", "repair", RepairConfig.from_dict(setup.sec["repair"]))}
         reproduces: dict[str, dict[str, Any]] = {}
         rerun_identical: dict[str, bool] = {}
         same_positions: dict[str, bool] = {}
@@ -174,7 +180,11 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
                         "stock": run_child(stock_ctx, child, inproc, staging, private, arm="stock"),
                         "stock-matched": run_child(matched_ctx, child, inproc, staging, private, arm="stock"),
                         "repair": repaired}
-            fallbacks[child.name] = {arm: o.fallback for arm, o in outcomes.items() if arm != "full"}
+            fallbacks[child.name] = {arm: o.fallback for arm, o in outcomes.items() if o.fallback is not None}
+            for arm, outcome in outcomes.items():
+                want, got = expected_recomputed(rules[arm], child, repaired.masks), int(outcome.masks[-1].sum())
+                if want != got:
+                    wrong_count.setdefault(child.name, {})[arm] = {"expected": want, "recomputed": got}
             # at one budget the two rules may pick the same positions; then what differs is how they attend
             same_positions[child.name] = bool(torch.equal(outcomes["stock-matched"].masks, repaired.masks))
             ref_steps = teacher_forced_logits(setup.runner, ref, ref.tokens, block)
@@ -188,8 +198,8 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         out = {arm: summarize(rows) for arm, rows in per_arm.items()}
         case.record("per_child", per_arm)
         case.record("summary", out)
-        case.check("arms_used_segments", all(v is None for f in fallbacks.values() for v in f.values()),
-                   value=fallbacks)
+        case.check("arms_used_segments", not any(fallbacks.values()), value=fallbacks)
+        case.check("every_arm_recomputed_what_its_rule_says", not wrong_count, value=wrong_count)
         case.check("teacher_forcing_reproduces_full_tokens", all(r["ok"] for r in reproduces.values()),
                    value=reproduces)
         # what the table's KL and agreement are measured against is reproducible, bit for bit
