@@ -148,3 +148,35 @@ def test_dominance_rules():
     assert better_at_no_more_cost([a, b, c], "b") == ["a"] and better_at_no_more_cost([a, b, c], "c") == []
     zero = Point("full", 1.0, 0.0)
     assert dominated_by([zero, Point("x", 1.2, 0.1)], "full")[0]["loss_ratio"] is None
+
+
+def test_workload_is_the_seeds_and_each_workload_check_can_fail(setup):
+    """rag-workload: the workload is a function of the config's seed (another seed, another workload), its
+    restorable fraction is the smallest over children of restored / all positions, and each check fails on a
+    workload that breaks it (found by mutation: a seed of None, a product for the fraction, both passed)."""
+    import dataclasses
+
+    spec = RagSpec(**RAG["workload"])
+    w = rag.rag_workload(setup)
+    assert w.sha256() == rag.rag_workload(setup).sha256() == build_rag(setup.tok, setup.cfg.seed, spec).sha256()
+    assert w.sha256() != build_rag(setup.tok, setup.cfg.seed + 1, spec).sha256()
+    by_hand = min(sum(p.end - p.start for p in c.placements) / len(c.ids) for c in w.children)
+    assert rag._restorable(w) == pytest.approx(by_hand) and 0.7 <= by_hand < 1
+
+    def failed(workload) -> set[str]:
+        res = Result("equivalence", "test", provenance={})
+        with res.case("rag-workload", {}) as case:
+            rag._workload_checks(case, workload)
+        return {name for name, c in case.checks.items() if c["ok"] is False}
+
+    assert failed(w) == set()
+    c0, c1, c2 = w.children
+    assert failed(dataclasses.replace(w, children=(c0, c1))) == {"children"}
+    assert failed(dataclasses.replace(w, spec=dataclasses.replace(spec, min_restorable=by_hand + 0.01))) == {
+        "restorable_fraction_at_least_min"}
+    assert failed(dataclasses.replace(w, children=(c0, c0, c2))) == {"orders_distinct_and_not_the_leaders"}
+    p = c1.placements[0]
+    edited = list(c1.ids)
+    edited[p.start] = (edited[p.start] + 1) % 300
+    assert failed(dataclasses.replace(w, children=(c0, dataclasses.replace(c1, ids=tuple(edited)), c2))) == {
+        "chunks_in_children"}
