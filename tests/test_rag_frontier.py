@@ -47,7 +47,9 @@ def setup():
     export = leader_prefill(runner, placeholder, b"kmesh-rag-test/placeholder")
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(check_layers=(1,)), 4)
     sec = {"rag": RAG, "repair": {"check_layers": [1], "recompute_ratio": 0.15},
-           "stock": {"check_layers": [1], "recompute_ratio": 0.15}, "ttft": {"graphs": False},
+           # stock's check layer differs from repair's: stock-matched must take stock's (its layers before it
+           # recompute every position), not whichever arm's config comes first
+           "stock": {"check_layers": [2], "recompute_ratio": 0.15}, "ttft": {"graphs": False},
            "heartbeat_timeout_s": 30.0, "chunk_bytes": 65536}
     yield ModelSetup(cfg=_Cfg(), sec=sec, device=torch.device("cpu"), model=model, what="tiny-llama", tok=tok,
                      runner=runner, workload=placeholder, export=export, ctx=ctx)
@@ -78,6 +80,11 @@ def test_every_arm_measured_checked_and_timed(ran):
     q = out["quality"]
     assert q["full"]["kl_teacher_forced_mean"] == 0 and q["full"]["recomputed_fraction_of_positions_mean"] == 1
     assert q["stock-matched"]["recomputed_positions"] == q["repair-0.30"]["recomputed_positions"]
+    per_child = next(c for c in res.cases if c.id == "rag-quality").checks["per_child"]["value"]
+    T = RAG["workload"]["prompt_tokens"]
+    for matched, rep in zip(per_child["stock-matched"], per_child["repair-0.30"]):
+        assert matched["recomputed_per_layer"][:2] == [T, T] and rep["recomputed_per_layer"][0] == T
+        assert rep["recomputed_per_layer"][1] == matched["recomputed_per_layer"][2] < T
     # repair at a larger ratio recomputes more; epic with k = chunk length recomputes every position
     assert all(a < b for a, b in zip(q["repair-0.05"]["recomputed_positions"], q["repair-0.30"]["recomputed_positions"]))
     assert q["epic-16"]["recomputed_positions"] < q["full"]["recomputed_positions"]
@@ -116,6 +123,26 @@ def test_epic_handed_fewer_chunks_fails_the_rule_check(setup, monkeypatch):
     rag.rag_cases(res, setup)
     check = next(c for c in res.cases if c.id == "rag-quality").checks["every_arm_recomputed_what_its_rule_says"]
     assert check["ok"] is False and set(check["value"]["A"]) == {"epic-4", "epic-16"}
+    assert all(v["expected"] > v["recomputed"] for v in check["value"]["A"].values())   # one chunk's head fewer
+
+
+def test_an_arm_that_fell_back_fails_arms_used_segments_and_is_named(setup, monkeypatch):
+    """A child path that recomputed instead of restoring (a fallback) is not the arm it claims to measure."""
+    import dataclasses
+
+    real = rag.run_child
+
+    def naive_falls_back(ctx, child, source, staging, private, arm="repair"):
+        out = real(ctx, child, source, staging, private, arm=arm)
+        return dataclasses.replace(out, fallback="ObjectMissing: planted") if arm == "naive" else out
+
+    monkeypatch.setattr(rag, "run_child", naive_falls_back)
+    res = Result("equivalence", "test", provenance={})
+    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
+    monkeypatch.setitem(setup.sec, "rag", small)
+    rag.rag_cases(res, setup)
+    check = next(c for c in res.cases if c.id == "rag-quality").checks["arms_used_segments"]
+    assert check["ok"] is False and check["value"] == {"A": {"naive": "ObjectMissing: planted"}}
 
 
 def test_matched_ratio_must_be_a_repair_ratio(setup, monkeypatch):

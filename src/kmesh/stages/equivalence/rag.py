@@ -205,7 +205,7 @@ def _quality(case: Case, setup: ModelSetup, ctx: ChildContext, export: Export, w
                 masks[child.name] = outcome.masks
             expected = expected_recomputed(arm, child, masks.get(child.name))
             got = int(outcome.masks[-1].sum())
-            if expected is not None and got != expected:
+            if got != expected:            # None (the rule cannot say) is a failure too, never a skip
                 wrong_count.setdefault(child.name, {})[arm.name] = {"expected": expected, "recomputed": got}
             steps = teacher_forced_logits(setup.runner, outcome, ref.tokens, block)
             rows[arm.name].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
