@@ -101,12 +101,14 @@ def test_transformers_arm_joins_the_same_rounds(setup):
     import copy
 
     one = copy.copy(setup)
-    one.sec = {**setup.sec, "ttft": {"prompt_tokens": [352], "compare_transformers": True}}
+    # the section's own pairs and warm-up (not the timing defaults, PAIRS / WARMUP) are what the rounds run
+    one.sec = {**setup.sec, "ttft": {"prompt_tokens": [352], "compare_transformers": True, "pairs": 3, "warmup": 0}}
     res = Result("equivalence", "test", provenance={})
     ttft_cases(res, one)
     case = res.cases[0]
     assert case.passed is True, (case.error, {k: v for k, v in case.checks.items() if v["ok"] is False})
     tf, repair = res.timings["ttft_352_transformers_vs_full"], res.timings["ttft_352_full_vs_repair"]
+    assert (len(tf["raw"]), tf["design"]["warmup"], len(repair["raw"]), repair["design"]["warmup"]) == (3, 0, 3, 0)
     assert tf["arms"] == {"A": "transformers", "B": "full"} and tf["design"]["order"] == "alternating, B first in pair 0"
     assert [p["full"] for p in tf["raw"]] == [p["full"] for p in repair["raw"]]
     assert sorted(tf["design"]["rounds_shared_with"]) == ["end-to-end", "repair"]
