@@ -447,6 +447,10 @@ def test_exact_reuse_checks_fail_on_a_connector_that_reports_supplied_without_wr
     case = Case("exact-reuse")
     warm_checks(case, [], [], [], 0.01)
     assert case.checks["warm_tokens_equal_plain_vllm"]["ok"] is False
+    # one prompt compared is an agreement (found by mutation: `> 0` -> `> 1` survived)
+    case = Case("exact-reuse")
+    warm_checks(case, ref[:1], honest[:1], expect[:1], 0.01)
+    assert case.passed is True
 
 
 def _interior_fixture():
@@ -456,10 +460,12 @@ def _interior_fixture():
 
     from kmesh.vllm.outputs import RunnerDecode
 
-    def child(name, n, end):
-        return SimpleNamespace(name=name, ids=tuple(range(n)), placements=(SimpleNamespace(end=end),) * 2)
+    def child(name, n, ends):
+        return SimpleNamespace(name=name, ids=tuple(range(n)), placements=tuple(SimpleNamespace(end=e) for e in ends))
 
-    workload = SimpleNamespace(children=(child("A", 40, 30), child("B", 50, 45)))
+    # A's span ends with its last segment (30); B's last segment runs to its prompt's end, so its span stops one
+    # short (49): the engine computes the last token itself
+    workload = SimpleNamespace(children=(child("A", 40, (5, 12, 30)), child("B", 50, (20, 50))))
     refs = {"A": RunnerDecode([1, 2], [torch.tensor([0.0, 5.0, 0.0]), torch.tensor([0.0, 0.0, 5.0])]),
             "B": RunnerDecode([0, 0], [torch.tensor([5.0, 0.0, 0.0])] * 2)}
 
@@ -473,25 +479,26 @@ def test_interior_checks_match_repairs_by_request_id_and_fail_on_a_lying_connect
     """Repairs are matched to children by the request id the output reports, not by list position (the old
     stage zipped the last repairs with the children); the runner-repair agreement fails on a lying connector."""
     from kmesh.result import Case
-    from kmesh.stages.vllm.stage import control_verdict, interior_checks, repairs_by_request
+    from kmesh.stages.vllm.stage import control_verdict, interior_checks, repairs_by_request, span_end
 
     workload, refs, lp = _interior_fixture()
-    got = [_out(refs["A"].tokens, lp("A"), 30, req_id="7"), _out(refs["B"].tokens, lp("B"), 45, req_id="8")]
+    got = [_out(refs["A"].tokens, lp("A"), 30, req_id="7"), _out(refs["B"].tokens, lp("B"), 49, req_id="8")]
     # the engine filed them in another order, with an older request's repair among them
     repairs = [{"req_id": "8", "segments": 2, "segments_not_loaded": 0},
                {"req_id": "3", "segments": 1, "segments_not_loaded": 1},
-               {"req_id": "7", "segments": 2, "segments_not_loaded": 0}]
+               {"req_id": "7", "segments": 3, "segments_not_loaded": 0}]
     matched = repairs_by_request(got, repairs)
     assert [[r["req_id"] for r in m] for m in matched] == [["7"], ["8"]]
     case = Case("interior")
     interior_checks(case, workload, got, matched, refs, 0.01)
     assert case.passed, case.checks
+    assert [span_end(ch) for ch in workload.children] == [30, 49]
     # the positional matching of the old stage (stats["repairs"][-2:] zipped with the children) gets it wrong
     case = Case("interior")
     interior_checks(case, workload, got, [[r] for r in repairs[-2:]], refs, 0.01)
     assert case.checks["segments_loaded_and_repaired"]["ok"] is False
     # a connector that reports the span handed over without writing it: its tokens are not the repair's
-    lying = [_out([1, 0], [lp("A")[0], -4.0], 30, req_id="7"), _out([0, 0], [lp("B")[0], lp("B")[1] - 0.2], 45,
+    lying = [_out([1, 0], [lp("A")[0], -4.0], 30, req_id="7"), _out([0, 0], [lp("B")[0], lp("B")[1] - 0.2], 49,
                                                                     req_id="8")]
     case = Case("interior")
     interior_checks(case, workload, lying, repairs_by_request(lying, repairs), refs, 0.01)
@@ -510,6 +517,9 @@ def test_interior_checks_match_repairs_by_request_id_and_fail_on_a_lying_connect
     case = Case("interior")
     interior_checks(case, type(workload)(children=()), [], [], refs, 0.01)
     assert case.checks["tokens_equal_runner_repair"]["ok"] is False
+    case = Case("interior")                       # one child is enough (mutation: `> 0` -> `> 1` survived)
+    interior_checks(case, type(workload)(children=workload.children[:1]), got[:1], matched[:1], refs, 0.01)
+    assert case.passed is True, case.checks
 
 
 def test_unknown_arrangements_refused_at_registration():
