@@ -15,7 +15,8 @@ set -uo pipefail
 # One torch (OpenMP) thread per process: the pipeline's stage, the suite and the processes each starts share 2 cores,
 # and a second intra-op thread per process only spin-waits against them (measured on the 2-core machine: the
 # equivalence stage alone 153 -> 104 CPU-s and 122 -> 106 s; make test 586 -> 553 s). Results and checks are the
-# same; make pipeline's published timings keep torch's default.
+# same. Snakemake exports each job's declared threads as OMP_NUM_THREADS, so the pipeline below is capped to one
+# (--max-threads 1; make pipeline's stages declare 2, workflow/rules/common.smk).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 results="${KMESH_TEST_RESULTS:-results/test}"
@@ -27,7 +28,7 @@ start=$(date +%s)
 
 # /tmp, not under results: the ownership stage's foreign-uid case needs a parent every user can traverse
 stage_tmp=$(mktemp -d /tmp/kmesh-stage-tmp.XXXXXX) && chmod 755 "$stage_tmp"
-TMPDIR="$stage_tmp" python -m kmesh pipeline --cores all --config "results_dir=$results" "overlay=$overlay" \
+TMPDIR="$stage_tmp" python -m kmesh pipeline --cores all --max-threads "$OMP_NUM_THREADS" --config "results_dir=$results" "overlay=$overlay" \
   > "$console" 2>&1 &
 pipeline=$!
 python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm_profile.py > "$slurm_log" 2>&1 &

@@ -509,7 +509,8 @@ def test_quality_case_stock_matched_gets_the_repair_count(env):
     assert quality["stock-matched"]["recomputed_positions"] == quality["repair"]["recomputed_positions"]
     assert quality["full"]["recomputed_fraction_of_positions_mean"] == 1.0
     assert quality["full"]["recomputed_fraction_of_restored_mean"] is None   # the full arm restores nothing
-    assert quality["full"]["kl_teacher_forced_mean"] == 0.0
+    # the full state equals the reference bit for bit: its teacher-forced KL is the batched forward's rounding floor
+    assert 0 <= quality["full"]["kl_teacher_forced_mean"] < 1e-9 and quality["full"]["kl_first_token_mean"] == 0.0
     assert set(claim) >= {"kl_first_token_mean", "kl_teacher_forced_mean"}
     assert claim["kl_teacher_forced_mean"]["met"] == (quality["repair"]["kl_teacher_forced_mean"]
                                                      < quality["stock-matched"]["kl_teacher_forced_mean"])

@@ -80,8 +80,10 @@ def torch_info() -> dict[str, Any]:
         import torch
     except ImportError:
         return {"torch": None}
+    # the intra-op threads the stage's timings ran with (Snakemake exports a rule's `threads` as OMP_NUM_THREADS)
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda,
-                            "cuda_available": torch.cuda.is_available()}
+                            "cuda_available": torch.cuda.is_available(), "torch_threads": torch.get_num_threads(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))

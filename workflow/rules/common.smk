@@ -12,6 +12,13 @@ OVERLAY = config.get("overlay")
 # A stage needs a GPU only on the cuda profile. None (not 0) drops the `gpu` resource: executor plugins read its
 # presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
 GPU = 1 if PROFILE == "cuda" else None
+# Threads a stage declares. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS, so a rule that
+# declares none runs torch on ONE thread (every stage did until 2026-12-03: half of the 2-core machine idle). The
+# stages that compute or time declare 2: torch's threads, the pinned vLLM engines' binding (threads_bind "0-1"),
+# the SLURM profile's cpus_per_task. On the 2-core machine no other stage then runs beside one, so no stage's
+# timings share the cores with another's work. sources, kernels (one nvcc at a time), model (a file conversion)
+# and report declare 1 and may run side by side.
+STAGE_THREADS = 2
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
           "remote", "group", "vllm", "peers", "restore_bench", "reliability"]

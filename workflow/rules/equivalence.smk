@@ -9,6 +9,7 @@ rule equivalence:
         result=result("equivalence"),
     log:
         logfile("equivalence"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=6000,

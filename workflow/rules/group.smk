@@ -9,6 +9,7 @@ rule group:
         result=result("group"),
     log:
         logfile("group"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=6000,

@@ -11,6 +11,7 @@ rule integrity:
         result=result("integrity"),
     log:
         logfile("integrity"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -8,6 +8,7 @@ rule kernels:
         result=result("kernels"),
     log:
         logfile("kernels"),
+    threads: 1
     resources:
         gpu=GPU,
         mem_mb=2000,

@@ -20,6 +20,7 @@ rule model:
         **_CONVERTED,
     log:
         logfile("model"),
+    threads: 1
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -8,6 +8,7 @@ rule ownership:
         result=result("ownership"),
     log:
         logfile("ownership"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=3000,

@@ -10,6 +10,7 @@ rule remote:
         result=result("remote"),
     log:
         logfile("remote"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,   # the children run where the equivalence workload runs (the store client itself is CPU code)
         mem_mb=6000,

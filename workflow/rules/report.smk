@@ -17,6 +17,7 @@ rule report:
         ),
     log:
         logfile("report"),
+    threads: 1
     resources:
         gpu=None,
         mem_mb=2000,

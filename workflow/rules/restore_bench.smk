@@ -11,6 +11,7 @@ rule restore_bench:
         result=result("restore_bench"),
     log:
         logfile("restore_bench"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=4000,

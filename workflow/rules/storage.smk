@@ -9,6 +9,7 @@ rule storage:
         result=result("storage"),
     log:
         logfile("storage"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=6000,

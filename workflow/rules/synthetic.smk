@@ -7,6 +7,7 @@ rule synthetic:
         result=result("synthetic"),
     log:
         logfile("synthetic"),
+    threads: STAGE_THREADS
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -114,6 +114,70 @@ def teacher_forced_logits(runner: Any, outcome: Any, tokens: Sequence[int], bloc
     return runner.teacher_forced(cache, T, outcome.logits.to(runner.device), tokens)
 
 
+def _batched_prefix(runner: Any, outcomes: Sequence[Any], extra: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K, V [layers, B, T + extra, kv_heads, D] holding every outcome's prefilled K/V in slots [0, T) (NaN after:
+    a slot read before it is written shows), and T. The outcomes are not touched."""
+    if not outcomes:
+        raise ValueError("no outcomes to batch")
+    T = outcomes[0].k.shape[1]
+    if any(o.k.shape != outcomes[0].k.shape for o in outcomes):
+        raise ValueError(f"outcomes of different shapes cannot share a batch: {[tuple(o.k.shape) for o in outcomes]}")
+    L, _, H, D = outcomes[0].k.shape
+    k = torch.full((L, len(outcomes), T + extra, H, D), float("nan"), dtype=runner.dtype, device=runner.device)
+    v = torch.full_like(k, float("nan"))
+    for b, o in enumerate(outcomes):
+        k[:, b, :T] = o.k.to(runner.device)
+        v[:, b, :T] = o.v.to(runner.device)
+    return k, v, T
+
+
+@torch.no_grad()
+def teacher_forced_logits_batch(runner: Any, outcomes: Sequence[Any],
+                                tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """teacher_forced_logits of every outcome (all of one prompt length) along its own continuation tokens[b], as
+    one batched forward (LayerRunner.extend_batch): [len(tokens[b]), vocab] per outcome. Shorter continuations are
+    padded at their end; a position sees only what precedes it, so padding changes no row it returns. Each row
+    equals the one-at-a-time result up to float rounding (tests/test_quality_batch.py bounds it)."""
+    if len(tokens) != len(outcomes):
+        raise ValueError(f"{len(outcomes)} outcomes but {len(tokens)} continuations")
+    if any(len(t) == 0 for t in tokens):
+        raise ValueError("teacher forcing needs at least one token")
+    first = [o.logits.to(runner.device)[None] for o in outcomes]
+    n = max(len(t) for t in tokens) - 1
+    if n == 0:
+        return first
+    fed = [[int(x) for x in t[:-1]] + [0] * (n - len(t) + 1) for t in tokens]
+    k, v, T = _batched_prefix(runner, outcomes, n)
+    steps = runner.extend_batch(k, v, T, torch.tensor(fed, device=runner.device))
+    return [torch.cat([f, steps[b, :len(t) - 1]]) for b, (f, t) in enumerate(zip(first, tokens))]
+
+
+@torch.no_grad()
+def decode_batch(runner: Any, outcomes: Sequence[Any], max_new_tokens: int,
+                 stop_ids: Collection[int] = ()) -> list[list[int]]:
+    """Every outcome's greedy continuation (LayerRunner.decode's rule: the first token from its prefill logits,
+    then one step per token, ending after max_new_tokens or at the first end-of-turn token), all rows stepped
+    together so each step reads the weights once. A row that has ended is carried along (its steps are
+    discarded; its K/V lives in this batch's own buffer, never the outcome's). A token may differ from the row's
+    own `decode` only at a near-tie of the compute dtype (reproduces_greedy's tolerance)."""
+    stop = frozenset(int(t) for t in stop_ids)
+    tokens = [[int(o.logits.argmax())] for o in outcomes]
+    steps = max_new_tokens - 1
+    if steps <= 0 or all(t[-1] in stop for t in tokens):
+        return tokens
+    k, v, T = _batched_prefix(runner, outcomes, steps)
+    for i in range(steps):
+        live = [t[-1] not in stop for t in tokens]
+        if not any(live):
+            break
+        last = torch.tensor([[t[-1]] for t in tokens], device=runner.device)
+        nxt = runner.extend_batch(k, v, T + i, last)[:, 0].argmax(-1).tolist()
+        for row, (t, alive) in enumerate(zip(tokens, live)):
+            if alive:
+                t.append(int(nxt[row]))
+    return tokens
+
+
 # Relative rounding unit of each compute dtype: a logit computed two ways (one batched forward vs one step at a
 # time) may differ by a few of these times its magnitude, so a greedy step whose top two logits are closer than that
 # is a near-tie either path may break its own way.

@@ -5,8 +5,10 @@ leader, every child holding all of them in an order of its own (no chunk where t
 private question about one chunk's fact; >= 90 % of every prompt restorable.
 
 Arms — one runner, the same prompts, the same restore (every reuse arm restores the same chunks, shifted):
-  full            full recompute again, scored against the reference (KL 0 when it reproduces it bit for bit,
-                  checked; its exact-match = the model's own accuracy)
+  full            full recompute again, scored against the reference: its state equals the reference's bit for
+                  bit (checked), so its KL is the batched teacher forcing's rounding floor (two equal rows at
+                  different places of a batch split across threads round differently: ~1e-14 nats, 0 on one
+                  thread); its exact-match = the model's own accuracy
   naive           restored K/V reused at every layer; unrestored positions recomputed
   stock           CacheBlend as LMCache configures it (`equivalence.stock`: int(ratio x T) over all positions)
   stock-matched   stock's selection rule with its budget set per child to repair-<matched_ratio>'s recomputed count
@@ -43,12 +45,12 @@ from typing import Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
-from kmesh.child import ChildContext, full_reference, restored_chunks, run_child
+from kmesh.child import ChildContext, ChildOutcome, full_reference, restored_chunks, run_child
 from kmesh.errors import ConfigError
 from kmesh.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
 from kmesh.model.blend import RepairConfig, blend, matched_stock
-from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
-                                 teacher_forced_logits)
+from kmesh.model.quality import (arm_quality, compare_states, decode_batch, identical, reproduces_greedy,
+                                 summarize, teacher_forced_logits_batch)
 from kmesh.modelsetup import ModelSetup
 from kmesh.result import Case, Result
 from kmesh.segments import Export, InProcessSegments, restore_child
@@ -180,37 +182,55 @@ def _quality(case: Case, setup: ModelSetup, ctx: ChildContext, export: Export, w
     private = torch.empty_like(staging)
     stock = next(a.config for a in arms if a.name == "stock")
     assert stock is not None
-    block = export.catalog.layout.block_size
     rows: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
     fallbacks: dict[str, dict[str, Any]] = {}
     wrong_count: dict[str, dict[str, Any]] = {}
     reproduces: dict[str, Any] = {}
     rerun_identical: dict[str, bool] = {}
-    for child in workload.children:
-        ref = full_reference(ctx, child)
-        ref_steps = teacher_forced_logits(setup.runner, ref, ref.tokens, block)
-        reproduces[child.name] = reproduces_greedy(ref_steps, ref.tokens, setup.runner.dtype)
-        for arm in arms:
-            if arm.name == FULL:
-                # recomputed, not the reference itself: its row measures the full recompute again
-                outcome = full_reference(ctx, child)
-                rerun_identical[child.name] = identical(compare_states(ref, outcome))
-            else:
-                config = arm.config if arm.config is not None else matched_stock(stock, masks[child.name])
-                outcome = run_child(dataclasses.replace(ctx, repair=config), child, source, staging, private,
-                                    arm=arm.blend_arm)
-                if outcome.fallback is not None:
-                    fallbacks.setdefault(child.name, {})[arm.name] = outcome.fallback
-            if arm.name == matched:
-                masks[child.name] = outcome.masks
-            expected = expected_recomputed(arm, child, masks.get(child.name))
-            got = int(outcome.masks[-1].sum())
-            if got != expected:            # None (the rule cannot say) is a failure too, never a skip
-                wrong_count.setdefault(child.name, {})[arm.name] = {"expected": expected, "recomputed": got}
-            steps = teacher_forced_logits(setup.runner, outcome, ref.tokens, block)
-            rows[arm.name].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
-                                                                       answer_matches, ref_steps, steps,
-                                                                       ctx.stop_ids)})
+    # the reuse arms' prefills run one by one; their decode steps and every state's teacher forcing run for
+    # `quality_batch_children` children at once, each step reading the weights once for all of their rows
+    batch = int(setup.sec["rag"].get("quality_batch_children", 1))
+    first_token = dataclasses.replace(ctx, max_new_tokens=1)
+    for start in range(0, len(workload.children), batch):
+        group = workload.children[start:start + batch]
+        refs: dict[str, ChildOutcome] = {}
+        outcomes: dict[tuple[str, str], ChildOutcome] = {}
+        for child in group:
+            # the reference and the full arm decode one request at a time, as every other stage's requests do
+            refs[child.name] = ref = full_reference(ctx, child)
+            for arm in arms:
+                if arm.name == FULL:
+                    # recomputed, not the reference itself: its row measures the full recompute again
+                    outcome = full_reference(ctx, child)
+                    rerun_identical[child.name] = identical(compare_states(ref, outcome))
+                else:
+                    config = arm.config if arm.config is not None else matched_stock(stock, masks[child.name])
+                    outcome = run_child(dataclasses.replace(first_token, repair=config), child, source, staging,
+                                        private, arm=arm.blend_arm)
+                    if outcome.fallback is not None:
+                        fallbacks.setdefault(child.name, {})[arm.name] = outcome.fallback
+                if arm.name == matched:
+                    masks[child.name] = outcome.masks
+                expected = expected_recomputed(arm, child, masks.get(child.name))
+                got = int(outcome.masks[-1].sum())
+                if got != expected:            # None (the rule cannot say) is a failure too, never a skip
+                    wrong_count.setdefault(child.name, {})[arm.name] = {"expected": expected, "recomputed": got}
+                outcomes[child.name, arm.name] = outcome
+        reuse = [key for key in outcomes if key[1] != FULL]
+        for key, tokens in zip(reuse, decode_batch(setup.runner, [outcomes[k] for k in reuse], ctx.max_new_tokens,
+                                                   ctx.stop_ids)):
+            outcomes[key].tokens = tokens
+        states = [(name, None, ref) for name, ref in refs.items()] + [(c, a, o) for (c, a), o in outcomes.items()]
+        forced = teacher_forced_logits_batch(setup.runner, [o for _, _, o in states],
+                                             [refs[c].tokens for c, _, _ in states])
+        steps = {(c, a): f for (c, a, _), f in zip(states, forced)}
+        for child in group:
+            ref, ref_steps = refs[child.name], steps[child.name, None]
+            reproduces[child.name] = reproduces_greedy(ref_steps, ref.tokens, setup.runner.dtype)
+            for arm in arms:
+                rows[arm.name].append({"child": child.name, **arm_quality(
+                    ref, outcomes[child.name, arm.name], child.answer, setup.decode, answer_matches, ref_steps,
+                    steps[child.name, arm.name], ctx.stop_ids)})
     summary = {name: summarize(per_child) for name, per_child in rows.items()}
     case.record("per_child", {name: [{k: v for k, v in row.items() if k != "kl_per_step"} for row in per_child]
                               for name, per_child in rows.items()})

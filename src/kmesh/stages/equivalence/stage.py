@@ -42,7 +42,7 @@ from kmesh.child import full_reference, run_child
 from kmesh.config import Config
 from kmesh.model.blend import RepairConfig, matched_stock
 from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
-                                 teacher_forced_logits)
+                                 teacher_forced_logits_batch)
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
@@ -156,7 +156,6 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
         private = torch.empty_like(staging)
         stock = RepairConfig.from_dict(setup.sec["stock"])
         stock_ctx = dataclasses.replace(setup.ctx, repair=stock)
-        block = setup.export.catalog.layout.block_size
         per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in QUALITY_ARMS}
         fallbacks: dict[str, Any] = {}
         wrong_count: dict[str, dict[str, Any]] = {}
@@ -187,12 +186,13 @@ def _quality_case(res: Result, setup: ModelSetup, refs: Refs) -> tuple[dict[str,
                     wrong_count.setdefault(child.name, {})[arm] = {"expected": want, "recomputed": got}
             # at one budget the two rules may pick the same positions; then what differs is how they attend
             same_positions[child.name] = bool(torch.equal(outcomes["stock-matched"].masks, repaired.masks))
-            ref_steps = teacher_forced_logits(setup.runner, ref, ref.tokens, block)
+            # the reference and every arm teacher-forced along the reference's tokens in one batched forward
+            ref_steps, *arm_steps = teacher_forced_logits_batch(setup.runner, [ref, *outcomes.values()],
+                                                                [ref.tokens] * (len(outcomes) + 1))
             # teacher forcing the full state with its own tokens must give back its greedy tokens (near-ties of the
-            # compute dtype aside: the batched forward and the step decode round differently on a GPU)
+            # compute dtype aside: the batched forward and the step decode round differently)
             reproduces[child.name] = reproduces_greedy(ref_steps, ref.tokens, setup.runner.dtype)
-            for arm, outcome in outcomes.items():
-                steps = teacher_forced_logits(setup.runner, outcome, ref.tokens, block)
+            for (arm, outcome), steps in zip(outcomes.items(), arm_steps):
                 per_arm[arm].append({"child": child.name, **arm_quality(ref, outcome, child.answer, setup.decode,
                                                                          answer_matches, ref_steps, steps, stop)})
         out = {arm: summarize(rows) for arm, rows in per_arm.items()}
