@@ -49,6 +49,32 @@ def test_bad_config_on_the_command_line_is_rejected(tmp_path):
     assert "profile" in text and "tpu" in text
 
 
+def _planned_threads(text: str) -> dict[str, int]:
+    """rule -> its threads in a dry run's job listing (Snakemake prints `threads:` only when it is not 1)."""
+    out = {}
+    for block in re.split(r"^(?=rule \w+:)", text, flags=re.M):
+        m = re.match(r"rule (\w+):", block)
+        if m:
+            t = re.search(r"^    threads: (\d+)", block, re.M)
+            out[m.group(1)] = int(t.group(1)) if t else 1
+    return out
+
+
+# Snakemake exports a job's threads as OMP_NUM_THREADS: a stage rule that declares none runs torch on one thread
+LIGHT_STAGES = {"sources", "kernels", "model", "report"}
+
+
+def test_stages_that_compute_declare_two_threads_and_make_test_caps_them(tmp_path):
+    full = _planned_threads(_snakemake("-n", "--forceall", "--cores", "2", tmp_path=tmp_path).stdout)
+    assert set(full) >= set(STAGES), sorted(set(STAGES) - set(full))
+    assert {s: full[s] for s in STAGES if s not in LIGHT_STAGES} == {s: 2 for s in STAGES if s not in LIGHT_STAGES}
+    assert all(full[s] == 1 for s in LIGHT_STAGES & set(full))
+    capped = _planned_threads(_snakemake("-n", "--forceall", "--cores", "2", "--max-threads", "1",
+                                         tmp_path=tmp_path).stdout)
+    assert set(capped.values()) == {1}
+    assert '--max-threads "$OMP_NUM_THREADS"' in (ROOT / "scripts" / "test.sh").read_text()
+
+
 def test_every_stage_rule_is_one_kmesh_call():
     for stage in STAGES:
         smk = (ROOT / "workflow" / "rules" / f"{stage}.smk").read_text()

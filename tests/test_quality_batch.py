@@ -101,3 +101,17 @@ def test_batched_refusals(runner, outcomes):
         runner.extend_batch(k, k.clone(), T, torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ModelError, match="batched K/V"):
         runner.extend_batch(k, k.clone(), T - 1, torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_batch_runs_in_the_models_dtype():
+    """A bfloat16 model's states batch as bfloat16 (a float32 buffer would meet bf16 queries in attention)."""
+    runner = LayerRunner(tiny_llama().to(torch.bfloat16))
+    outs = [_outcome(runner, s) for s in range(2)]
+    conts = [_decoded(runner, o, 4) for o in outs]
+    got = teacher_forced_logits_batch(runner, outs, conts)
+    for o, cont, rows in zip(outs, conts, got):
+        assert rows.dtype == torch.bfloat16
+        one = teacher_forced_logits(runner, o, cont)
+        scale = float(one.abs().max())
+        torch.testing.assert_close(rows.float(), one.float(), rtol=0, atol=0.05 * scale)
+    assert [len(t) for t in decode_batch(runner, outs, 4)] == [4, 4]

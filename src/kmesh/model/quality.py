@@ -131,7 +131,6 @@ def _batched_prefix(runner: Any, outcomes: Sequence[Any], extra: int) -> tuple[t
     return k, v, T
 
 
-@torch.no_grad()
 def teacher_forced_logits_batch(runner: Any, outcomes: Sequence[Any],
                                 tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """teacher_forced_logits of every outcome (all of one prompt length) along its own continuation tokens[b], as
@@ -152,7 +151,6 @@ def teacher_forced_logits_batch(runner: Any, outcomes: Sequence[Any],
     return [torch.cat([f, steps[b, :len(t) - 1]]) for b, (f, t) in enumerate(zip(first, tokens))]
 
 
-@torch.no_grad()
 def decode_batch(runner: Any, outcomes: Sequence[Any], max_new_tokens: int,
                  stop_ids: Collection[int] = ()) -> list[list[int]]:
     """Every outcome's greedy continuation (LayerRunner.decode's rule: the first token from its prefill logits,

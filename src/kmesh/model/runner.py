@@ -350,7 +350,6 @@ class LayerRunner:
         return torch.cat([first_logits[None], self.extend(cache, length, torch.tensor(
             [int(t) for t in fed], device=self.device))])
 
-    @torch.no_grad()
     def extend_batch(self, k: torch.Tensor, v: torch.Tensor, length: int, ids: torch.Tensor) -> torch.Tensor:
         """`extend` for B requests at once, each over K/V of its own: k, v [layers, B, slots, kv_heads, D] hold
         every request's first `length` positions; ids [B, n] are fed at positions length..length+n-1 (their K/V
@@ -359,29 +358,31 @@ class LayerRunner:
         One pass reads the weights once for all B rows: what batching buys where a step is bound by reading the
         weights (decode, short continuations). A row's logits equal its own `extend`'s up to float rounding (the
         matrix products see B·n rows instead of n), not bit for bit."""
-        B, n = ids.shape
-        if k.shape != v.shape or k.dim() != 5 or k.shape[:2] != (self.num_layers, B):
-            raise ModelError(f"batched K/V must be [{self.num_layers}, {B}, slots, kv_heads, D], got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
-        if length + n > k.shape[2]:
-            raise ModelError(f"batched K/V of {k.shape[2]} slots cannot hold {length} + {n} tokens")
-        pos = torch.arange(length, length + n, device=self.device)
-        cos, sin = self.rotary(pos)
-        rot = (cos.repeat(B, 1), sin.repeat(B, 1))
-        flat_pos = pos.repeat(B)
-        m = length + n
-        # one query per row at the last position sees every key: no mask, as decode_step
-        mask = None if n == 1 else (torch.arange(m, device=self.device)[None, :] <= pos[:, None])
-        h = self.embed(ids.reshape(-1))
-        for layer in range(self.num_layers):
-            q, kk, vv = self.qkv(layer, h, flat_pos, rot)
-            k[layer, :, length:m] = kk.view(B, n, self.num_kv_heads, self.head_dim)
-            v[layer, :, length:m] = vv.view(B, n, self.num_kv_heads, self.head_dim)
-            out = _sdpa(q.view(B, n, self.num_heads, self.head_dim).transpose(1, 2),
-                        k[layer, :, :m].transpose(1, 2), v[layer, :, :m].transpose(1, 2),
-                        attn_mask=mask, scale=self.scale, enable_gqa=self.groups > 1)
-            h = self.finish_layer(layer, h, out.transpose(1, 2).reshape(B * n, self.num_heads * self.head_dim))
-        return self.logits(h).view(B, n, -1)
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            B, n = ids.shape
+            if k.shape != v.shape or k.dim() != 5 or k.shape[:2] != (self.num_layers, B):
+                raise ModelError(f"batched K/V must be [{self.num_layers}, {B}, slots, kv_heads, D], got "
+                                 f"{tuple(k.shape)} and {tuple(v.shape)}")
+            if length + n > k.shape[2]:
+                raise ModelError(f"batched K/V of {k.shape[2]} slots cannot hold {length} + {n} tokens")
+            pos = torch.arange(length, length + n, device=self.device)
+            cos, sin = self.rotary(pos)
+            rot = (cos.repeat(B, 1), sin.repeat(B, 1))
+            flat_pos = pos.repeat(B)
+            m = length + n
+            # one query per row at the last position sees every key: no mask, as decode_step
+            mask = None if n == 1 else (torch.arange(m, device=self.device)[None, :] <= pos[:, None])
+            h = self.embed(ids.reshape(-1))
+            for layer in range(self.num_layers):
+                q, kk, vv = self.qkv(layer, h, flat_pos, rot)
+                k[layer, :, length:m] = kk.view(B, n, self.num_kv_heads, self.head_dim)
+                v[layer, :, length:m] = vv.view(B, n, self.num_kv_heads, self.head_dim)
+                out = _sdpa(q.view(B, n, self.num_heads, self.head_dim).transpose(1, 2),
+                            k[layer, :, :m].transpose(1, 2), v[layer, :, :m].transpose(1, 2),
+                            attn_mask=mask, scale=self.scale, enable_gqa=self.groups > 1)
+                h = self.finish_layer(layer, h, out.transpose(1, 2).reshape(B * n, self.num_heads * self.head_dim))
+            return self.logits(h).view(B, n, -1)
 
     @torch.no_grad()
     def extend(self, cache: KVCache, length: int, ids: torch.Tensor) -> torch.Tensor:
