@@ -5,12 +5,13 @@ matched repair arm's count, timed rounds with an end-to-end arm through a real s
 the report's table and plot. kmesh.frontier's dominance rules on their own. ~15 s."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from kmesh.child import ChildContext
+from kmesh.child import ChildContext, full_reference
 from kmesh.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
 from kmesh.model.blend import RepairConfig
 from kmesh.model.runner import LayerRunner
@@ -47,6 +48,10 @@ def setup():
     placeholder = build_rag(tok, 1, RagSpec(**RAG["workload"]))
     export = leader_prefill(runner, placeholder, b"kmesh-rag-test/placeholder")
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(check_layers=(1,)), 4)
+    # an end-of-turn token the first child's full continuation reaches at its second token: continuations of
+    # different lengths meet in the batched decode, and one that ignored it would run past it
+    first = build_rag(tok, _Cfg.seed, RagSpec(**RAG["workload"])).children[0]
+    ctx = dataclasses.replace(ctx, stop_ids=(full_reference(ctx, first).tokens[1],))
     sec = {"rag": RAG, "repair": {"check_layers": [1], "recompute_ratio": 0.15},
            # stock's check layer differs from repair's: stock-matched must take stock's (its layers before it
            # recompute every position), not whichever arm's config comes first
@@ -75,7 +80,7 @@ def test_every_arm_measured_checked_and_timed(ran):
     assert out["arms"] == ARMS and list(out["quality"]) == ARMS and out["matched_arm"] == "repair-0.30"
     assert all(out["quality"][a]["children"] == 3 for a in ARMS)
     quality = next(c for c in res.cases if c.id == "rag-quality")
-    for check in ("arms_used_segments", "every_arm_recomputed_what_its_rule_says",
+    for check in ("arms_used_segments", "every_arm_recomputed_what_its_rule_says", "continuations_end_as_decode_says",
                   "stock_matched_budget_equals_matched_repair", "teacher_forcing_reproduces_full_tokens"):
         assert quality.checks[check]["ok"] is True, check
     q = out["quality"]
@@ -211,3 +216,13 @@ def test_workload_is_the_seeds_and_each_workload_check_can_fail(setup):
     edited[p.start] = (edited[p.start] + 1) % 300
     assert failed(dataclasses.replace(w, children=(c0, dataclasses.replace(c1, ids=tuple(edited)), c2))) == {
         "chunks_in_children"}
+
+
+def test_continuation_fault_is_decodes_rule():
+    assert rag.continuation_fault([5, 6, 7, 8], 4, (9,)) is None
+    assert rag.continuation_fault([5, 9], 4, (9,)) is None                  # ended at its end-of-turn
+    assert rag.continuation_fault([9], 4, (9,)) is None
+    assert "past an end-of-turn" in rag.continuation_fault([9, 5, 6, 7], 4, (9,))
+    assert "1 of 4" in rag.continuation_fault([5], 4, (9,))                  # cut short: a prefill's first token only
+    assert "5 of 4" in rag.continuation_fault([5, 6, 7, 8, 1], 4, ())
+    assert "0 of 4" in rag.continuation_fault([], 4, ())

@@ -146,6 +146,17 @@ def _workload_checks(case: Case, workload: Workload) -> None:
                                          for c in workload.children for p in c.placements))
 
 
+def continuation_fault(tokens: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> str | None:
+    """What is wrong with a greedy continuation under decode's rule (None: nothing): it must hold max_new_tokens
+    tokens, or end at its first end-of-turn token."""
+    stop = set(stop_ids)
+    if any(t in stop for t in tokens[:-1]):
+        return "continues past an end-of-turn token"
+    if len(tokens) > max_new_tokens or (len(tokens) < max_new_tokens and (not tokens or tokens[-1] not in stop)):
+        return f"{len(tokens)} of {max_new_tokens} tokens, not ended by an end-of-turn token"
+    return None
+
+
 def expected_recomputed(arm: FrontierArm, child: Child, repair_masks: torch.Tensor | None) -> int | None:
     """What the arm's rule says it recomputes at the last layer, computed from the workload's placements (not the
     arm's code)."""
@@ -187,6 +198,7 @@ def _quality(case: Case, setup: ModelSetup, ctx: ChildContext, export: Export, w
     wrong_count: dict[str, dict[str, Any]] = {}
     reproduces: dict[str, Any] = {}
     rerun_identical: dict[str, bool] = {}
+    cut_short: dict[str, dict[str, Any]] = {}
     # the reuse arms' prefills run one by one; their decode steps and every state's teacher forcing run for
     # `quality_batch_children` children at once, each step reading the weights once for all of their rows
     batch = int(setup.sec["rag"].get("quality_batch_children", 1))
@@ -220,6 +232,10 @@ def _quality(case: Case, setup: ModelSetup, ctx: ChildContext, export: Export, w
         for key, tokens in zip(reuse, decode_batch(setup.runner, [outcomes[k] for k in reuse], ctx.max_new_tokens,
                                                    ctx.stop_ids)):
             outcomes[key].tokens = tokens
+        for (c, a), o in [*(((c, None), r) for c, r in refs.items()), *outcomes.items()]:
+            fault = continuation_fault(o.tokens, ctx.max_new_tokens, ctx.stop_ids)
+            if fault is not None:
+                cut_short.setdefault(c, {})[a or "reference"] = {"fault": fault, "tokens": len(o.tokens)}
         states = [(name, None, ref) for name, ref in refs.items()] + [(c, a, o) for (c, a), o in outcomes.items()]
         forced = teacher_forced_logits_batch(setup.runner, [o for _, _, o in states],
                                              [refs[c].tokens for c, _, _ in states])
@@ -239,6 +255,8 @@ def _quality(case: Case, setup: ModelSetup, ctx: ChildContext, export: Export, w
     case.check("teacher_forcing_reproduces_full_tokens", all(r["ok"] for r in reproduces.values()),
                value={k: v for k, v in reproduces.items() if not v["ok"]})
     case.check("every_arm_recomputed_what_its_rule_says", not wrong_count, value=wrong_count)
+    # every continuation, batched or not, is what decode's rule gives: max_new_tokens, or up to an end-of-turn
+    case.check("continuations_end_as_decode_says", not cut_short, value=cut_short)
     # what the KL and agreement are measured against is reproducible, bit for bit
     case.check("full_recompute_bit_identical", all(rerun_identical.values()), value=rerun_identical)
     budgets = {c: (rows[matched][i]["recomputed_positions"], rows["stock-matched"][i]["recomputed_positions"])
