@@ -78,6 +78,12 @@ def test_teacher_forced_batch_equals_one_at_a_time(runner, outcomes):
         assert rows.shape == (len(cont), TINY["vocab_size"])
         assert torch.equal(rows[0], o.logits)
         torch.testing.assert_close(rows, one, rtol=TOL, atol=TOL)
+    # two fed tokens (the shortest forward with a causal mask among the fed tokens)
+    three = [t[:3] for t in conts if len(t) >= 3]
+    for o, cont, rows in zip([o for o, t in zip(outcomes, conts) if len(t) >= 3], three,
+                             teacher_forced_logits_batch(runner, [o for o, t in zip(outcomes, conts) if len(t) >= 3],
+                                                         three)):
+        torch.testing.assert_close(rows, teacher_forced_logits(runner, o, cont), rtol=TOL, atol=TOL)
     # a row's logits do not depend on what the other rows are fed, nor on how far they are padded
     alone = teacher_forced_logits_batch(runner, outcomes[2:3], conts[2:3])[0]
     torch.testing.assert_close(alone, got[2], rtol=TOL, atol=TOL)
@@ -97,6 +103,11 @@ def test_batched_refusals(runner, outcomes):
     with pytest.raises(ValueError, match="different shapes"):
         decode_batch(runner, [outcomes[1], short], 4)
     k = torch.zeros(runner.num_layers, 2, T + 1, runner.num_kv_heads, runner.head_dim)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(ModelError, match="batched K/V"):      # K and V of different shapes, each well formed
+        runner.extend_batch(k, k[:, :, :T].clone(), T - 1, ids)
+    with pytest.raises(ModelError, match="batched K/V"):      # not [layers, B, slots, heads, D]
+        runner.extend_batch(k.flatten(3), k.flatten(3).clone(), T - 1, ids)
     with pytest.raises(ModelError, match="cannot hold"):
         runner.extend_batch(k, k.clone(), T, torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ModelError, match="batched K/V"):
