@@ -54,6 +54,7 @@ def test_decode_batch_gives_each_rows_own_greedy_tokens(runner, outcomes):
     assert len({tuple(t) for t in single}) > 1           # the rows differ: a mixed-up row would show
     assert all(torch.equal(o.k, k) and torch.equal(o.v, v) for o, (k, v) in zip(outcomes, before))
     assert decode_batch(runner, outcomes, 1) == [t[:1] for t in single]
+    assert decode_batch(runner, outcomes, 2) == [t[:2] for t in single]     # one step
 
 
 def test_decode_batch_stops_each_row_at_its_own_end_of_turn(runner, outcomes):
@@ -65,6 +66,9 @@ def test_decode_batch_stops_each_row_at_its_own_end_of_turn(runner, outcomes):
     assert got == want
     assert got[0] == free[0][:free[0].index(stop[0]) + 1]
     assert any(len(t) == 9 for t in got)                   # a row that never stops runs on beside the stopped one
+    # every row ends inside the loop (each at its second token or before): the rows so far, not nothing
+    seconds = tuple({t[1] for t in free})
+    assert decode_batch(runner, outcomes, 9, seconds) == [_decoded(runner, o, 9, seconds) for o in outcomes]
     # every row stopped at its first token: nothing is computed
     firsts = tuple(t[0] for t in free)
     assert decode_batch(runner, outcomes, 9, firsts) == [t[:1] for t in free]
@@ -78,7 +82,13 @@ def test_teacher_forced_batch_equals_one_at_a_time(runner, outcomes):
         assert rows.shape == (len(cont), TINY["vocab_size"])
         assert torch.equal(rows[0], o.logits)
         torch.testing.assert_close(rows, one, rtol=TOL, atol=TOL)
-    # two fed tokens (the shortest forward with a causal mask among the fed tokens)
+    # one fed token (a continuation of two) and two (the shortest forward with a causal mask among the fed tokens)
+    two = [t[:2] for t in conts if len(t) >= 2]
+    for o, cont, rows in zip([o for o, t in zip(outcomes, conts) if len(t) >= 2], two,
+                             teacher_forced_logits_batch(runner, [o for o, t in zip(outcomes, conts) if len(t) >= 2],
+                                                         two)):
+        assert rows.shape[0] == 2
+        torch.testing.assert_close(rows, teacher_forced_logits(runner, o, cont), rtol=TOL, atol=TOL)
     three = [t[:3] for t in conts if len(t) >= 3]
     for o, cont, rows in zip([o for o, t in zip(outcomes, conts) if len(t) >= 3], three,
                              teacher_forced_logits_batch(runner, [o for o, t in zip(outcomes, conts) if len(t) >= 3],
