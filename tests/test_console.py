@@ -59,10 +59,14 @@ def _replay(name: str, results: Path, returncode: int, dry_run: bool = False) ->
     return out.getvalue().splitlines()
 
 
-def _write_summary(results: Path, stage: str, passed: int, failed: int, skipped: int) -> None:
+def _write_summary(results: Path, stage: str, passed: int, failed: int, skipped: int,
+                   cpu_s: float | None = None) -> None:
     path = results / "cpu" / stage / "result.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"summary": {"passed": passed, "failed": failed, "skipped": skipped}}))
+    data: dict = {"summary": {"passed": passed, "failed": failed, "skipped": skipped}}
+    if cpu_s is not None:
+        data["provenance"] = {"resources": {"cpu_s": cpu_s}}
+    path.write_text(json.dumps(data))
 
 
 def _lines_per_stage(lines: list[str]) -> dict[str, int]:
@@ -121,14 +125,14 @@ def test_the_plan_of_a_dry_run(tmp_path):
 # --- the console lines for recorded output ----------------------------------------------------------------------
 
 def test_console_of_a_real_run(tmp_path):
-    _write_summary(tmp_path, "sources", 8, 0, 0)
-    _write_summary(tmp_path, "kernels", 5, 0, 4)
+    _write_summary(tmp_path, "sources", 8, 0, 0, cpu_s=12.4)
+    _write_summary(tmp_path, "kernels", 5, 0, 4)   # a result written before CPU seconds were kept: none shown
     assert _replay("run.log", tmp_path, 0) == [
         f"[kmesh] pipeline: Snakemake's full log -> {tmp_path}/cpu/logs/snakemake.log",
         "[kmesh] sources        started",
-        "[kmesh] sources        ok      8 passed, 0 failed, 0 skipped       1.0 s  [1/2]",
+        "[kmesh] sources        ok      8 passed, 0 failed, 0 skipped       1.0 s     12 CPU-s  [1/2]",
         "[kmesh] kernels        started",
-        "[kmesh] kernels        ok      5 passed, 0 failed, 4 skipped       1.0 s  [2/2]",
+        "[kmesh] kernels        ok      5 passed, 0 failed, 4 skipped       1.0 s               [2/2]",
         f"[kmesh] pipeline ok: 2 stages ran in 5.0 s (full log {tmp_path}/cpu/logs/snakemake.log)",
     ]
 
@@ -280,7 +284,7 @@ def test_a_real_run_prints_a_few_lines_and_keeps_the_full_log(results):
     lines = out.stdout.splitlines()
     assert lines[0] == f"[kmesh] pipeline: Snakemake's full log -> {results}/cpu/logs/snakemake.log"
     assert lines[1] == "[kmesh] sources        started"
-    assert re.fullmatch(r"\[kmesh\] sources        ok      \d+ passed, 0 failed, \d+ skipped +[\d.]+ s  \[1/1\]",
+    assert re.fullmatch(r"\[kmesh\] sources        ok      \d+ passed, 0 failed, \d+ skipped +[\d.]+ s +\d+ CPU-s  \[1/1\]",
                         lines[2]), lines[2]
     assert lines[3].startswith("[kmesh] pipeline ok: 1 stage ran in ")
     assert len(lines) == 4 and _lines_per_stage(lines) == {"sources": 2}

@@ -163,3 +163,21 @@ def test_cli_exits_nonzero_and_names_an_unallowed_skip_as_a_failure(tmp_path, ca
     assert rc == 1
     assert "FAILED compile:" in err and "skip not allowed" in err and "no nvcc" in err
     assert "skipped (allowed" in err and "load:" in err
+
+
+def test_a_written_result_records_the_cpu_of_the_stage_and_of_the_children_it_waited_for(cfg, tmp_path):
+    import subprocess
+    import sys
+
+    res = Result.begin("unit", cfg)
+    with res.case("ok") as c:
+        c.check("a", True)
+    first = load_result(res.write(tmp_path / "a.json"))["provenance"]["resources"]
+    # a child that spins for ~0.4 s of CPU, then is waited for: its CPU joins the children's, not the stage's own
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"],
+                   check=True)
+    second = load_result(res.write(tmp_path / "b.json"))["provenance"]["resources"]
+    assert second["children_cpu_s"] - first["children_cpu_s"] >= 0.35
+    assert second["own_cpu_s"] >= first["own_cpu_s"] > 0
+    assert second["cpu_s"] == pytest.approx(second["own_cpu_s"] + second["children_cpu_s"], abs=0.002)
+    assert second["max_rss_mib"] > 10

@@ -23,6 +23,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     s = result.summary()
     print(f"[kmesh] {args.stage} ({cfg.profile}): {s['passed']} passed, {s['failed']} failed, "
           f"{s['skipped']} skipped ({len(s['skips_unallowed'])} not allowed) -> {out}")
+    use = result.provenance["resources"]
+    print(f"[kmesh] {args.stage}: {use['cpu_s']:.0f} CPU-s ({use['own_cpu_s']:.0f} its own, "
+          f"{use['children_cpu_s']:.0f} its reaped children's), peak RSS {use['max_rss_mib']:.0f} MiB")
     allowed = {a["case"]: a for a in s["skips_allowed"]}
     for c in result.cases:
         if c.passed is False:

@@ -5,11 +5,12 @@ a child process, writes everything it prints to `<results_dir>/<profile>/logs/sn
 `snakemake-dry-run.log`), follows that text line by line and prints at most three lines per stage:
 
     [kmesh] sources        started
-    [kmesh] sources        ok      8 passed, 0 failed, 0 skipped       7.1 s  [1/2]
+    [kmesh] sources        ok      8 passed, 0 failed, 0 skipped       7.1 s      6 CPU-s  [1/2]
     [kmesh] kernels        FAILED  1 passed, 4 failed, 4 skipped       3.0 s  log results/cpu/logs/kernels.log
     [kmesh]   first failure: compile:blake3: nvcc_ok, cubin_written
 
-and one closing line. The counts of a finished stage come from its result.json summary; Snakemake deletes the
+and one closing line. The counts of a finished stage come from its result.json summary, its CPU seconds (its own
+and its reaped children's) from the result's provenance; Snakemake deletes the
 outputs of a failed job, so a failed stage's counts come from the summary line `kmesh run` wrote to its log.
 Snakemake's own exit status is returned.
 
@@ -241,6 +242,14 @@ def _counts(summary: dict[str, Any]) -> str:
     return f"{summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped"
 
 
+def _cpu_seconds(result: dict[str, Any] | None) -> float | None:
+    """The stage's CPU seconds from its result's provenance (None for a result written before they were kept)."""
+    try:
+        return float(result["provenance"]["resources"]["cpu_s"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _read_lines(path: Path) -> list[str]:
     try:
         return path.read_text(errors="replace").splitlines()
@@ -299,10 +308,13 @@ class Console:
         if started is None or not started.outputs:
             return
         self.finished.append(event.rule)
-        summary = self._result_summary(started)
-        counts = _counts(summary) if summary else ""
+        data = self._result_data(started)
+        counts = _counts(data["summary"]) if data else ""
+        cpu = _cpu_seconds(data)
+        cpu_text = f"{cpu:>5.0f} CPU-s" if cpu is not None else ""
         steps = f"[{event.done}/{event.total}]" if event.done is not None else ""
-        self.say(f"{event.rule:<{RULE_WIDTH}}  ok      {counts:<31} {format_seconds(self.clock() - t0):>9}  {steps}")
+        self.say(f"{event.rule:<{RULE_WIDTH}}  ok      {counts:<31} {format_seconds(self.clock() - t0):>9}  "
+                 f"{cpu_text:>11}  {steps}")
 
     def _failed(self, event: JobFailed) -> None:
         started, t0 = self.running.pop(event.jobid, (None, None))
@@ -324,13 +336,13 @@ class Console:
         path = Path(name)
         return path if path.is_absolute() else self.workdir / path
 
-    def _result_summary(self, job: JobStarted) -> dict[str, Any] | None:
+    def _result_data(self, job: JobStarted) -> dict[str, Any] | None:
         for name in job.outputs:
             if name.endswith("/result.json") or name == "result.json":
                 try:
-                    summary = json.loads(self._path(name).read_text())["summary"]
-                    _counts(summary)
-                    return summary
+                    data = json.loads(self._path(name).read_text())
+                    _counts(data["summary"])
+                    return data
                 except (OSError, ValueError, KeyError, TypeError):
                     return None
         return None

@@ -109,6 +109,17 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def resource_use() -> dict[str, float]:
+    """CPU seconds and peak memory of this process and of the children it has waited for (getrusage). A process
+    the stage started but never reaped (one reaped by init after its parent let it go) is not counted."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, waited = me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    return {"cpu_s": round(own + waited, 3), "own_cpu_s": round(own, 3), "children_cpu_s": round(waited, 3),
+            "max_rss_mib": round(me.ru_maxrss / 1024, 1), "children_max_rss_mib": round(kids.ru_maxrss / 1024, 1)}
+
+
 def collect(cfg: Config) -> dict[str, Any]:
     return {
         "kmesh": {"version": dist_version("kmesh"), **git_revision(cfg.root)},

@@ -196,10 +196,11 @@ class Result:
                 "timings": to_jsonable(self.timings), "summary": self.summary()}
 
     def write(self, path: str | os.PathLike[str]) -> Path:
-        """Atomically write the file (temp + rename), stamping the end time."""
-        from kmesh.provenance import now
+        """Atomically write the file (temp + rename), stamping the end time and the CPU spent so far."""
+        from kmesh.provenance import now, resource_use
 
         self.provenance["end"] = now()
+        self.provenance["resources"] = resource_use()
         return write_json_atomic(path, self.to_dict())
 
 
