@@ -519,6 +519,60 @@ def test_quality_case_stock_matched_gets_the_repair_count(env):
     assert set(same) == {"A", "B"} and claim["children_same_positions_recomputed"] == sum(same.values())
 
 
+def test_quality_claim_counts_are_the_per_child_comparisons(env, monkeypatch):
+    """The repair-vs-stock-matched record: its child counts are the per-child rows' own comparisons, and
+    children_same_positions_recomputed counts the children whose stock-matched mask equals repair's (here made
+    equal on purpose: stock-matched handed repair's outcome)."""
+    setup = _quality_setup(env)
+    res = Result("equivalence", "test", provenance={})
+    quality, claim = eq_stage._quality_case(res, setup, env.refs)
+    per = res.cases[-1].checks["per_child"]["value"]
+    lower = sum(r["kl_teacher_forced"] < m["kl_teacher_forced"] for r, m in zip(per["repair"], per["stock-matched"]))
+    assert claim["children"] == len(env.workload.children) == 2
+    assert claim["children_repair_lower_kl_teacher_forced"] == lower
+    for key in ("kl_first_token_mean", "kl_teacher_forced_mean"):
+        assert claim[key] == {"repair": quality["repair"][key], "stock-matched": quality["stock-matched"][key],
+                              "met": quality["repair"][key] < quality["stock-matched"][key]}
+    assert res.cases[-1].checks["claim_repair_better_than_stock_matched"]["value"] == claim
+
+    real = eq_stage.run_child
+
+    def matched_is_repair(ctx, child, source, staging, private, arm="repair"):
+        if ctx.repair.recompute_counts is not None:            # stock-matched's fixed budget
+            return env.refs[RefKey(REPAIR, child.name)]
+        return real(ctx, child, source, staging, private, arm=arm)
+
+    monkeypatch.setattr(eq_stage, "run_child", matched_is_repair)
+    res = Result("equivalence", "test", provenance={})
+    _, claim = eq_stage._quality_case(res, setup, env.refs)
+    same = res.cases[-1].checks["stock_matched_recomputed_the_same_positions_as_repair"]["value"]
+    assert same == {"A": True, "B": True} and claim["children_same_positions_recomputed"] == 2
+    assert claim["children_repair_lower_kl_teacher_forced"] == 0      # equal KL is not lower
+
+
+def test_quality_arm_that_fell_back_fails_arms_used_segments(env, monkeypatch):
+    """An arm whose segments could not be used recomputes in full (its fallback): its numbers would be full's,
+    not the arm's, so the case fails and names the child and arm."""
+    real = eq_stage.run_child
+    objects = _objects(env.export)
+    first = env.export.catalog.entries[0].key
+    objects[first][7] ^= 0x01
+
+    def naive_from_a_corrupt_object(ctx, child, source, staging, private, arm="repair"):
+        if arm == "naive" and child.name == "B":
+            source = InProcessSegments(env.export, objects)
+        return real(ctx, child, source, staging, private, arm=arm)
+
+    monkeypatch.setattr(eq_stage, "run_child", naive_from_a_corrupt_object)
+    res = Result("equivalence", "test", provenance={})
+    eq_stage._quality_case(res, _quality_setup(env), env.refs)
+    (case,) = res.cases
+    check = case.checks["arms_used_segments"]
+    assert check["ok"] is False and case.passed is False
+    assert check["value"]["A"] == {} and list(check["value"]["B"]) == ["naive"]
+    assert "SegmentCorruptError" in str(check["value"]["B"]["naive"])
+
+
 def _flip_bit(t, index):
     out = t.clone()
     out.view(-1).view(torch.uint8)[index] ^= 0x01
@@ -572,6 +626,54 @@ def test_negative_controls_case_passes(env):
     assert set(case.checks) == {"identical_to_a_rerun", "k_bit_flip_caught", "v_bit_flip_caught",
                                 "logits_bit_flip_caught", "mask_flip_caught", "token_change_caught",
                                 "staged_byte_flip_caught"}
+
+
+def _negative_controls_with(env, monkeypatch, distort):
+    """negative_controls with its comparator's answers passed through `distort(a, b, cmp)`: a detector that
+    misses or misplaces a perturbation."""
+    real = controls.compare_states
+    monkeypatch.setattr(controls, "compare_states", lambda a, b: distort(a, b, real(a, b)))
+    res = Result("equivalence", "test", provenance={})
+    controls.negative_controls(res, env.setup, env.refs)
+    (case,) = res.cases
+    assert case.error is None, case.error
+    return case
+
+
+def test_a_k_flip_seen_in_the_wrong_layers_fails_its_negative_control(env, monkeypatch):
+    # the comparator sees K change, but in every layer, not the one flipped: caught, but not where it was made
+    case = _negative_controls_with(env, monkeypatch, lambda a, b, cmp: cmp if torch.equal(a.k, b.k)
+                                   else {**cmp, "k_equal_layers": 0, "first_unequal_layer": 0})
+    assert case.checks["k_bit_flip_caught"]["ok"] is False and case.passed is False
+    assert case.checks["v_bit_flip_caught"]["ok"] and case.checks["logits_bit_flip_caught"]["ok"]
+
+
+def test_a_logits_flip_the_logits_comparison_misses_fails_its_negative_control(env, monkeypatch):
+    # logits_equal misses the flip; the state still differs in max_abs_diff, which alone must not pass the control
+    case = _negative_controls_with(env, monkeypatch, lambda a, b, cmp: cmp if torch.equal(a.logits, b.logits)
+                                   else {**cmp, "logits_equal": True})
+    assert case.checks["logits_bit_flip_caught"]["ok"] is False and case.passed is False
+    assert case.checks["k_bit_flip_caught"]["ok"]
+
+
+def test_a_stager_that_does_not_check_digests_fails_the_staged_byte_control(env, monkeypatch):
+    monkeypatch.setattr(controls, "stage_segments", lambda source, staging, catalog: None)
+    res = Result("equivalence", "test", provenance={})
+    controls.negative_controls(res, env.setup, env.refs)
+    (case,) = res.cases
+    check = case.checks["staged_byte_flip_caught"]
+    assert check["ok"] is False and check["value"] == "no error" and case.passed is False
+
+
+def test_failure_controls_refuse_a_catalog_of_one_segment():
+    """They fail at segment 1 with segment 0 restored: a one-segment catalog cannot host them (a clear error, not
+    an IndexError); two segments can."""
+    one = SimpleNamespace(export=SimpleNamespace(catalog=SimpleNamespace(entries=(object(),))))
+    with pytest.raises(controls.ControlSetupError, match="this catalog has 1 segment"):
+        controls.failure_controls(Result("equivalence", "test", provenance={}), one, None, {})
+    two = SimpleNamespace(export=SimpleNamespace(catalog=SimpleNamespace(entries=(object(), object()))))
+    with pytest.raises(AttributeError):     # past the refusal: it reaches for the rest of the setup
+        controls.failure_controls(Result("equivalence", "test", provenance={}), two, None, {})
 
 
 # --- 7. the seven failure controls against a real service --------------------------------------------------------
