@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from kmesh.vllm.engine import EngineProcess
+from kmesh.vllm.engine import EngineProcess, engine_env
 
 
 def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp_path, monkeypatch):
@@ -23,3 +23,18 @@ def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp
     assert not a.tmpdir.exists() and b.tmpdir.is_dir()      # one engine's end removes its own directory only
     b.kill()
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_engines_run_without_torch_compile_unless_the_caller_says_otherwise(tmp_path, monkeypatch):
+    """vLLM's sampler compiles its logprob-rank helper with inductor at an engine's first logprobs request (16-25 s
+    on the 2-core machine): every engine runs with torch.compile off, which a caller's own setting overrides."""
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert engine_env()["TORCH_COMPILE_DISABLE"] == "1"
+    eng = EngineProcess(tmp_path / "no-model", None, wait=False)
+    try:
+        assert b"TORCH_COMPILE_DISABLE=1" in Path(f"/proc/{eng.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        eng.kill()
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    assert engine_env()["TORCH_COMPILE_DISABLE"] == "0"

@@ -53,6 +53,13 @@ WORKAROUNDS = {
 
 def engine_env(threads_bind: str = "0-1", kv_space_gib: int = 1) -> dict[str, str]:
     env = dict(os.environ)
+    # torch.compile off (a value already set wins). The engines run enforce_eager, so the model is never compiled;
+    # what vLLM still compiles is a helper of its sampler (the logprob ranks, inductor on the CPU). The first request
+    # of an engine that asks for logprobs paid that: 16-25 s on the 2-core machine (TMPDIR is the engine's own, so
+    # inductor's cache was never reused; with a shared cache still 14 s of tracing), 2 s without. The eager helper
+    # counts the same integers: tokens and every logprob were equal, compiled and not (12 tokens, top 20 each).
+    # Every arm, KMesh's and the peers', runs through this.
+    env.setdefault("TORCH_COMPILE_DISABLE", "1")
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=threads_bind,
                VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), LMCACHE_TRACK_USAGE="false", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
