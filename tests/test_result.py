@@ -174,8 +174,8 @@ def test_a_written_result_records_the_cpu_of_the_stage_and_of_the_children_it_wa
         c.check("a", True)
     first = load_result(res.write(tmp_path / "a.json"))["provenance"]["resources"]
     # a child that spins for ~0.4 s of CPU, then is waited for: its CPU joins the children's, not the stage's own
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"],
-                   check=True)
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
     second = load_result(res.write(tmp_path / "b.json"))["provenance"]["resources"]
     assert second["children_cpu_s"] - first["children_cpu_s"] >= 0.35
     assert second["own_cpu_s"] >= first["own_cpu_s"] > 0
