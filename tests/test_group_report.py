@@ -9,6 +9,7 @@ def _row(n: int, serial: float, batched: float) -> dict:
             "serial_ms_per_child": serial, "layer_major_ms_per_child": serial, "batched_ms_per_child": batched,
             "ratio_layer_major_over_serial": 1.0, "ratio_batched_over_serial": batched / serial,
             "speedup_batched": serial / batched, "layer_major_faster_pairs": 1, "batched_faster_pairs": 2,
+            "spread": {a: {"iqr_over_median": 0.1 * n} for a in ("serial", "layer_major", "batched")},
             "peak_memory": {a: {"bytes": 2**20 * n, "what": "host process peak RSS above baseline"}
                             for a in ("serial", "layer_major", "batched")}}
 
@@ -19,6 +20,7 @@ def test_scaling_table_plot_and_bytes_held(tmp_path):
     df = tables.scaling_frame(scaling)
     assert list(df["children"]) == [1, 4] and df["speedup batched"].iloc[1] == 2.0
     assert df["peak batched [MiB]"].iloc[1] == 4.0
+    assert df["serial IQR/median"].iloc[1] == 0.4    # the baseline's spread beside its ratios
     assert "host process peak RSS" in tables.scaling_caption("group", scaling)
     written = tables.write_table(df, tmp_path / "group_scaling", ["md", "csv"])
     assert "children" in written[0].read_text() and written[1].read_text().startswith("children,")

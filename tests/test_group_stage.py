@@ -175,3 +175,67 @@ def test_rotation_check_fails_on_any_backend_when_a_byte_differs(env, monkeypatc
     assert case.checks["rotation_bit_identical"]["ok"] is False and "rotation_recorded" not in case.checks
     assert case.checks["rotation_bit_identical"]["value"] == {ch.name: 1 for ch in env.s.group}
     assert bound["rotation_checked"] is False and case.passed is False
+
+
+def _scaling_setup(env, pairs: int, **extra):
+    sec = {**env.s.sec, "scaling": {"sizes": [2], "pairs": pairs, "warmup": 0}}
+    return SimpleNamespace(**{**vars(env.s), "sec": sec, **extra})
+
+
+def test_scaling_pairs_both_arms_with_one_serial_baseline(env):
+    """Issue 22 item 5: the serial arm ran twice (once per paired comparison) and one such arm differed 34 %
+    between its two pair sets. Now the three arms run in every round, so both comparisons share the serial runs,
+    the order is reversed from round to round, and every arm's spread is recorded."""
+    from kmesh.result import Result
+
+    res = Result("group", "cpu", {}, [])
+    out = group_bench.scaling(res, _scaling_setup(env, pairs=3))
+    lm, bt = res.timings["group_2_serial_vs_layer_major"], res.timings["group_2_serial_vs_batched"]
+    assert [p["serial"] for p in lm["raw"]] == [p["serial"] for p in bt["raw"]]
+    assert len(bt["raw"]) == 3 and [p["order"][0] for p in bt["raw"]] == ["serial", "batched", "serial"]
+    row = out["2"]
+    assert row["serial_ms"] == lm["summary"]["repair"]["median_a"] * 1e3
+    spread = row["spread"]["serial"]
+    assert spread["min_ms"] <= spread["q1_ms"] <= spread["median_ms"] <= spread["q3_ms"] <= spread["max_ms"]
+    assert spread["median_ms"] == pytest.approx(row["serial_ms"])
+    assert all(c.passed for c in res.cases), [(c.id, c.checks, c.error) for c in res.cases]
+
+
+def test_scaling_refuses_a_size_the_workload_cannot_fill(env):
+    from kmesh.result import Result
+
+    res = Result("group", "cpu", {}, [])
+    group_bench.scaling(res, _scaling_setup(env, pairs=1), sizes=[9])
+    (case,) = res.cases
+    assert not case.passed and "only 3 children" in str(case.error)
+
+
+def test_spread_of_one_and_of_many():
+    one = group_bench.spread([0.002])
+    assert one["median_ms"] == one["q1_ms"] == one["max_ms"] == 2.0 and one["iqr_over_median"] == 0.0
+    many = group_bench.spread([0.001, 0.002, 0.003, 0.004, 0.005])
+    assert many["q1_ms"] == 2.0 and many["q3_ms"] == 4.0 and many["iqr_over_median"] == pytest.approx(2 / 3)
+
+
+def test_rag_scaling_on_the_rag_shape(env):
+    """The scaling over the RAG-shaped workload (many chunks, every child its own order): the batched group over
+    2 children of 4 chunks, its logits within the bound and its cases passing."""
+    from kmesh.result import Result
+    from kmesh.workload import RagSpec, build_rag
+
+    spec = RagSpec(chunks=4, chunk_tokens=96, prompt_tokens=512, children=2, block_size=16,
+                   leader_preamble_tokens=16, min_restorable=0.7)     # bytes: a fact sentence needs ~70 of them
+    w = build_rag(ByteTokenizer(300), 0, spec)
+    runner = env.s.runner
+    lc = runner.new_cache(len(w.leader_ids), 16)
+    runner.prefill(torch.tensor(w.leader_ids), lc)
+    export = export_segments(runner, lc, w, b"group-rag-test")
+    ctx = dataclasses.replace(env.s.ctx, catalog=export.catalog)
+    res = Result("group", "cpu", {}, [])
+    out = group_bench.scaling(res, _scaling_setup(env, pairs=1, workload=w, export=export, ctx=ctx), sizes=[2],
+                              case_prefix="rag-scaling", timing_prefix="group_rag", goal_at=2)
+    (case,) = res.cases
+    assert case.id == "rag-scaling-2" and case.passed, (case.checks, case.error)
+    assert case.params["segments"] == 4 and "group_rag_2_serial_vs_batched" in res.timings
+    assert out["goal_batched_2x_at_2"]["goal"] == 2.0 and "serial_iqr_over_median" in out["goal_batched_2x_at_2"]
+    assert case.checks["batched_logits_max_abs_diff"]["value"] <= 1e-3

@@ -83,7 +83,10 @@ def load_model(cfg: Config, model_sec: dict[str, Any], device: torch.device) -> 
     if model_sec["model"] == "smollm2":
         folder = smollm2.converted_dir(cfg)
         model, tok = smollm2.load_converted(folder)
-        return model.to(device), HFTokenizer(tok), f"smollm2:{folder}"
+        # the folder is float32 (the conversion's checks are bit for bit); a GPU runs it as served: bf16
+        dtype = str(cfg.section("model")["smollm2"].get("run_dtype", "float32"))
+        model = model.to(device=device, dtype=getattr(torch, dtype))
+        return model, HFTokenizer(tok), f"smollm2:{folder}:{dtype}"
     qsec = cfg.section("model")["qwen2_random"]
     model, what = qwen2_random.load(qsec, cfg.seed, device, root=cfg.root)
     return model, ByteTokenizer(model.config.vocab_size, offset=int(model_sec.get("byte_token_offset", 0))), what

@@ -19,6 +19,21 @@ moved to their new positions by one rotation per layer. Numerical bound, per pie
   GEMMs, attention     a matrix product over more rows may take another kernel or blocking, so a row's
                        summation order can change: not guaranteed bit-identical. The group stage measures the
                        max |batched − unbatched| of K, V and logits, and requires equal masks and tokens.
+What a group can compute once, and what stays per child (issue 22 item 5; RAG groups hold the same chunks):
+  once      the restored K/V themselves: one original per chunk in the service, whatever N (group stage's
+            bytes-held); and at layer 0, a chunk token's embedding, input norm and pre-RoPE Q/K/V projections,
+            which see the token alone (not its context), so they are equal in every child that holds the chunk.
+  per child the RoPE shift of a chunk (new − old position: children place chunks at different positions; a
+            rotation could be shared only by children that put a chunk at the same place), and everything from
+            layer 0's attention on: a row attends over its own child's context in its own order, so its attention
+            output, o_proj, MLP and every later layer's input differ between children — including the check
+            layer's deviation and hence which rows each child recomputes.
+  worth     on the Qwen2.5-0.5B shape, layer 0's Q/K/V projections are ~7 % of a layer's linear work per row
+            (896 × 1152 of ~14.9 M multiply-adds); a repair at 0.15 on the RAG shape computes ~6.4 rows per
+            prompt token over its layers (layers 0 and 1 in full, ~20 % of the rows after), so computing the
+            chunks' layer-0 projections once would save ≈ 1 % of a member's linear work (arithmetic from the
+            shapes, not measured). It is not done: batching gains by reading each layer's weights once for every
+            member's rows and by launching one kernel for all of them, which `batched=True` does.
 A member whose `after_layer` hook raises MemberFailure leaves the group at that layer (its state is dropped;
 the caller drains and recomputes it); the others go on, unaffected.
 """

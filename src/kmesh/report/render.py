@@ -116,11 +116,13 @@ def render_all(cfg: Config) -> list[Path]:
         if isinstance(ttft, dict) and ttft:
             written += tables.write_table(tables.ttft_frame(ttft), tdir / f"{stage}_ttft", fmts,
                                           tables.ttft_caption(stage))
-        scaling = r["summary"].get("scaling")
-        if isinstance(scaling, dict) and scaling:
-            written += tables.write_table(tables.scaling_frame(scaling), tdir / f"{stage}_scaling", fmts,
-                                          tables.scaling_caption(stage, scaling))
-            written += plots.scaling_plot(scaling, pdir / f"{stage}_scaling", pfmts, f"{stage}: time per child vs N")
+        for key, what in (("scaling", ""), ("rag_scaling", ", RAG workload")):
+            scaling = r["summary"].get(key)
+            if isinstance(scaling, dict) and any(isinstance(v, dict) and "children" in v for v in scaling.values()):
+                written += tables.write_table(tables.scaling_frame(scaling), tdir / f"{stage}_{key}", fmts,
+                                              tables.scaling_caption(stage, scaling) + what)
+                written += plots.scaling_plot(scaling, pdir / f"{stage}_{key}", pfmts,
+                                              f"{stage}{what}: time per child vs N")
         held = r["summary"].get("bytes_held")
         if isinstance(held, dict) and held.get("by_group_size"):
             written += tables.write_table(tables.bytes_held_frame(held), tdir / f"{stage}_bytes_held", fmts,

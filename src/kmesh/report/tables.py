@@ -281,6 +281,8 @@ def scaling_frame(scaling: dict[str, Any]) -> pd.DataFrame:
                      "ratio batched/serial": r["ratio_batched_over_serial"],
                      "speedup batched": r["speedup_batched"],
                      "batched faster": f"{r['batched_faster_pairs']}/{r['pairs']}",
+                     **({f"{arm} IQR/median": v["iqr_over_median"] for arm, v in r["spread"].items()}
+                        if "spread" in r else {}),
                      **{f"peak {arm} [MiB]": v["bytes"] / 2**20 for arm, v in pm.items()}})
     return pd.DataFrame(rows)
 
@@ -289,8 +291,9 @@ def scaling_caption(stage: str, scaling: dict[str, Any]) -> str:
     first = next((r for r in scaling.values() if isinstance(r, dict) and "peak_memory" in r), {})
     what = next(iter(first.get("peak_memory", {}).values()), {}).get("what", "")
     return (f"Stage {stage}: repair of a group of N children (restore + prefill to every member's first token), "
-            "matched pairs per size, order alternating; serial vs layer-major and serial vs batched are two paired "
-            "comparisons in one run; ms = median over pairs, ratios and speedup = medians of per-pair ratios. "
+            "matched rounds per size, the three arms in every round, order reversed each round; serial vs "
+            "layer-major and serial vs batched are paired over the same serial runs; ms = median over rounds, ratios "
+            "and speedup = medians of per-pair ratios; IQR/median = each arm's spread over the rounds. "
             f"Peak memory: one untimed run per arm, {what}.")
 
 

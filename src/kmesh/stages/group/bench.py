@@ -4,10 +4,14 @@ batched-agreement  the batched path (kmesh.model.group: stacked projections / ML
                    one padded attention call, one rotation per layer for every member's placements) against
                    the unbatched layer-major path on the same inputs: restored bytes equal (rotation),
                    measured max |Δ| of K, V and logits, masks and generated tokens equal.
-scaling-<N>        matched pairs (kmesh.bench.run_pairs; alternating order, warm-up excluded) for each group
-                   size N, the group of N children as one "child" of the harness: serial vs layer-major and
-                   serial vs batched. Timed = the repair of the whole group: each member's restore (RoPE shift
-                   into its cache) + prefill, ending with every member's first token on the host; loading
+scaling-<N>        matched rounds (kmesh.bench.rotate: the three arms in every round, the order reversed from
+                   round to round, warm-up rounds excluded) for each group size N, the group of N children as
+                   one "child" of the harness: serial vs layer-major and serial vs batched, paired over the
+                   same serial runs, each arm's spread over the rounds recorded beside the ratios.
+rag-scaling-<N>    the same over the RAG-shaped workload (`group.rag`: many retrieved chunks every child holds
+                   in an order of its own, a short private question; kmesh.workload.build_rag).
+                   Timed (both) = the repair of the whole group: each member's restore (RoPE shift into its
+                   cache) + prefill, ending with every member's first token on the host; loading
                    from the service is not in it (the storage stage times reads). Peak memory of one untimed
                    run per arm: CUDA torch.cuda.max_memory_allocated above the run's baseline (device memory);
                    CPU the process's peak RSS above its baseline (VmHWM after resetting it through
@@ -27,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kmesh.bench import Intervals, run_pairs
+from kmesh.bench import Intervals, over_children, rotate
 from kmesh.child import new_cache, outcome_of
+from kmesh.errors import StageError
 from kmesh.model.blend import blend
 from kmesh.model.group import LayerwiseRestore, Member, RestorePart, blend_group
 from kmesh.model.quality import compare_states
@@ -42,6 +47,10 @@ if TYPE_CHECKING:
     from kmesh.stages.group.stage import GroupSetup
 
 ARMS = ("serial", "layer_major", "batched")
+
+
+class GroupBenchError(StageError):
+    """A scaling size the workload cannot fill."""
 
 
 def _restored_mask(child: Child) -> torch.Tensor:
@@ -203,20 +212,38 @@ def peak_memory(device: torch.device, fn: Callable[[], Any]) -> dict[str, Any]:
 
 # -- scaling --------------------------------------------------------------------------------------------------------
 
-def scaling(res: Result, setup: GroupSetup) -> dict[str, Any]:
+def spread(values: list[float]) -> dict[str, float]:
+    """The spread of an arm's kept per-round times: quartiles, extremes, and the interquartile range over the
+    median (a ratio is quoted only beside its baseline's spread)."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3, "min_ms": min(values) * 1e3,
+            "max_ms": max(values) * 1e3, "iqr_over_median": (q3 - q1) / median if median > 0 else float("inf")}
+
+
+def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case_prefix: str = "scaling",
+            timing_prefix: str = "group", goal_at: int = 4) -> dict[str, Any]:
+    """Per group size N: the three arms (serial, layer-major, batched) over the first N children of
+    `setup.workload`, in the same rounds (kmesh.bench.rotate: every round runs all three, the order reversed from
+    round to round, warm-up rounds discarded), so the two paired comparisons share one serial baseline, run
+    beside both arms; every arm's spread over the kept rounds is recorded with it."""
     sec, timing_cfg = setup.sec["scaling"], setup.cfg.section("timing")
     pairs, warmup = int(sec.get("pairs", timing_cfg["pairs"])), int(sec.get("warmup", timing_cfg["warmup"]))
     dev = "cuda" if setup.device.type == "cuda" else "cpu"
     out: dict[str, Any] = {}
-    for size in [int(n) for n in sec["sizes"]]:
+    for size in [int(n) for n in (sizes if sizes is not None else sec["sizes"])]:
         children = setup.workload.children[:size]
-        with res.case(f"scaling-{size}", {"children": size, "pairs": pairs, "warmup": warmup,
-                                          "prompt_tokens": setup.workload.spec.prompt_tokens}) as case:
+        with res.case(f"{case_prefix}-{size}", {"children": size, "pairs": pairs, "warmup": warmup,
+                                                "prompt_tokens": setup.workload.spec.prompt_tokens,
+                                                "segments": len(setup.export.catalog.entries),
+                                                "design": "the three arms in every round, order reversed each round"}
+                      ) as case:
+            if len(children) < size:
+                raise GroupBenchError(f"{case_prefix}-{size}: the workload has only {len(children)} children")
             arms = Arms(setup, children)
             if setup.device.type != "cuda":
                 _pin_mmap_threshold()
             # one untimed run per arm first: its logits are checked, its peak memory recorded, and it warms
-            # the arm up (the pairs may add warm-up pairs of their own: `warmup`)
+            # the arm up (the rounds may add warm-up rounds of their own: `warmup`)
             logits: dict[str, dict[str, torch.Tensor]] = {}
             peaks: dict[str, Any] = {}
             for arm in ARMS:
@@ -227,6 +254,9 @@ def scaling(res: Result, setup: GroupSetup) -> dict[str, Any]:
                         for n in logits["serial"])
             case.check("layer_major_logits_equal_serial", exact)
             case.record("batched_logits_max_abs_diff", bdiff)
+            tokens_equal = {n: int(logits["serial"][n].argmax()) == int(logits["batched"][n].argmax())
+                            for n in logits["serial"]}
+            case.record("batched_first_token_equal_serial", tokens_equal)
 
             @torch.no_grad()
             def run_arm(arm: str, _group: Any, intervals: Intervals) -> None:
@@ -235,32 +265,38 @@ def scaling(res: Result, setup: GroupSetup) -> dict[str, Any]:
                         int(x.argmax())       # every member's first token on the host ends the interval
 
             group = [tuple(ch.name for ch in children)]
-            layer_major_timing = run_pairs(run_arm, ("serial", "layer_major"), group, pairs=pairs, warmup=warmup,
-                                           device=dev, progress=False)
-            batched_timing = run_pairs(run_arm, ("serial", "batched"), group, pairs=pairs, warmup=warmup,
-                                       device=dev, progress=False)
-            res.timings[f"group_{size}_serial_vs_layer_major"] = layer_major_timing.to_dict()
-            res.timings[f"group_{size}_serial_vs_batched"] = batched_timing.to_dict()
+            parents: dict[str, str | None] = {}
+            rounds = rotate(ARMS, pairs, warmup, over_children(run_arm, group, dev, parents))
+            layer_major_timing = rounds.paired("serial", "layer_major")
+            batched_timing = rounds.paired("serial", "batched")
+            for timing in (layer_major_timing, batched_timing):
+                timing.parents.update(parents)
+            res.timings[f"{timing_prefix}_{size}_serial_vs_layer_major"] = layer_major_timing.to_dict()
+            res.timings[f"{timing_prefix}_{size}_serial_vs_batched"] = batched_timing.to_dict()
             layer_major = layer_major_timing.to_dict()["summary"]["repair"]
             batched = batched_timing.to_dict()["summary"]["repair"]
-            row = {"children": size, "pairs": pairs,
+            spreads = {arm: spread([r[arm]["repair"][0] for r in rounds.records]) for arm in ARMS}
+            row = {"children": size, "pairs": pairs, "prompt_tokens": setup.workload.spec.prompt_tokens,
                    "serial_ms": batched["median_a"] * 1e3,
-                   "serial_ms_in_layer_major_pairs": layer_major["median_a"] * 1e3,
                    "layer_major_ms": layer_major["median_b"] * 1e3, "batched_ms": batched["median_b"] * 1e3,
                    "ratio_layer_major_over_serial": layer_major["median_ratio"],
                    "ratio_batched_over_serial": batched["median_ratio"],
                    "speedup_batched": statistics.median(1 / x for x in batched["ratios"]),
-                   "layer_major_faster_pairs": layer_major["b_faster"], "batched_faster_pairs": batched["b_faster"]}
+                   "layer_major_faster_pairs": layer_major["b_faster"], "batched_faster_pairs": batched["b_faster"],
+                   "spread": spreads}
             for arm in ARMS:
                 row[f"{arm}_ms_per_child"] = row[f"{arm}_ms"] / size
             row["peak_memory"] = peaks
             case.record("row", row)
-            case.check("pairs_recorded", layer_major["pairs"] == pairs and batched["pairs"] == pairs)
+            case.check("pairs_recorded", layer_major["pairs"] == pairs and batched["pairs"] == pairs
+                       and len(rounds.records) == pairs)
             out[str(size)] = row
             del arms
-    if "4" in out:
-        out["goal_batched_2x_at_4"] = {"goal": 2.0, "measured_speedup": out["4"]["speedup_batched"],
-                                       "met": out["4"]["speedup_batched"] >= 2.0}
+    if str(goal_at) in out:
+        out[f"goal_batched_2x_at_{goal_at}"] = {"goal": 2.0, "measured_speedup": out[str(goal_at)]["speedup_batched"],
+                                                "met": out[str(goal_at)]["speedup_batched"] >= 2.0,
+                                                "serial_iqr_over_median":
+                                                    out[str(goal_at)]["spread"]["serial"]["iqr_over_median"]}
     return out
 
 

@@ -22,8 +22,11 @@ Cases:
                         handle open and nothing pending
   batched-agreement     batched group math (kmesh.model.group) vs the unbatched layer-major path: rotation and
                         deviation bit-identical; K/V/logits bound measured; masks and tokens equal
-  scaling-<N>           matched pairs per group size (kmesh.stages.group.bench): serial vs layer-major,
-                        serial vs batched; peak memory per arm
+  scaling-<N>           matched rounds per group size (kmesh.stages.group.bench): serial, layer-major and
+                        batched in every round; serial vs layer-major, serial vs batched over the same serial
+                        runs; every arm's spread; peak memory per arm
+  rag-setup,            (with `group.rag`) the same scaling over the RAG-shaped workload: many retrieved
+  rag-scaling-<N>       chunks, every child holding all of them in an order of its own, a short private question
   bytes-held            store bytes once + private repaired copies per child vs N; what diffs would save
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kmesh.segments import InProcessSegments, ServiceSegments
 from kmesh.service_side import ServiceSide
 from kmesh.stages.group import bench
 from kmesh.stages.group.path import GroupRun, run_group
-from kmesh.workload import Child
+from kmesh.workload import Child, RagSpec, build_rag
 
 
 class GroupConfigError(KMeshError):
@@ -239,4 +242,33 @@ def run(cfg: Config) -> Result:
                                                          group_run.outcomes if group_run else {})
     res.extra["scaling"] = bench.scaling(res, setup)
     res.extra["bytes_held"] = bench.bytes_held(res, setup, store_bytes)
+    if setup.sec.get("rag"):
+        res.extra["rag_scaling"] = _rag_scaling(res, setup)
     return res
+
+
+def rag_setup(setup: GroupSetup) -> GroupSetup:
+    """The same model over the RAG-shaped workload of `group.rag.workload` (its leader prefilled and exported
+    like the stage's own), for the rag-scaling cases."""
+    rag = setup.sec["rag"]
+    widest = max(int(n) for n in rag["sizes"])
+    spec = RagSpec(**{**rag["workload"], "children": widest})
+    workload = build_rag(setup.tok, setup.cfg.seed, spec)
+    export = setup.export_leader(workload, b"kmesh-group/rag")
+    return dataclasses.replace(setup, workload=workload, export=export,
+                               ctx=dataclasses.replace(setup.ctx, catalog=export.catalog))
+
+
+def _rag_scaling(res: Result, setup: GroupSetup) -> dict[str, Any]:
+    rag: GroupSetup | None = None
+    with res.case("rag-setup", {"workload": setup.sec["rag"]["workload"], "sizes": setup.sec["rag"]["sizes"]}) as case:
+        rag = rag_setup(setup)
+        restorable = min(len(c.restored_positions()) / len(c.ids) for c in rag.workload.children)
+        case.record("workload", {"chunks": len(rag.workload.segments), "prompt_tokens": rag.workload.spec.prompt_tokens,
+                                 "restorable_fraction": restorable, "sha256": rag.workload.sha256()})
+        case.check("restorable_fraction_at_least_min", restorable >= rag.workload.spec.min_restorable,
+                   value=restorable)
+    if rag is None:
+        return {}
+    return bench.scaling(res, rag, sizes=[int(n) for n in setup.sec["rag"]["sizes"]], case_prefix="rag-scaling",
+                         timing_prefix="group_rag")
