@@ -2,7 +2,8 @@
 # One device call for issue 22: the cuda equivalence stage, now with the RAG-shaped frontier (cases rag-*: full,
 # naive, stock, stock-matched, repair x3, epic x3 on 4096-token RAG prompts, every arm's prefill one CUDA graph
 # verified equal to eager, the end-to-end arm through a real service) beside the ttft-4096 / ttft-16384 cases.
-# Builds the kernels and the model first; the stage under its own time limit.
+# Builds the kernels and the model first; the stage under its own time limit. With GROUP=1 the cuda group stage
+# runs after it (its scaling and the RAG-shaped scaling, group.rag), also under a time limit.
 #   run: bash scripts/device-issue22.sh      (carry .whl: scripts/fetch-device-wheels.sh fills it)
 source scripts/device-env.sh
 set -o pipefail
@@ -18,4 +19,8 @@ echo "pytest rc=$?" >> "$out/pytest_gpu.txt"
 timeout 200 python3 -m kmesh run model --profile cuda --out /tmp/model.json >> "$out/stages.log" 2>&1
 (time timeout "${EQ_TIMEOUT:-420}" python3 -m kmesh run equivalence --profile cuda --out "$out/equivalence.json" \
   ${EQ_SET:+--set "$EQ_SET"}) >> "$out/stages.log" 2>&1
+if [ -n "${GROUP:-}" ]; then
+  (time timeout "${GROUP_TIMEOUT:-240}" python3 -m kmesh run group --profile cuda --out "$out/group.json") \
+    >> "$out/stages.log" 2>&1
+fi
 tail -n 3 "$out/pytest_gpu.txt"; grep -E "^\[kmesh\] [a-z_]+ \(cuda\)|^real|Error" "$out/stages.log" | tail -n 20
