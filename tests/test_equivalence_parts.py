@@ -93,8 +93,9 @@ def env():
 
 
 def _streamed(n):
-    """run_child's events for n segments that went their whole way: each staged, copied private, restored."""
-    return [f"{what}:{i}" for i in range(n) for what in ("staged", "private-copy-drained", "restored")]
+    """run_child's events for n segments verified and then used: each staged (in order), then all of them copied
+    private and restored."""
+    return [f"{what}:{i}" for what in ("staged", "private-copy-drained", "restored") for i in range(n)]
 
 
 def _objects(export):
@@ -305,7 +306,7 @@ def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
         ref = env.refs[RefKey(FULL, child.name)]
         assert out.fallback.startswith("SegmentCorruptError"), out.fallback
         assert out.events[-1] == "recompute" and "pending-before-recompute:0" in out.events
-        # the segments before the corrupt one went their whole way (restored), the corrupt one only staged
+        # the segments before the corrupt one were copied and restored, the corrupt one refused on arrival
         assert out.events[:3 * (1 + idx)] == _streamed(1 + idx)
         assert out.events[3 * (1 + idx)] == "failed:SegmentCorruptError"
         assert out.arm == "full" and not bool(out.restored.any())
@@ -324,9 +325,11 @@ def test_run_child_submit_error_falls_back_after_drain(env):
         ctx = dataclasses.replace(env.ctx, engine=engine)
         staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
         out = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
-        assert out.fallback.startswith("SubmitError")
+        assert out.fallback.startswith("PrivateCopyError: private copy of segment 0 failed: SubmitError")
         # the first segment's private copy fails after it was accepted: nothing restored yet
-        assert out.events == ["staged:0", "failed:SubmitError", "pending-before-recompute:0", "recompute"]
+        n = len(env.export.catalog.entries)
+        assert out.events == [f"staged:{i}" for i in range(n)] + ["failed:PrivateCopyError",
+                                                                   "pending-before-recompute:0", "recompute"]
         assert not bool(out.written_before_recompute.any())
         assert engine.pending() == [] and engine.live_holds() == 0
         assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
@@ -694,8 +697,11 @@ def test_failure_controls_all_seven_pass(env):
         "control-wrong-layout-descriptor", "control-failure-after-device-work-submitted",
         "control-cancelled-child", "control-service-killed-mid-load"]
     expect = ["SegmentMissingError", "SegmentCorruptError", "SegmentTruncatedError", "SegmentLayoutError",
-              "SubmitError", "SegmentCancelledError", "SegmentSourceLostError"]
+              "PrivateCopyError", "SegmentCancelledError", "SegmentSourceLostError"]
     assert [c.params["expect"] for c in res.cases] == expect
+    # the private copy's failure is the injected SubmitError of segment 1's copy, wrapped
+    assert res.cases[4].checks["failed_by_the_expected_cause"]["ok"]
+    assert "private copy of segment 1 failed: SubmitError" in res.cases[4].checks["failed_as_expected"]["value"]
     for c in res.cases:
         assert c.checks["failed_as_expected"]["ok"] and c.checks["recomputed_after_drain"]["ok"]
         assert ("no_service_leaks" in c.checks) == (c.id != "control-service-killed-mid-load")
@@ -1016,3 +1022,51 @@ def test_teacher_forcing_check_allows_near_ties_of_the_dtype_only():
     assert not reproduces_greedy(steps, [0, 2, 1], torch.float32)["ok"]   # the same gap is no tie in float32
     far = reproduces_greedy(steps, [0, 1, 2], torch.bfloat16)          # 2.0 behind: a real disagreement
     assert not far["ok"] and far["disagree"][0]["gap"] == pytest.approx(2.0)
+
+
+# --- the child path copies and restores the verified segments at once; a failure at k still leaves 0..k-1 -------
+
+def test_a_private_copy_failing_at_segment_k_leaves_exactly_the_segments_before_it_restored(env):
+    """One submit per segment, one drain, one restore: the copy of segment 1 accepted and then failing must leave
+    segment 0 copied and restored (the partial data the recompute overwrites), nothing pending, and the
+    full-recompute reference's outcome."""
+    child = env.workload.children[0]
+    engine = controls.FailingSubmitAt("cpu", FaultPlan(chunk_bytes=4096), at=1)
+    try:
+        ctx = dataclasses.replace(env.ctx, engine=engine)
+        staging = torch.empty(env.export.catalog.nbytes, dtype=torch.uint8)
+        out = run_child(ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
+        n = len(env.export.catalog.entries)
+        assert out.fallback.startswith("PrivateCopyError: private copy of segment 1 failed: SubmitError")
+        assert out.events == [f"staged:{i}" for i in range(n)] + [
+            "private-copy-drained:0", "restored:0", "failed:PrivateCopyError", "pending-before-recompute:0",
+            "recompute"]
+        want = controls.expected_partial(child, out.written_before_recompute.numel(), 1)
+        assert bool(want.any()) and torch.equal(out.written_before_recompute, want)
+        assert engine.pending() == [] and engine.live_holds() == 0
+        assert identical(compare_states(out, env.refs[RefKey(FULL, child.name)]))
+    finally:
+        engine.close()
+
+
+def test_a_private_copy_that_ends_failed_is_not_used(env):
+    """A copy accepted whole but failing part-way (its ticket ends failed) names the segments before it: none of
+    its bytes reach the model state, and the child recomputes."""
+    from kmesh.segments import PrivateCopyError, copy_private_each
+
+    cat = env.export.catalog
+    staging = env.export.raw.clone()
+    private = torch.full_like(staging, 0x5A)
+    engine = TransferEngine("cpu", FaultPlan(fail_copy_at_chunk=1, chunk_bytes=4096))
+    try:
+        with pytest.raises(PrivateCopyError, match="segment 0 ended failed") as e:
+            copy_private_each(engine, staging, private, cat.entries, "child-x")
+        assert e.value.copied == [] and engine.pending() == [] and engine.live_holds() == 0
+    finally:
+        engine.close()
+    engine = TransferEngine("cpu")
+    try:
+        assert copy_private_each(engine, staging, private, cat.entries, "child-y") == list(cat.entries)
+        assert torch.equal(private, staging) and engine.pending() == []
+    finally:
+        engine.close()

@@ -132,14 +132,37 @@ def test_a_refused_plan_is_refused_every_time_and_never_cached():
         _new_path({**good, "raw": torch.zeros(DST.nbytes - 2, dtype=torch.uint8)})
 
 
-def test_plan_cache_is_bounded():
+def test_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(rg, "PLAN_CACHE_ENTRIES", 8)
     clear_plan_cache()
     src_raw, raw = _bytes(SRC, 1), _bytes(DST, 2)
-    for i in range(PLAN_CACHE_ENTRIES + 5):
+    for i in range(8 + 5):
         plan_gather(raw, DST, src_raw, SRC, np.array([i]), np.array([0]), np.array([i]), np.array([1]), ROPE)
-    assert len(rg._plan_cache) == PLAN_CACHE_ENTRIES
+    assert len(rg._plan_cache) == 8
+    assert rg.plan_cache_bytes() == sum(t.buf.nbytes for t in rg._plan_cache.values())
     clear_plan_cache()
-    assert len(rg._plan_cache) == 0
+    assert len(rg._plan_cache) == 0 and rg.plan_cache_bytes() == 0
+
+
+def test_plan_cache_is_bounded_by_the_bytes_of_its_tables(monkeypatch):
+    clear_plan_cache()
+    src_raw, raw = _bytes(SRC, 1), _bytes(DST, 2)
+    plan_gather(raw, DST, src_raw, SRC, np.array([0]), np.array([0]), np.array([0]), np.array([1]), ROPE)
+    one = rg.plan_cache_bytes()
+    assert one > 0
+    monkeypatch.setattr(rg, "PLAN_CACHE_BYTES", 3 * one)
+    for i in range(1, 6):
+        plan_gather(raw, DST, src_raw, SRC, np.array([i]), np.array([0]), np.array([i]), np.array([1]), ROPE)
+    assert len(rg._plan_cache) == 3 and rg.plan_cache_bytes() == 3 * one
+    # the newest three are kept (least recently used first out)
+    assert [k[-2] for k in rg._plan_cache] == [np.array([i]).tobytes() for i in (3, 4, 5)]
+    clear_plan_cache()
+
+
+def test_the_default_cache_keeps_every_segment_plan_of_two_16k_rag_children():
+    """The cache holds what the child path plans in a timed round of the largest RAG workload: two children of 60
+    per-segment plans each (it held 64 plans and thrashed: every restore call planned anew)."""
+    assert PLAN_CACHE_ENTRIES >= 2 * 60 + 64
 
 
 # ------------------------------------------------------------------------------------------- refusal parity

@@ -145,8 +145,8 @@ def test_in_process_run_child_uses_every_unaligned_token(env):
     for child in env.workload.children:
         out = run_child(env.ctx, child, InProcessSegments(env.export), staging, torch.empty_like(staging))
         assert out.fallback is None, out.fallback
-        assert out.events == [f"{what}:{i}" for i in range(2) for what in ("staged", "private-copy-drained",
-                                                                            "restored")]
+        assert out.events == [f"{what}:{i}" for what in ("staged", "private-copy-drained", "restored")
+                              for i in range(2)]
         assert int(out.restored.sum()) == 32 and len(out.tokens) == MAX_NEW
     # the "same" child: where the repair kept a restored position (not recomputed), its K/V are the leader's
     # full prefill of that token, bit for bit — in every layer past the first (layer 0 recomputes everything)

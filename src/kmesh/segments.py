@@ -16,13 +16,14 @@ the GPU for device staging) in a Catalog; a child checks every entry against the
 size its tokens need, from a block start) and every object's size before its bytes are copied, and trusts a
 staged segment only after its size and arrival digest match, before a single byte of it reaches its model state. Every failure is a
 SegmentLoadError subclass the caller turns into a full recompute — never a partial reuse: kmesh.child
-restores each segment as soon as it is verified, so a failure at a later segment leaves the earlier ones in the
-model state, and the recompute overwrites them.
+restores the segments verified before a failure (copy_private_each: one submit per segment, one drain; then one
+restore), so a failure at a later segment leaves the earlier ones in the model state, and the recompute overwrites
+them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Protocol
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from kmesh.restore import capture, restore
 from kmesh.restore_gather import gather_supported, plan_gather
 from kmesh.sources.digest import sha256_tensor
 from kmesh.transfer.engine import TransferEngine
+from kmesh.transfer.errors import TransferError
 from kmesh.workload import Child, Workload
 
 EXPORT_ORDER = "BLNHC"
@@ -414,6 +416,42 @@ def copy_private(engine: TransferEngine, staging: torch.Tensor, private: torch.T
         engine.drain(e.pending)
         raise
     engine.drain(owner=owner)
+
+
+class PrivateCopyError(TransferError):
+    """A private copy failed at one segment; `copied` are the segments before it, drained and whole."""
+
+    def __init__(self, message: str, copied: list[CatalogEntry]) -> None:
+        super().__init__(message)
+        self.copied = copied
+
+
+def copy_private_each(engine: TransferEngine, staging: torch.Tensor, private: torch.Tensor,
+                      entries: Sequence[CatalogEntry], owner: str) -> list[CatalogEntry]:
+    """Every entry's span of staging copied into the same span of `private`: one submit per entry, in order, then
+    one drain for all of them (the copies overlap; one wait instead of one per segment). Returns the entries
+    copied. A copy that fails — refused or failing after it was accepted (SubmitError), or ending failed —
+    raises PrivateCopyError naming the entries before it, and only once nothing of the owner's is pending, so
+    the caller may use those and reuse the rest of `private`. A drain that cannot finish raises as it is (the
+    caller must not touch the memory)."""
+    submitted: list[CatalogEntry] = []
+    tickets: list[Any] = []
+    for e in entries:
+        span = slice(e.offset, e.offset + e.nbytes)
+        try:
+            tickets.append(engine.submit(staging[span], private[span], owner=owner))
+        except TransferError as err:
+            engine.drain(owner=owner)          # the failed copy's accepted ticket and every earlier one
+            raise PrivateCopyError(f"private copy of segment {e.index} failed: {type(err).__name__}: {err}",
+                                   submitted) from err
+        submitted.append(e)
+    report = engine.drain(owner=owner)
+    if report.failed:
+        bad = {id(t) for t in report.failed}
+        first = next(i for i, t in enumerate(tickets) if id(t) in bad)
+        raise PrivateCopyError(f"private copy of segment {entries[first].index} ended failed: "
+                               f"{report.failed[0].error}", submitted[:first])
+    return submitted
 
 
 def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child: Child, runner: LayerRunner,

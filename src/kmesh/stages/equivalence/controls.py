@@ -4,8 +4,9 @@ Negative controls: the comparisons can fail — one flipped bit in K, V, logits,
 token, or one flipped byte of a staged segment is caught.
 
 Failure controls (seven): each child run is made to fail at its second segment (FAIL_AT) and must end safely.
-kmesh.child restores each segment as soon as it is verified, so when the failure comes the child's model state
-(poisoned beforehand) already holds the first segment, restored: the fallback recomputes in that partially
+kmesh.child copies and restores the segments verified before a failure before the failure propagates (a private
+copy failing at segment k: the k copies before it), so when the failure comes the child's model state (poisoned
+beforehand) already holds the first segment, restored: the fallback recomputes in that partially
 written state, not in fresh memory. Each control checks that the failure is the expected
 SegmentLoadError/TransferError; that the model state held exactly the slots of the segments before FAIL_AT when the
 recompute began (the partial data was there); that nothing was pending on the child's memory then; that K/V of every
@@ -31,9 +32,9 @@ from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.model.quality import compare_states, flip_bit, identical
 from kmesh.modelsetup import ModelSetup
 from kmesh.result import Case, Result
-from kmesh.segments import (InProcessSegments, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
-                            SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError, ServiceSegments,
-                            stage_segments)
+from kmesh.segments import (InProcessSegments, PrivateCopyError, SegmentCancelledError, SegmentCorruptError,
+                            SegmentLayoutError, SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError,
+                            ServiceSegments, stage_segments)
 from kmesh.service.handles import references_in_self
 from kmesh.service_side import ServiceSide, Staging
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
@@ -182,6 +183,21 @@ def _own_staging_released(case: Case, staging: Staging) -> bool:
                 case.check("staging_fd_closed_in_child", not left["fds"], value=left["fds"])])
 
 
+class FailingSubmitAt(TransferEngine):
+    """A transfer engine whose submit number `at` (from 0) is accepted and started, then fails
+    (FaultPlan.fail_after_submit): the private copy of segment `at` of a child whose copies it alone makes."""
+
+    def __init__(self, device: str, faults: FaultPlan, at: int) -> None:
+        super().__init__(device, faults)
+        self._before = at
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        if self._before == 0:
+            self.faults.fail_after_submit = 1
+        self._before -= 1
+        return super().submit(*args, **kwargs)
+
+
 Make = Callable[[Child], Ran]   # one control: how it ran
 
 
@@ -233,6 +249,10 @@ def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Ref
             case.record("tokens_equal_recompute_after_control", ran.out.tokens == now.tokens)
             ok.append(_settled(case, ran, refs[RefKey(FULL, child.name)], expect, svc if service_alive else None,
                                child))
+            cause = (params or {}).get("cause")
+            if cause is not None:   # the error the expected one wraps
+                ok.append(case.check("failed_by_the_expected_cause", f"{cause}:" in (ran.out.fallback or ""),
+                                     value=ran.out.fallback))
             if all(ok):
                 passed += 1
 
@@ -259,15 +279,12 @@ def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Ref
         return service_child(with_key(key), child)
 
     def after_submit(child: Child) -> Ran:
-        engine = TransferEngine(str(setup.device), FaultPlan(chunk_bytes=1 << 20))
+        # the child's private copies go through this engine only, one submit per segment in order: the target's
+        # is accepted, started, then fails
+        engine = FailingSubmitAt(str(setup.device), FaultPlan(chunk_bytes=1 << 20), at=FAIL_AT)
         ctx = dataclasses.replace(setup.ctx, engine=engine)
-
-        def arm(req: int, nbytes: int) -> None:
-            # the next submit is the target's private copy: it is accepted, started, then fails
-            engine.faults.fail_after_submit = 1
-            svc.after_accept(req, nbytes)
         try:
-            return service_child(ctx, child, at_target(arm))
+            return service_child(ctx, child)
         finally:
             engine.close()
 
@@ -294,7 +311,8 @@ def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Ref
     control("corrupt-object", 1, SegmentCorruptError, corrupt)
     control("truncated-object", 2, SegmentTruncatedError, truncated, params={"short_by": block_bytes})
     control("wrong-layout-descriptor", 3, SegmentLayoutError, wrong_layout, params={"order": "BLHNC"})
-    control("failure-after-device-work-submitted", 0, SubmitError, after_submit)
+    control("failure-after-device-work-submitted", 0, PrivateCopyError, after_submit,
+            params={"cause": SubmitError.__name__})
     control("cancelled-child", 1, SegmentCancelledError, lambda child: service_child(setup.ctx, child,
                                                                                     at_target(cancel_mid_copy)))
     control("service-killed-mid-load", 2, SegmentSourceLostError,

@@ -90,9 +90,9 @@ class RepairOnlyArm:
 
 
 def staged_events(export: Export) -> list[str]:
-    """The events of a child path that staged and digest-checked every segment, each then copied and restored."""
-    return [f"{step}:{e.index}" for e in export.catalog.entries
-            for step in ("staged", "private-copy-drained", "restored")]
+    """The events of a child path that staged and digest-checked every segment, then copied and restored them."""
+    return [f"{step}:{e.index}" for step in ("staged", "private-copy-drained", "restored")
+            for e in export.catalog.entries]
 
 
 @contextmanager
