@@ -912,10 +912,13 @@ def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_
     assert loads_ops == ["load", "wait"] * len(cat.entries)
 
 
-def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial_path_fails(env):
+@pytest.mark.parametrize("batched", [True, False], ids=["load_many", "load-each"])
+def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial_path_fails(env, batched):
     """Unpaced, kmesh.child's path requests every segment's load first and waits in order: the same state as the
     paced path; a refused load (missing object) or a bad one (corrupt) at segment 1 fails the child at segment 1
-    with segment 0 restored, as without prefetch, and the loads requested ahead are drained (nothing leaked)."""
+    with segment 0 restored, as without prefetch, and the loads requested ahead are drained (nothing leaked).
+    With load_many (batched) that is one request for every segment, its reply after every copy ended; without
+    (a service from before it, or an original being read back), one load each, then one wait each."""
     from kmesh.service_side import ServiceSide
 
     ex, cat = env.export, env.export.catalog
@@ -926,6 +929,8 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
         svc.save_leader()
         svc.save_variant(e1, e1.key + b"-corrupt", flip_byte=7)
         svc.unpace()
+        if not batched:
+            svc.client.load_many = None     # what ServiceSegments sees of a client without it
         with _counting_calls(svc.client) as ops:
             with svc.staging("prefetch") as st:
                 ops.clear()
@@ -946,14 +951,16 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
                 assert out.events[:4] == ["staged:0", "private-copy-drained:0", "restored:0", f"failed:{error}"]
                 assert out.tokens == env.refs[RefKey(FULL, child.name)].tokens
                 assert svc.no_leaks(), svc.leaks()
-                if suffix == b"-missing":   # refused at segment 1: nothing requested after it
+                if batched:                 # one request; missing: the batch stopped at 1; corrupt: every copy
+                    assert bad_ops == ["load_many"], bad_ops     # had ended, nothing left to cancel
+                elif suffix == b"-missing":   # refused at segment 1: nothing requested after it
                     assert bad_ops == ["load", "load", "wait"], bad_ops
                 else:                       # segment 1 arrived corrupt: the loads after it cancelled and drained
                     n = len(cat.entries)
                     assert bad_ops == ["load"] * n + ["wait", "wait"] + ["cancel", "wait"] * (n - 2), bad_ops
         assert svc.no_leaks(), svc.leaks()
     n = len(cat.entries)
-    assert good_ops == ["load"] * n + ["wait"] * n, good_ops
+    assert good_ops == (["load_many"] if batched else ["load"] * n + ["wait"] * n), good_ops
 
 
 # --- issue 21 item 6: the quality case's full arm is recomputed, not the reference scored against itself -------

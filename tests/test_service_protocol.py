@@ -38,6 +38,8 @@ def valid_bodies() -> dict[str, dict]:
         "activate": {"token": TOKEN, **ref}, "close": {"token": TOKEN, **ref},
         "save": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 0, "nbytes": 8},
         "load": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "key": b"k", "offset": 8},
+        "load_many": {"token": TOKEN, **ref, "layout_digest": b"d" * 32, "items": [{"key": b"k", "offset": 8}],
+                      "timeout_s": 1},
         "wait": {"token": TOKEN, "req": 9, "timeout_s": 1}, "cancel": {"token": TOKEN, "req": 9},
         "evict": {"token": TOKEN, "admin": ADMIN, "tier": "ram", "force": True},
         "retain": {"token": TOKEN, "group": "g", "key": b"k", "admin": ADMIN},
@@ -108,6 +110,18 @@ def test_every_op_has_a_valid_example_and_every_required_field_is_checked() -> N
         if OPS[op].token:
             with pytest.raises(SchemaError, match="token"):
                 parse_request({"op": op, "seq": 1, **{k: v for k, v in fields.items() if k != "token"}}, fds)
+
+
+@pytest.mark.parametrize("items,match", [
+    ([], r"items.*1\.\.128"), ([{"key": b"k", "offset": 0}] * 129, r"items.*1\.\.128"), ({"key": b"k"}, "items"),
+    ([{"key": b"k"}], r"items\[0\]\.offset"), ([{"key": b"", "offset": 0}], r"items\[0\]\.key"),
+    ([{"key": b"k", "offset": 0}, {"key": b"k", "offset": -1}], r"items\[1\]\.offset"),
+    ([{"key": b"k", "offset": 0, "more": 1}], "unknown field"), ([b"k"], r"items\[0\]"),
+])
+def test_load_many_items_are_checked_one_by_one(items: object, match: str) -> None:
+    body = {"op": "load_many", "seq": 1, **valid_bodies()["load_many"], "items": items}
+    with pytest.raises(SchemaError, match=match):
+        parse_request(body, [])
 
 
 @pytest.mark.parametrize("field,value", [

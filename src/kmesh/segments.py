@@ -278,7 +278,8 @@ class ServiceSegments:
     object's size before it loads it. An object too large for the registration is refused by the service
     (RangeError) before any copy: SegmentOversizeError. Without `after_accept` (no gate: a deployed service) a
     load is two calls, load and wait (as the vLLM connector's), and the size is checked on the wait's reply;
-    prefetch() then requests every segment's load before the first wait (kmesh.child.prefill_from_segments).
+    prefetch() then requests every segment's load before the first wait (kmesh.child.prefill_from_segments), in
+    one load_many request where the service takes it (its reply waits for the copies too).
     """
 
     name = "service"
@@ -287,8 +288,9 @@ class ServiceSegments:
                  timeout_s: float = 60.0) -> None:
         self.svc, self.reg, self.after_accept, self.timeout_s = svc, reg, after_accept, timeout_s
         self.requests: list[int] = []
-        # prefetch's requests (or the refusal of the first it could not make), by (key, offset), not yet waited on
-        self._ahead: dict[tuple[bytes, int], int | SegmentLoadError] = {}
+        # prefetch's requests by (key, offset), not yet used: a request id to wait on, load_many's description of
+        # an ended copy, or the refusal of the first it could not make (raised at that entry's turn)
+        self._ahead: dict[tuple[bytes, int], int | dict[str, Any] | BaseException] = {}
 
     def _request(self, entry: CatalogEntry) -> int:
         """The load call, its refusals as segment errors; the request id."""
@@ -296,30 +298,76 @@ class ServiceSegments:
 
         try:
             req = self.svc.load(self.reg, entry.key, entry.offset)
-        except se.ObjectMissingError as e:
-            raise SegmentMissingError(str(e)) from e
-        except se.LayoutMismatchError as e:
-            raise SegmentLayoutError(str(e)) from e
-        except se.RangeError as e:   # the staging region is the catalog's: the object is larger than its entry
-            raise SegmentOversizeError(f"object {entry.key!r} does not fit at {entry.offset} of the staging "
-                                       f"buffer (its catalog entry says {entry.nbytes} bytes): {e}") from e
-        except (se.ConnectionLostError, OSError) as e:
-            raise SegmentSourceLostError(f"cache service lost: {e}") from e
+        except (se.ServiceError, OSError) as e:
+            mapped = self._segment_error(e, entry)
+            if mapped is e:
+                raise
+            raise mapped from e
         self.requests.append(req)
         return req
 
+    @staticmethod
+    def _segment_error(e: BaseException, entry: CatalogEntry) -> BaseException:
+        """A refused load (or a lost service) as the segment error the caller turns into a recompute; any other
+        refusal (a registration the client got wrong, ...) is returned as it is: a bug, not a reason to recompute."""
+        from kmesh.service import errors as se
+
+        if isinstance(e, se.ObjectMissingError):
+            return SegmentMissingError(str(e))
+        if isinstance(e, se.LayoutMismatchError):
+            return SegmentLayoutError(str(e))
+        if isinstance(e, se.RangeError):   # the staging region is the catalog's: the object is larger than its entry
+            return SegmentOversizeError(f"object {entry.key!r} does not fit at {entry.offset} of the staging "
+                                        f"buffer (its catalog entry says {entry.nbytes} bytes): {e}")
+        if isinstance(e, (se.ConnectionLostError, OSError)):
+            return SegmentSourceLostError(f"cache service lost: {e}")
+        return e
+
     def prefetch(self, entries: Collection[CatalogEntry]) -> None:
         """Without a gate: request every entry's load now, in order, so the service's copies overlap; load(entry)
-        then waits for its own. The first load the service refuses is kept and raised at that entry's turn (so a
-        caller going entry by entry fails at the same entry as without prefetch), and none after it is requested.
-        A caller that stops before the end must abandon() the rest. With a gate (after_accept) nothing is
-        requested ahead: a paced copy moves only the chunks granted to it, one request at a time."""
+        then uses its own. Where the service takes load_many, the loads go MAX_BATCH at a time in one request
+        each, whose reply also waits for the copies (one round trip for a child's segments instead of two per
+        segment); an item the batch stops at for a read-back or fetch, and the rest, are requested one by one.
+        The first load the service refuses is kept and raised at that entry's turn (so a caller going entry by
+        entry fails at the same entry as without prefetch), and none after it is requested. A caller that stops
+        before the end must abandon() the rest. With a gate (after_accept) nothing is requested ahead: a paced
+        copy moves only the chunks granted to it, one request at a time."""
         if self.after_accept is not None:
             return
-        for entry in entries:
+        from kmesh.service import errors as se
+        from kmesh.service.protocol import MAX_BATCH
+
+        todo = list(entries)
+        load_many = getattr(self.svc, "load_many", None)
+        while load_many is not None and todo:
+            batch = todo[:MAX_BATCH]
+            try:
+                r = load_many(self.reg, [(e.key, e.offset) for e in batch], wait_s=self.timeout_s)
+            except se.UnknownOpError:     # a service from before load_many: one load per segment
+                load_many = None
+                break
+            except (se.ServiceError, OSError) as e:
+                self._ahead[(batch[0].key, batch[0].offset)] = self._segment_error(e, batch[0])
+                return
+            jobs = {j["req"]: j for j in r["jobs"]}
+            for entry, req in zip(batch, r["reqs"]):
+                self.requests.append(req)
+                job = jobs.get(req)
+                self._ahead[(entry.key, entry.offset)] = job if job is not None and job["state"] != "running" \
+                    else req
+            stopped = r["stopped_at"]
+            if stopped is None:
+                todo = todo[len(batch):]
+                continue
+            if r["error"] is not None:
+                err = se.error_from_reply(r["error"]["code"], r["error"]["message"])
+                self._ahead[(batch[stopped].key, batch[stopped].offset)] = self._segment_error(err, batch[stopped])
+                return
+            todo, load_many = todo[stopped:], None     # parked: this one and the rest one by one
+        for entry in todo:
             try:
                 self._ahead[(entry.key, entry.offset)] = self._request(entry)
-            except SegmentLoadError as e:
+            except (SegmentLoadError, se.ServiceError) as e:
                 self._ahead[(entry.key, entry.offset)] = e
                 return
 
@@ -328,7 +376,8 @@ class ServiceSegments:
         staging buffer, which the caller reuses once it returns. A service that is gone copies nothing more."""
         from kmesh.service import errors as se
 
-        ahead = [r for r in self._ahead.values() if isinstance(r, int)]
+        ahead = [r if isinstance(r, int) else r["req"] for r in self._ahead.values()
+                 if isinstance(r, int) or (isinstance(r, dict) and r["state"] == "running")]
         self._ahead.clear()
         for req in ahead:
             try:
@@ -341,8 +390,11 @@ class ServiceSegments:
         from kmesh.service import errors as se
 
         ahead = self._ahead.pop((entry.key, entry.offset), None)
-        if isinstance(ahead, SegmentLoadError):
+        if isinstance(ahead, BaseException):
             raise ahead
+        if isinstance(ahead, dict):     # load_many's reply described the copy as ended: nothing to wait for
+            r, accepted = ahead, int(ahead["nbytes"])
+            return self._checked(entry, r, accepted)
         req = ahead if ahead is not None else self._request(entry)
         try:
             if self.after_accept is None:
@@ -361,6 +413,11 @@ class ServiceSegments:
                 r = self.svc.wait(req, timeout=self.timeout_s)
         except (se.ConnectionLostError, OSError) as e:
             raise SegmentSourceLostError(f"cache service lost during load of {entry.key!r}: {e}") from e
+        return self._checked(entry, r, accepted)
+
+    @staticmethod
+    def _checked(entry: CatalogEntry, r: dict[str, Any], accepted: int) -> int:
+        """The ended copy's bytes, or the segment error of a wrong size, a cancelled or a failed copy."""
         if accepted != entry.nbytes:
             raise size_error(entry, accepted, f" (copy {r['state']}, not used)")
         if r["state"] == "cancelled":

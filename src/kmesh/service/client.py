@@ -229,6 +229,17 @@ class ServiceClient:
         return self.call("load", reg=ref.reg, gen=ref.gen, layout_digest=ref.layout_digest, key=key,
                          offset=offset)["req"]
 
+    def load_many(self, ref: RegRef, items: list[tuple[bytes, int]], wait_s: float = 0.0) -> dict[str, Any]:
+        """load() of each (key, offset) in order, in one request; with wait_s > 0 the reply also waits (up to
+        wait_s, at most a quarter of the heartbeat interval: the connection carries our heartbeats too) until
+        every accepted copy is terminal. Returns {"reqs", "stopped_at", "error", "jobs"}: the batch stops at the
+        first item load() would refuse ("error": the reply's code and message; error_from_reply types it) or
+        would park behind a read-back or fetch ("error" None: load it and the rest one by one)."""
+        wait_s = max(0.0, min(wait_s, self.heartbeat_s / 4, 30.0))
+        return self.call("load_many", reg=ref.reg, gen=ref.gen, layout_digest=ref.layout_digest,
+                         items=[{"key": k, "offset": o} for k, o in items], timeout_s=wait_s,
+                         _timeout=wait_s + self.timeout)
+
     def poll(self, req: int) -> dict[str, Any]:
         return self.call("wait", req=req, timeout_s=0.0)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from kmesh.service.errors import InternalError, NotOwnerError, SequenceError
 from kmesh.service.jobs import CopyJob
-from kmesh.service.protocol import Request, ok_reply
+from kmesh.service.protocol import Request, clip, ok_reply
 from kmesh.service.registry import Client, State
 from kmesh.service.state import DEFERRED, FAULT_KEY_PREFIX, Conn, Replies, ServiceState
 
@@ -116,11 +116,55 @@ class CopyOps:
                     self.replies.send(conn, ok_reply(parked[0], job.describe()))
             except Exception:
                 st.internal("collect: answer wait", f"request {job.req_id}")
+            try:
+                if conn.parked_batches:
+                    self._answer_batches(conn, finished=job.req_id)
+            except Exception:
+                st.internal("collect: answer load_many", f"request {job.req_id}")
+
+    def _all_terminal(self, reqs: list[int]) -> bool:
+        jobs = self.state.copies.jobs
+        return all(r not in jobs or jobs[r].terminal for r in reqs)   # one trimmed away had ended
+
+    def batch_jobs(self, reqs: list[int]) -> list[dict[str, Any]]:
+        """What load_many's reply says of each of its copies (wait's description without the key: bounded)."""
+        out = []
+        for r in reqs:
+            job = self.state.copies.jobs.get(r)
+            out.append({"req": r, "state": "unknown", "nbytes": 0, "error": None} if job is None else
+                       {"req": r, "state": job.state, "nbytes": job.nbytes, "error": clip(job.error)})
+        return out
+
+    def _answer_batches(self, conn: Conn, finished: int | None = None, now: float | None = None) -> None:
+        """Send the parked load_many replies of `conn` that are due: every copy terminal once `finished` ended,
+        or the deadline passed by `now`."""
+        keep = []
+        for seq, reqs, deadline, reply in conn.parked_batches:
+            if (finished is not None and finished in reqs and self._all_terminal(reqs)) or \
+                    (now is not None and now >= deadline):
+                self.replies.send(conn, ok_reply(seq, {**reply, "jobs": self.batch_jobs(reqs)}))
+            else:
+                keep.append((seq, reqs, deadline, reply))
+        conn.parked_batches[:] = keep
+
+    def wait_batch(self, conn: Conn, seq: int, reqs: list[int], timeout_s: float, reply: dict[str, Any]) -> Any:
+        """load_many's reply: now (timeout 0, or every copy already terminal), else once they all are or the
+        timeout passed (parked like a wait)."""
+        if timeout_s == 0 or self._all_terminal(reqs):
+            return {**reply, "jobs": self.batch_jobs(reqs)}
+        conn.parked_batches.append((seq, reqs, time.monotonic() + timeout_s, reply))
+        return DEFERRED
 
     def expire_waits(self, now: float) -> None:
-        """The tick's parked-wait deadlines: a wait past its timeout is answered with the job as it stands."""
+        """The tick's parked-wait deadlines: a wait past its timeout is answered with the job as it stands (a
+        load_many with its copies as they stand)."""
         st = self.state
         for conn in list(st.conns.values()):
+            if conn.parked_batches:
+                try:
+                    self._answer_batches(conn, now=now)
+                except Exception:
+                    st.internal("tick: parked load_many", f"conn {conn.cid}")
             for req, (seq, deadline) in list(conn.parked.items()):
                 if now < deadline:
                     continue

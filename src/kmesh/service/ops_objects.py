@@ -28,7 +28,7 @@ from kmesh.storage.remote import RemoteMissingError
 from kmesh.service.jobs import CopyJob
 from kmesh.service.ops_copies import CopyOps
 from kmesh.service.ops_registrations import check_range, work_registration
-from kmesh.service.protocol import Request, ok_reply
+from kmesh.service.protocol import Request, clip, ok_reply
 from kmesh.service.registry import Client
 from kmesh.service.state import DEFERRED, Conn, Replies, ServiceState
 
@@ -101,6 +101,42 @@ class ObjectOps:
         job = CopyJob(req_id, c.client_id, "load", reg, obj, off, n)
         return self.copies.accept(job, src=obj.tensor, dst=reg.memory.tensor[off:off + n], writes=True,
                                   undo=lambda: st.store.release(obj))
+
+    def load_many(self, conn: Conn, c: Client, req: Request) -> Any:
+        """The items' loads in order, each exactly as load() (same checks, same copy), up to the first one load()
+        would refuse (its typed error in the reply; nothing after it requested) or park (an original not in this
+        host's RAM: the client loads it and the rest one by one); then, with timeout_s > 0, one wait for all of
+        the accepted copies (CopyOps.wait_batch). One round trip for a child's segments instead of two each."""
+        a = req.args
+        reqs: list[int] = []
+        stopped: int | None = None
+        error: dict[str, str] | None = None
+        for i, item in enumerate(a["items"]):
+            if self._would_park(item["key"]):
+                stopped = i
+                break
+            one = Request("load", req.seq, req.token, {"reg": a["reg"], "gen": a["gen"],
+                                                        "layout_digest": a["layout_digest"], **item}, [])
+            try:
+                result = self.load(conn, c, one)
+            except ServiceError as e:
+                if e.fatal:
+                    raise
+                stopped, error = i, {"code": e.code, "message": clip(str(e))}
+                break
+            if result is DEFERRED:   # _would_park says when load parks: never here
+                raise InternalError(f"load_many: item {i} parked although its original is in RAM")
+            reqs.append(result["req"])
+        reply = {"reqs": reqs, "stopped_at": stopped, "error": error}
+        return self.copies.wait_batch(conn, req.seq, reqs, a["timeout_s"], reply)
+
+    def _would_park(self, key: bytes) -> bool:
+        """load() would park this key: not on this host (a remote fetch) or committed here with no RAM copy."""
+        st = self.state
+        if st.remote is not None and key not in st.store.objects:
+            return True
+        obj = st.store.objects.get(key)
+        return obj is not None and obj.state == "committed" and not obj.in_ram
 
     def _park_load(self, conn: Conn, c: Client, req: Request, obj: Any) -> Any:
         st = self.state

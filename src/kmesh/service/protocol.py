@@ -13,6 +13,14 @@ Hello   = {"op": "hello", "instance": u31 | omitted (anonymous), "name": str, "t
           hello takeover) carry "admin": bin[32], the token in the runtime dir's 0600 admin file; it is optional
           in the schema, so a request without it is refused by the service as not_authorized (a typed error),
           not as malformed.
+LoadMany= {"op": "load_many", "reg", "gen", "layout_digest", "items": [{"key": bin, "offset": u}] (1..MAX_BATCH),
+           "timeout_s": f} -> {"reqs": [req...], "stopped_at": i | nil, "error": {"code", "message"} | nil,
+           "jobs": [{"req", "state", "nbytes", "error"}...]}
+          The items are loaded in order, each exactly as `load` would (same checks, same copy); the batch stops at
+          the first item `load` would refuse (its error, typed as load's, in "error"; nothing after it is
+          requested) or would park (an original not in this host's RAM: "error" nil; the client loads it and the
+          rest one by one). With timeout_s > 0 the reply waits until every accepted copy is terminal (or the
+          timeout): one round trip for the whole batch; "jobs" describes them (what `wait` says, without the key).
 Reply   = {"seq": u32 | nil, "ok": true, "result": map}  or
           {"seq": u32 | nil, "ok": false, "error": {"code": str, "message": str}, "fatal": bool}
 
@@ -50,6 +58,7 @@ MAX_PAYLOAD = 64 * 1024
 MAX_FDS = 4
 TOKEN_BYTES = 32
 KEY_MAX = 256
+MAX_BATCH = 128           # loads of one load_many request (a 16k-token RAG child has 60 segments)
 U32 = (1 << 32) - 1
 U63 = (1 << 63) - 1
 U64 = (1 << 64) - 1
@@ -149,6 +158,18 @@ class Record:
         return out
 
 
+class Items:
+    """A list of `lo`..`hi` entries, each checked by `item` (a Record)."""
+
+    def __init__(self, item: Any, lo: int, hi: int) -> None:
+        self.item, self.lo, self.hi = item, lo, hi
+
+    def check(self, name: str, v: Any) -> list[Any]:
+        if not isinstance(v, list) or not self.lo <= len(v) <= self.hi:
+            raise SchemaError(f"field {name!r}: expected a list of {self.lo}..{self.hi} entries")
+        return [self.item.check(f"{name}[{i}]", x) for i, x in enumerate(v)]
+
+
 @dataclass(frozen=True)
 class OpSpec:
     required: dict[str, Any]
@@ -178,6 +199,10 @@ OPS: dict[str, OpSpec] = {
                     "nbytes": Int(1, MAX_MEMORY)}),
     "load": OpSpec({**_REG, "layout_digest": Bin(32, 32), "key": _KEY, "offset": Int(0, MAX_MEMORY)}),
     "wait": OpSpec({"req": Int(1, U63)}, {"timeout_s": (Float(0.0, 30.0), 0.0)}),
+    # loads of several objects into one registration, in order, then (timeout_s > 0) one wait for all of them
+    "load_many": OpSpec({**_REG, "layout_digest": Bin(32, 32),
+                         "items": Items(Record(key=_KEY, offset=Int(0, MAX_MEMORY)), 1, MAX_BATCH)},
+                        {"timeout_s": (Float(0.0, 30.0), 0.0)}),
     "cancel": OpSpec({"req": Int(1, U63)}),
     "evict": OpSpec({}, {"key": (_KEY, None), "admin": (_ADMIN, None), "tier": (OneOf("all", "ram"), "all"),
                          "force": (Flag(), False)}),

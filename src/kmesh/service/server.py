@@ -65,7 +65,7 @@ class Service:
         self.admin = AdminOps(self.state)
         self._ops: dict[str, Handler] = {  # a live client's ops (hello, status and list are dispatched before)
             "heartbeat": regs.heartbeat, "register": regs.register, "activate": regs.activate, "close": regs.close,
-            "save": objects.save, "load": objects.load, "evict": objects.evict, "retain": objects.retain,
+            "save": objects.save, "load": objects.load, "load_many": objects.load_many, "evict": objects.evict, "retain": objects.retain,
             "unretain": objects.unretain, "wait": copies.wait, "cancel": copies.cancel,
             "shutdown": self.admin.shutdown}
 
@@ -166,6 +166,8 @@ class Service:
                 t = min(t, c.last_seen + self.opts.heartbeat_timeout_s - now)
         for conn in self.conns.values():
             for _, deadline in conn.parked.values():
+                t = min(t, deadline - now)
+            for _, _, deadline, _ in conn.parked_batches:
                 t = min(t, deadline - now)
         return max(t, 0.005)  # a deadline whose handling keeps failing must not make the loop spin
 
@@ -297,6 +299,7 @@ class Service:
         conn.sock.close()
         close_fds(conn.asm.fds)
         conn.parked.clear()
+        conn.parked_batches.clear()
         if conn.client is not None:
             self.state.version += 1
             self._forget_pidfd(conn)

@@ -153,6 +153,8 @@ class Conn:
     closing: bool = False                 # stop reading; close once `out` is flushed
     parked: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (seq, deadline)
     parked_loads: int = 0                 # loads waiting for a disk read-back (their replies are owed)
+    # load_many replies owed once every one of their copies is terminal: (seq, reqs, deadline, reply so far)
+    parked_batches: list[tuple[int, list[int], float, dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
