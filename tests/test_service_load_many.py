@@ -96,6 +96,24 @@ def test_without_waiting_it_answers_at_once_and_a_timeout_answers_with_the_copie
         assert svc.no_leaks(), svc.leaks()
 
 
+def _staged_through_segments(svc, st, export) -> list[str]:
+    """Every entry staged through ServiceSegments (prefetch, then each in order; checked on arrival); the ops of
+    the client's calls meanwhile."""
+    ops: list[str] = []
+    call = svc.client.call
+    svc.client.call = lambda op, *a, **k: (ops.append(op), call(op, *a, **k))[1]
+    try:
+        src = ServiceSegments(svc.client, st.reg)
+        prepare_staging(st.tensor, export.catalog)
+        src.prefetch(export.catalog.entries)
+        for e in export.catalog.entries:
+            stage_entry(src, st.tensor, e)
+    finally:
+        svc.client.call = call
+    assert torch.equal(st.tensor[:export.catalog.nbytes], export.raw)
+    return ops
+
+
 def test_an_original_being_read_back_ends_the_batch_and_service_segments_load_the_rest_one_by_one(export, tmp_path):
     entries = export.catalog.entries
     with _service(export, disk_dir=tmp_path / "disk") as svc, svc.h:
@@ -108,33 +126,10 @@ def test_an_original_being_read_back_ends_the_batch_and_service_segments_load_th
             for req in r["reqs"]:
                 svc.client.wait(req)
         with svc.staging("segments") as st:
-            ops: list[str] = []
-            call = svc.client.call
-            svc.client.call = lambda op, *a, **k: (ops.append(op), call(op, *a, **k))[1]
-            try:
-                src = ServiceSegments(svc.client, st.reg)
-                prepare_staging(st.tensor, export.catalog)
-                src.prefetch(entries)
-                for e in entries:
-                    stage_entry(src, st.tensor, e)
-            finally:
-                svc.client.call = call
-            assert torch.equal(st.tensor[:export.catalog.nbytes], export.raw)
             # the batch stops before entry 2 (no read-back starts for it): 2 and 3 are loaded one by one
-            assert ops == ["load_many", "load", "load", "wait", "wait"], ops
+            assert _staged_through_segments(svc, st, export) == ["load_many", "load", "load", "wait", "wait"]
         assert svc.h.admin.evict(entries[3].key, tier="ram")["evicted"] == 1
         with svc.staging("segments-cold") as st:
-            ops.clear()
-            svc.client.call = lambda op, *a, **k: (ops.append(op), call(op, *a, **k))[1]
-            try:
-                src = ServiceSegments(svc.client, st.reg)
-                prepare_staging(st.tensor, export.catalog)
-                src.prefetch(entries)
-                for e in entries:
-                    stage_entry(src, st.tensor, e)
-            finally:
-                svc.client.call = call
-            assert torch.equal(st.tensor[:export.catalog.nbytes], export.raw)
             # entry 2 was read back by the loads above (in RAM again): the batch of 3, then the cold one alone
-            assert ops == ["load_many", "load", "wait"], ops
+            assert _staged_through_segments(svc, st, export) == ["load_many", "load", "wait"]
         assert svc.no_leaks(), svc.leaks()
