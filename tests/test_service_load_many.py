@@ -48,7 +48,8 @@ def test_every_item_in_one_request_whose_reply_waits_for_the_copies(export):
             r = svc.client.load_many(st.reg, _items(export), wait_s=5.0)
             assert r["stopped_at"] is None and r["error"] is None and len(r["reqs"]) == n
             assert [j["req"] for j in r["jobs"]] == r["reqs"]
-            assert [(j["state"], j["nbytes"]) for j in r["jobs"]] == [("done", e.nbytes) for e in export.catalog.entries]
+            want = [("done", e.nbytes) for e in export.catalog.entries]
+            assert [(j["state"], j["nbytes"]) for j in r["jobs"]] == want
             assert torch.equal(st.tensor[:export.catalog.nbytes], export.raw)
         assert svc.no_leaks(), svc.leaks()
 

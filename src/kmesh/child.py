@@ -8,9 +8,9 @@ Every segment is loaded into staging and checked (size, digest) in catalog order
 copied into the private buffer (drained) and restored into the child's model state at once. A failure at segment k
 still leaves exactly segments 0..k-1 restored (they are copied and restored before the error propagates). Any
 SegmentLoadError or transfer failure on the way ends in a full recompute of the prompt — but only once nothing is
-pending on the child's memory: the private copy's tickets are drained first (copy_private does so even when submit fails
-after accepting), and if a drain cannot finish the child fails instead of recomputing into memory a copy may
-still write. The model state is poisoned (NaN) before use, and the slots past the request are canaries that
+pending on the child's memory: the private copies' tickets are drained first (copy_private_each does so even when
+a submit fails after accepting), and if a drain cannot finish the child fails instead of recomputing into memory
+a copy may still write. The model state is poisoned (NaN) before use, and the slots past the request are canaries that
 must still be NaN afterwards. The recompute runs in the model state as the failure left it — the segments
 restored before the failure are still there (`ChildOutcome.written_before_recompute` says where) — and must
 overwrite every one of them: a full prefill writes every position of the prompt at every layer, so its result

@@ -65,8 +65,8 @@ class Service:
         self.admin = AdminOps(self.state)
         self._ops: dict[str, Handler] = {  # a live client's ops (hello, status and list are dispatched before)
             "heartbeat": regs.heartbeat, "register": regs.register, "activate": regs.activate, "close": regs.close,
-            "save": objects.save, "load": objects.load, "load_many": objects.load_many, "evict": objects.evict, "retain": objects.retain,
-            "unretain": objects.unretain, "wait": copies.wait, "cancel": copies.cancel,
+            "save": objects.save, "load": objects.load, "load_many": objects.load_many, "evict": objects.evict,
+            "retain": objects.retain, "unretain": objects.unretain, "wait": copies.wait, "cancel": copies.cancel,
             "shutdown": self.admin.shutdown}
 
     @property
