@@ -116,11 +116,12 @@ def render_all(cfg: Config) -> list[Path]:
         if isinstance(ttft, dict) and ttft:
             written += tables.write_table(tables.ttft_frame(ttft), tdir / f"{stage}_ttft", fmts,
                                           tables.ttft_caption(stage))
-        for key, what in (("scaling", ""), ("rag_scaling", ", RAG workload")):
+        for key, what in (("scaling", ""), ("rag_scaling", " (RAG workload)")):
             scaling = r["summary"].get(key)
             if isinstance(scaling, dict) and any(isinstance(v, dict) and "children" in v for v in scaling.values()):
                 written += tables.write_table(tables.scaling_frame(scaling), tdir / f"{stage}_{key}", fmts,
-                                              tables.scaling_caption(stage, scaling) + what)
+                                              tables.scaling_caption(stage, scaling)
+                                              + (" Workload: RAG-shaped (group.rag)." if what else ""))
                 written += plots.scaling_plot(scaling, pdir / f"{stage}_{key}", pfmts,
                                               f"{stage}{what}: time per child vs N")
         held = r["summary"].get("bytes_held")
