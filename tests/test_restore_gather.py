@@ -10,7 +10,7 @@ from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchE
                            HeadCountError, HeadDimError, LayerRangeError, NonContiguousDestinationError,
                            PositionError, RestoreError, ScaleMismatchError, SegmentError, SlotError, SlotRangeError,
                            capture, plan_restore)
-from kmesh.restore_gather import PLAN_CACHE_ENTRIES, clear_plan_cache, gather_supported, plan_gather
+from kmesh.restore_gather import clear_plan_cache, gather_supported, plan_gather
 import kmesh.restore_gather as rg
 from kmesh.rope import RopeConfig, RopeRangeError
 
@@ -161,8 +161,17 @@ def test_plan_cache_is_bounded_by_the_bytes_of_its_tables(monkeypatch):
 
 def test_the_default_cache_keeps_every_segment_plan_of_two_16k_rag_children():
     """The cache holds what the child path plans in a timed round of the largest RAG workload: two children of 60
-    per-segment plans each (it held 64 plans and thrashed: every restore call planned anew)."""
-    assert PLAN_CACHE_ENTRIES >= 2 * 60 + 64
+    per-segment plans each, beside the arms' whole-child plans (it held 64 plans and thrashed: every restore call
+    planned anew). Planned for real: the first plan of each is still the cached one after all of them."""
+    clear_plan_cache()
+    src_raw, raw = _bytes(SRC, 1), _bytes(DST, 2)
+    n = 2 * 60 + 64
+    plans = [plan_gather(raw, DST, src_raw, SRC, np.array([i % SRC.num_slots]), np.array([0]),
+                         np.array([i % DST.num_slots]), np.array([1 + i]), ROPE) for i in range(n)]
+    assert len(rg._plan_cache) == n
+    again = plan_gather(raw, DST, src_raw, SRC, np.array([0]), np.array([0]), np.array([0]), np.array([1]), ROPE)
+    assert again.slots.data_ptr() == plans[0].slots.data_ptr()      # a hit, not planned anew
+    clear_plan_cache()
 
 
 # ------------------------------------------------------------------------------------------- refusal parity
