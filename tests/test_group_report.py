@@ -32,3 +32,18 @@ def test_scaling_table_plot_and_bytes_held(tmp_path):
                                     "compression_full_over_diff": 4.0}}}
     bh = tables.bytes_held_frame(held)
     assert bh["full/diff"].iloc[0] == 4.0 and bh["children"].iloc[0] == 1
+
+
+def test_the_rag_group_cases_cannot_be_configured_away():
+    """group.rag is required: a config without it is refused, so its cases never vanish from a green stage."""
+    import pytest
+
+    from kmesh.config import load_config, validate
+    from kmesh.errors import ConfigError
+
+    cfg = load_config(profile="cpu")
+    schema = cfg.root / "config" / "config.schema.yaml"
+    validate(cfg.data, schema)
+    without = {**cfg.data, "group": {k: v for k, v in cfg.section("group").items() if k != "rag"}}
+    with pytest.raises(ConfigError, match="rag"):
+        validate(without, schema)

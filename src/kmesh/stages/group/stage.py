@@ -25,7 +25,7 @@ Cases:
   scaling-<N>           matched rounds per group size (kmesh.stages.group.bench): serial, layer-major and
                         batched in every round; serial vs layer-major, serial vs batched over the same serial
                         runs; every arm's spread; peak memory per arm
-  rag-setup,            (with `group.rag`) the same scaling over the RAG-shaped workload: many retrieved
+  rag-setup,            (`group.rag`, required) the same scaling over the RAG-shaped workload: many retrieved
   rag-scaling-<N>       chunks, every child holding all of them in an order of its own, a short private question
   bytes-held            store bytes once + private repaired copies per child vs N; what diffs would save
 """
@@ -242,8 +242,7 @@ def run(cfg: Config) -> Result:
                                                          group_run.outcomes if group_run else {})
     res.extra["scaling"] = bench.scaling(res, setup)
     res.extra["bytes_held"] = bench.bytes_held(res, setup, store_bytes)
-    if setup.sec.get("rag"):
-        res.extra["rag_scaling"] = _rag_scaling(res, setup)
+    res.extra["rag_scaling"] = _rag_scaling(res, setup)   # group.rag is required: its cases cannot be configured away
     return res
 
 
