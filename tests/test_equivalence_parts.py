@@ -651,6 +651,15 @@ def test_a_k_flip_seen_in_the_wrong_layers_fails_its_negative_control(env, monke
     assert case.checks["v_bit_flip_caught"]["ok"] and case.checks["logits_bit_flip_caught"]["ok"]
 
 
+def test_a_k_flip_seen_in_one_layer_too_many_fails_its_negative_control(env, monkeypatch):
+    # the comparator places the flip at the right first layer but also sees a later layer change: the count is
+    # wrong alone (mutation survivor: `and` -> `or` before the first-layer comparison)
+    case = _negative_controls_with(env, monkeypatch, lambda a, b, cmp: cmp if torch.equal(a.k, b.k)
+                                   else {**cmp, "k_equal_layers": cmp["k_equal_layers"] - 1})
+    assert case.checks["k_bit_flip_caught"]["ok"] is False and case.passed is False
+    assert case.checks["v_bit_flip_caught"]["ok"] and case.checks["logits_bit_flip_caught"]["ok"]
+
+
 def test_a_logits_flip_the_logits_comparison_misses_fails_its_negative_control(env, monkeypatch):
     # logits_equal misses the flip; the state still differs in max_abs_diff, which alone must not pass the control
     case = _negative_controls_with(env, monkeypatch, lambda a, b, cmp: cmp if torch.equal(a.logits, b.logits)
@@ -775,6 +784,41 @@ def test_settled_fails_a_destination_without_partial_data(env):
             ran = controls.Ran(env.ctx, dataclasses.replace(base, written_before_recompute=written), None, 0)
             passed = controls._settled(case, ran, ref, SegmentMissingError, None, child)
         assert case.checks["partial_data_in_destination"]["ok"] is ok and passed is ok
+
+
+def test_settled_fails_each_two_part_check_on_either_part_alone(env):
+    """recomputed_after_drain needs the drain before the recompute AND the recompute last; the pre-failure
+    reference needs K AND V equal; no_engine_holds needs no hold AND nothing pending. One part wrong fails each
+    (mutation survivors: `and` -> `or` in each)."""
+    child = env.workload.children[0]
+    ref = env.refs[RefKey(FULL, child.name)]
+    cap = new_cache(env.ctx, child).capacity
+    want = controls.expected_partial(child, cap, controls.FAIL_AT)
+    good = dataclasses.replace(ref, fallback="SegmentMissingError: x", written_before_recompute=want,
+                               events=["pending-before-recompute:0", "recompute"])
+
+    def engine(holds, pending):
+        return SimpleNamespace(engine=SimpleNamespace(live_holds=lambda: holds, pending=lambda: pending))
+
+    def settle(out, ctx=None):
+        res, cm = _control_case()
+        with cm as case:
+            passed = controls._settled(case, controls.Ran(ctx or engine(0, []), out, None, 0), ref,
+                                       SegmentMissingError, None, child)
+        return case, passed
+
+    case, passed = settle(good)                              # the baseline passes every check
+    assert passed and not [k for k, c in case.checks.items() if c["ok"] is False], case.checks   # (records: ok None)
+    for events in (["recompute"],                                               # no drain before the recompute
+                   ["pending-before-recompute:0", "recompute", "restored:1"]):  # the recompute is not last
+        case, passed = settle(dataclasses.replace(good, events=events))
+        assert case.checks["recomputed_after_drain"]["ok"] is False and passed is False
+    for field in ("k", "v"):                                 # one of K, V off by one bit, the other equal
+        case, passed = settle(dataclasses.replace(good, **{field: flip_bit(getattr(good, field), 0)}))
+        assert case.checks["kv_equal_pre_failure_reference"]["ok"] is False and passed is False
+    for holds, pending in ((0, ["ticket"]), (1, [])):         # nothing held but a copy pending, and the reverse
+        case, passed = settle(good, engine(holds, pending))
+        assert case.checks["no_engine_holds"]["ok"] is False and passed is False
 
 
 def test_references_in_self_sees_a_mapped_staging_buffer():

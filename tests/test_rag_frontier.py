@@ -226,3 +226,25 @@ def test_continuation_fault_is_decodes_rule():
     assert "1 of 4" in rag.continuation_fault([5], 4, (9,))                  # cut short: a prefill's first token only
     assert "5 of 4" in rag.continuation_fault([5, 6, 7, 8, 1], 4, ())
     assert "0 of 4" in rag.continuation_fault([], 4, ())
+
+
+def test_a_continuation_past_its_end_of_turn_fails_continuations_end_as_decode_says(setup, monkeypatch):
+    """The batched decode hands the first reuse arm (naive) a continuation that goes on after an end-of-turn
+    token: the case's check fails and names the child, the arm, the fault and the length (mutation survivor:
+    `fault = None`, a check that could never fail)."""
+    real = rag.decode_batch
+
+    def past_the_stop(runner, outcomes, max_new_tokens, stop_ids=()):
+        rows = [list(r) for r in real(runner, outcomes, max_new_tokens, stop_ids)]
+        rows[0] = [stop_ids[0]] + [0] * (max_new_tokens - 1)    # the first reuse row: child A, arm naive
+        return rows
+
+    monkeypatch.setattr(rag, "decode_batch", past_the_stop)
+    res = Result("equivalence", "test", provenance={})
+    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
+    monkeypatch.setitem(setup.sec, "rag", small)
+    rag.rag_cases(res, setup)
+    check = next(c for c in res.cases if c.id == "rag-quality").checks["continuations_end_as_decode_says"]
+    assert check["ok"] is False
+    assert check["value"] == {"A": {"naive": {"fault": "continues past an end-of-turn token",
+                                              "tokens": RAG["max_new_tokens"]}}}
