@@ -21,7 +21,7 @@ GPU = 1 if PROFILE == "cuda" else None
 STAGE_THREADS = 2
 # Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
 STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "remote", "group", "vllm", "peers", "restore_bench", "reliability"]
+          "remote", "group", "reliability", "peers", "vllm", "restore_bench"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage

@@ -1,11 +1,14 @@
 # vLLM alone vs vLLM + LMCache (its multiprocess server, started as its users start it) vs vLLM + KMesh: the same engine
-# settings, prompts and pair design, in one run (issue 24). After vllm in the pipeline order (DESIGN §3); its engines
-# would only compete with the vllm stage's for the two cores and the memory.
+# settings, prompts and pair design, in one run (issue 24). After equivalence (KMesh's own data path proven first) and
+# after reliability, before vllm: the three stages that start vLLM engines bind them to the same cores
+# (threads_bind "0-1"), so they run one after another and never time beside each other's engines; the other stages
+# of that stretch (storage, integrity, remote, group) may run beside peers where cores are free.
 rule peers:
     input:
         code=stage_code("peers"),
         model=result("model"),
-        vllm=result("vllm"),   # pipeline order (DESIGN §3)
+        equivalence=result("equivalence"),   # pipeline order (DESIGN §3)
+        reliability=result("reliability"),   # order only: its engine churn binds the same cores
     output:
         result=result("peers"),
     log:

@@ -7,6 +7,7 @@ rule vllm:
         model=result("model"),
         equivalence=result("equivalence"),
         group=result("group"),   # pipeline order (DESIGN §3)
+        peers=result("peers"),   # order only: the peers stage's engines bind the same cores (peers.smk)
     output:
         result=result("vllm"),
     log:

@@ -14,7 +14,7 @@ from kmesh.result import Result
 
 # Pipeline order (DESIGN §3). Later waves add equivalence, storage, group.
 STAGES: tuple[str, ...] = ("sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage",
-                           "integrity", "remote", "group", "vllm", "peers", "restore_bench", "reliability", "report")
+                           "integrity", "remote", "group", "reliability", "peers", "vllm", "restore_bench", "report")
 
 
 def stage_runner(name: str) -> Callable[[Config], Result]:
