@@ -71,7 +71,9 @@ def test_real_lmcache_server_on_loopback_answers_status_and_metrics_then_dies_by
 
 def test_engine_reply_is_awaited_with_a_bound(tmp_path):
     # vLLM takes seconds to import and start: a 0.2 s bound on the start reply must raise, not block
-    eng = EngineProcess(tmp_path / "no-model", None, start_timeout_s=0.2, log_path=tmp_path / "engine.log",
+    (tmp_path / "unloadable").mkdir()
+    (tmp_path / "unloadable" / "config.json").write_text("{}")     # accepted; vLLM could never load it
+    eng = EngineProcess(tmp_path / "unloadable", None, start_timeout_s=0.2, log_path=tmp_path / "engine.log",
                         wait=False)
     try:
         t0 = time.monotonic()
@@ -113,7 +115,7 @@ def test_stage_whose_engines_cannot_start_skips_the_rest_saying_why_and_leaves_n
     from kmesh.stages.peers.stage import ENGINE_CASES
 
     pytest.importorskip("vllm")
-    # no converted model there: both servers come up, the three engines are spawned, the setup fails
+    # no converted model there: both servers come up, the engines are refused before a process starts, the setup fails
     cfg = load_config(profile="cpu", overrides={"results_dir": str(tmp_path), "model": {"dir": str(tmp_path / "none")}})
     res = peers.run(cfg)
     by_id = {c.id: c for c in res.cases}

@@ -6,13 +6,29 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from kmesh.vllm.engine import EngineProcess, engine_env
+import pytest
+
+from kmesh.vllm.engine import EngineError, EngineProcess, engine_env
 
 
-def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp_path, monkeypatch):
+@pytest.fixture
+def unloadable(tmp_path_factory):
+    """A folder the engine accepts (it has a config.json) and vLLM could never load: killed while importing."""
+    d = tmp_path_factory.mktemp("unloadable-model")
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_a_folder_without_a_model_is_refused_before_any_process_starts(tmp_path):
+    with pytest.raises(EngineError, match="no model in .*no-model: it has no config.json"):
+        EngineProcess(tmp_path / "no-model", None, wait=False)
+    assert list(tmp_path.iterdir()) == []         # no engine temp directory either
+
+
+def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp_path, monkeypatch, unloadable):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)        # tempfile caches the first TMPDIR it saw
-    engines = [EngineProcess(tmp_path / "no-model", None, wait=False) for _ in range(2)]
+    engines = [EngineProcess(unloadable, None, wait=False) for _ in range(2)]
     a, b = engines
     assert a.tmpdir != b.tmpdir and {a.tmpdir.parent, b.tmpdir.parent} == {tmp_path}
     for eng in engines:
@@ -26,12 +42,12 @@ def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp
 
 
 
-def test_engines_run_without_torch_compile_unless_the_caller_says_otherwise(tmp_path, monkeypatch):
+def test_engines_run_without_torch_compile_unless_the_caller_says_otherwise(unloadable, monkeypatch):
     """vLLM's sampler compiles its logprob-rank helper with inductor at an engine's first logprobs request (16-25 s
     on the 2-core machine): every engine runs with torch.compile off, which a caller's own setting overrides."""
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     assert engine_env()["TORCH_COMPILE_DISABLE"] == "1"
-    eng = EngineProcess(tmp_path / "no-model", None, wait=False)
+    eng = EngineProcess(unloadable, None, wait=False)
     try:
         assert b"TORCH_COMPILE_DISABLE=1" in Path(f"/proc/{eng.pid}/environ").read_bytes().split(b"\0")
     finally:

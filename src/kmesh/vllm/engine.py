@@ -99,6 +99,10 @@ class EngineProcess:
         unknown = [w for w in workarounds if w not in WORKAROUNDS]
         if unknown:
             raise EngineError(f"unknown engine workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+        # A folder vLLM cannot load fails here, at once, not after the new process spent ~10 CPU-s importing vLLM
+        if not (Path(model_dir) / "config.json").is_file():
+            raise EngineError(f"no model in {model_dir}: it has no config.json (the model stage converts SmolLM2 "
+                              "there: kmesh run model)")
         self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype, kv_transfer=kv_transfer),
                      "workarounds": list(workarounds)}
         self.log_path = log_path
