@@ -295,6 +295,36 @@ def test_run_child_in_process_uses_segments(env):
     assert identical(compare_states(again, env.refs[RefKey(REPAIR, "A")]))
 
 
+def test_every_digest_is_checked_in_one_call_and_the_first_bad_segment_decides(env, monkeypatch):
+    """The child path loads every segment, then checks all their digests in one arrival_digests call (on the GPU:
+    one launch set, not one per segment); a corrupt segment 1 and a missing segment 2 fail at 1 (the corrupt one:
+    the first in catalog order), a missing 1 and a corrupt 2 at 1 (the missing one); segment 0 restored either way."""
+    from kmesh import segments as segments_mod
+
+    ex, child = env.export, env.workload.children[0]
+    n = len(ex.catalog.entries)
+    calls = []
+    real = segments_mod.arrival_digests
+    monkeypatch.setattr(segments_mod, "arrival_digests", lambda alg, views: calls.append(len(views)) or real(alg, views))
+    staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
+    out = run_child(env.ctx, child, InProcessSegments(ex), staging, torch.empty_like(staging))
+    assert out.fallback is None and calls == [n]
+    e1, e2 = ex.catalog.entries[1], ex.catalog.entries[2]
+    for corrupt, missing, error in ((e1, e2, "SegmentCorruptError"), (e2, e1, "SegmentMissingError")):
+        objs = _objects(ex)
+        objs[corrupt.key][123] ^= 0x40
+        del objs[missing.key]
+        calls.clear()
+        out = run_child(env.ctx, child, InProcessSegments(ex, objs), staging, torch.empty_like(staging))
+        assert out.fallback.startswith(error), out.fallback
+        assert out.events[:4] == ["staged:0", "private-copy-drained:0", "restored:0", f"failed:{error}"], out.events
+        want = controls.expected_partial(child, out.written_before_recompute.numel(), 1)
+        assert torch.equal(out.written_before_recompute, want)
+        assert out.tokens == env.refs[RefKey(FULL, child.name)].tokens
+        # loaded before the missing one: both (corrupt 1, missing 2) or only segment 0 (missing 1), in one call
+        assert calls == ([2] if missing is e2 else [1]), calls
+
+
 def test_run_child_corrupt_source_falls_back_to_full_recompute(env):
     ex = env.export
     for idx, child in enumerate(env.workload.children):
@@ -999,9 +1029,9 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
                     assert bad_ops == ["load_many"], bad_ops     # had ended, nothing left to cancel
                 elif suffix == b"-missing":   # refused at segment 1: nothing requested after it
                     assert bad_ops == ["load", "load", "wait"], bad_ops
-                else:                       # segment 1 arrived corrupt: the loads after it cancelled and drained
-                    n = len(cat.entries)
-                    assert bad_ops == ["load"] * n + ["wait", "wait"] + ["cancel", "wait"] * (n - 2), bad_ops
+                else:                       # segment 1 arrived corrupt: the digests are checked once every
+                    n = len(cat.entries)    # segment has arrived (one call), so every load was waited for
+                    assert bad_ops == ["load"] * n + ["wait"] * n, bad_ops
         assert svc.no_leaks(), svc.leaks()
     n = len(cat.entries)
     assert good_ops == (["load_many"] if batched else ["load"] * n + ["wait"] * n), good_ops

@@ -210,3 +210,18 @@ def test_set_request_hashes_the_bytes_there_now(torch, algorithm, kw):
     req.launch()
     with pytest.raises(DigestMismatchError, match="object 2"):
         req.verify(want)
+
+
+def test_a_childs_arrival_digests_in_one_call_equal_each_segments_own():
+    """kmesh.segments.arrival_digests: the child path's one blake3 call for every segment of a child (CUDA views
+    of one staging buffer, unaligned lengths and offsets) gives each segment's own digest, host and GPU alike."""
+    import torch
+
+    from kmesh.segments import arrival_digest, arrival_digests
+
+    staging = torch.randint(0, 256, (3 * 65536 + 123,), dtype=torch.uint8, device="cuda")
+    cuts = [0, 65536, 2 * 65536 + 7, staging.numel()]
+    views = [staging[a:b] for a, b in zip(cuts, cuts[1:])]
+    got = arrival_digests("blake3", views)
+    assert got == [arrival_digest("blake3", v.cpu()) for v in views]
+    assert got == [blake3.blake3(v.cpu().numpy().tobytes()).hexdigest() for v in views]

@@ -4,7 +4,8 @@
     restored, res = prefill_from_segments(ctx, child, source, staging, private, cache, "kmesh", owner, events,
                                           part=intervals.part)   # run_child's path up to the first token, timed
 
-Every segment is loaded into staging and checked (size, digest) in catalog order; the verified segments are then
+Every segment is loaded into staging in catalog order (its size checked on arrival), then all their digests are
+checked in one call (one GPU launch set for blake3 on CUDA); the verified segments are then
 copied into the private buffer (drained) and restored into the child's model state at once. A failure at segment k
 still leaves exactly segments 0..k-1 restored (they are copied and restored before the error propagates). Any
 SegmentLoadError or transfer failure on the way ends in a full recompute of the prompt — but only once nothing is
@@ -28,7 +29,7 @@ from kmesh.errors import KMeshError
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.segments import (Catalog, CatalogEntry, PrivateCopyError, SegmentLoadError, SegmentSource,
-                            copy_private_each, prepare_staging, restore_child, stage_entry)
+                            copy_private_each, first_corrupt, load_entry, prepare_staging, restore_child)
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import TransferError
 from kmesh.workload import Child
@@ -124,7 +125,7 @@ def _untimed(_name: str) -> ContextManager[Any]:
 
 class _TimedLoads:
     """A segment source whose load calls are timed as part `load`: the source's own work (for the service:
-    request, copy, reply), without the size and digest checks stage_entry makes on arrival."""
+    request, copy, reply), without the size check load_entry makes on arrival."""
 
     def __init__(self, source: SegmentSource, part: PartTimer) -> None:
         self.source, self.part, self.name = source, part, source.name
@@ -139,13 +140,14 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
                           part: PartTimer = _untimed,
                           prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None = None,
                           ) -> tuple[torch.Tensor, BlendResult]:
-    """run_child's path from the child's request to its first token's logits: every segment staged from `source`
-    in catalog order (loaded, then its size and digest checked on arrival); then the verified segments copied
+    """run_child's path from the child's request to its first token's logits: every segment loaded from `source`
+    into staging in catalog order (its size checked on arrival), then every loaded segment's digest checked in one
+    call (kmesh.segments.first_corrupt: blake3 on the GPU in one launch set for all); then the verified segments copied
     private (kmesh.segments.copy_private_each: one submit each, one drain for all) and restored into `cache` at
     once (one restore call); then the prefill with repair `arm`. Returns (restored mask, prefill result).
 
-    A load or transfer error at segment k propagates (run_child turns it into a recompute) after segments
-    0..k-1, verified (and copied) before it, were restored: the model state then holds exactly the segments before
+    A load, digest or transfer error at segment k (the first in catalog order) propagates (run_child turns it into a
+    recompute) after segments 0..k-1, verified (and copied) before it, were restored: the model state then holds exactly the segments before
     the failure, as when each segment went its whole way before the next was loaded, but with one drain and one
     restore instead of one per segment (on the H200 a drained copy and a restore call cost ~0.27 and ~0.35 ms a
     segment, and a RAG child has 15-60 segments). `part(name)` times the steps as parts: stage ⊃ load (the
@@ -186,11 +188,24 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
             # copies overlap; each segment is still waited for and checked in order below
             with part("stage"), part("load"):
                 prefetch(ctx.catalog.entries)
+        loaded: list[CatalogEntry] = []
+        failure: SegmentLoadError | TransferError | None = None
         for entry in ctx.catalog.entries:
             with part("stage"):
-                stage_entry(timed_source, staging, entry)
-            events.append(f"staged:{entry.index}")
-            verified.append(entry)
+                try:
+                    load_entry(timed_source, staging, entry)
+                except (SegmentLoadError, TransferError) as e:
+                    failure = e          # the segments before it are still checked and restored below
+                    break
+            loaded.append(entry)
+        with part("stage"):
+            corrupt = first_corrupt(staging, loaded)    # every loaded segment's digest in one call
+        if corrupt is not None:          # an earlier segment than a load failure's: its error is the one raised
+            loaded, failure = loaded[:corrupt[0]], corrupt[1]
+        verified.extend(loaded)
+        events.extend(f"staged:{e.index}" for e in loaded)
+        if failure is not None:
+            raise failure
     except (SegmentLoadError, TransferError):
         abandon = getattr(source, "abandon", None)
         if abandon is not None:
