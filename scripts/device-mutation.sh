@@ -4,7 +4,8 @@
 # Device: bash scripts/device-mutation.sh NAME [SECONDS [MUTANT-GLOB...]]   carry .whl and results/mutation/NAME
 # mutmut runs in that tree on the CPU (CUDA hidden, as on CI; one thread per worker, a worker per core) until done or
 # SECONDS (default 400), then gets SIGINT (SIGKILL 30 s later): it stops its workers and keeps every finished verdict.
-# SESSION=1: one mutmut process for the whole device session instead (scripts/mutmut-session.py, its setup paid once):
+# SESSION=1: one mutmut process for the whole device session instead (src/kmesh/tools/mutmut_session.py, run by
+# path; mutmut's setup paid once):
 # the first call starts it in its own session (setsid: it outlives the call) and watches it for SECONDS; each later
 # call (within the machine's 30 s warm time, carrying nothing, so the running tree stays) only watches it. Every call
 # ends with a snapshot of the verdicts (each .meta copied until it parses: mutmut may be writing it).
@@ -28,7 +29,7 @@ if [[ -n "${SESSION:-}" ]]; then
   pidf=/tmp/mutmut.pid
   if ! { [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; }; then
     echo "$(date -u +%FT%TZ) mutmut session start --max-children $jobs, $(nproc --all) cores" >> ../runs.log
-    (setsid nohup python3 "$root/scripts/mutmut-session.py" --max-children "$jobs" "${globs[@]}" >> ../mutmut.log 2>&1 \
+    (setsid nohup python3 "$root/src/kmesh/tools/mutmut_session.py" --max-children "$jobs" "${globs[@]}" >> ../mutmut.log 2>&1 \
       < /dev/null &)
     sleep 3
   fi

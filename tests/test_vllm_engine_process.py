@@ -4,6 +4,7 @@ the engine ends. No engine is started here: the process is killed while it is st
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ def unloadable(tmp_path_factory):
     return d
 
 
+def _environ(pid: int) -> list[bytes]:
+    """/proc/PID/environ once the process's exec has set it up: spawn returns when the child releases the parent's
+    memory inside execve, a moment before its own environment is in place (read there, the file is empty; seen
+    once under make test's load)."""
+    deadline = time.monotonic() + 10
+    while not (raw := Path(f"/proc/{pid}/environ").read_bytes().strip(b"\0")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return raw.split(b"\0")
+
+
 def test_a_folder_without_a_model_is_refused_before_any_process_starts(tmp_path):
     with pytest.raises(EngineError, match="no model in .*no-model: it has no config.json"):
         EngineProcess(tmp_path / "no-model", None, wait=False)
@@ -32,7 +43,7 @@ def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp
     a, b = engines
     assert a.tmpdir != b.tmpdir and {a.tmpdir.parent, b.tmpdir.parent} == {tmp_path}
     for eng in engines:
-        environ = Path(f"/proc/{eng.pid}/environ").read_bytes().split(b"\0")
+        environ = _environ(eng.pid)
         assert f"TMPDIR={eng.tmpdir}".encode() in environ
         (eng.tmpdir / "vllm_dist_0123456789abcdef0123456789abcdef").write_text("what vLLM leaves")
     a.kill()
@@ -49,7 +60,7 @@ def test_engines_run_without_torch_compile_unless_the_caller_says_otherwise(unlo
     assert engine_env()["TORCH_COMPILE_DISABLE"] == "1"
     eng = EngineProcess(unloadable, None, wait=False)
     try:
-        assert b"TORCH_COMPILE_DISABLE=1" in Path(f"/proc/{eng.pid}/environ").read_bytes().split(b"\0")
+        assert b"TORCH_COMPILE_DISABLE=1" in _environ(eng.pid)
     finally:
         eng.kill()
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
