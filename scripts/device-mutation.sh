@@ -29,8 +29,8 @@ if [[ -n "${SESSION:-}" ]]; then
   pidf=/tmp/mutmut.pid
   if ! { [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; }; then
     echo "$(date -u +%FT%TZ) mutmut session start --max-children $jobs, $(nproc --all) cores" >> ../runs.log
-    (setsid nohup python3 "$root/src/kmesh/tools/mutmut_session.py" --max-children "$jobs" "${globs[@]}" >> ../mutmut.log 2>&1 \
-      < /dev/null &)
+    (setsid nohup python3 "$root/src/kmesh/tools/mutmut_session.py" --max-children "$jobs" "${globs[@]}" \
+      >> ../mutmut.log 2>&1 < /dev/null &)
     sleep 3
   fi
   end=$((SECONDS + limit))
@@ -39,20 +39,24 @@ if [[ -n "${SESSION:-}" ]]; then
     || echo "mutmut session ended" >> ../runs.log
 else
   echo "$(date -u +%FT%TZ) mutmut run --max-children $jobs, limit ${limit}s, $(nproc --all) cores" >> ../runs.log
-  { time timeout -k 30 -s INT "$limit" python3 -m mutmut run --max-children "$jobs" "${globs[@]}"; } >> ../mutmut.log 2>&1
+  { time timeout -k 30 -s INT "$limit" python3 -m mutmut run --max-children "$jobs" "${globs[@]}"; } \
+    >> ../mutmut.log 2>&1
   echo "mutmut rc=$?" >> ../runs.log
 fi
 timeout 40 python3 -m kmesh.tools.mutation_report --out .. >> ../runs.log 2>&1
-tr '\r' '\n' < ../mutmut.log | grep -a -E "mutations/second|Stopping|Failed|^real|mutmut-session" | tail -n 4 >> ../runs.log
+tr '\r' '\n' < ../mutmut.log | grep -a -E "mutations/second|Stopping|Failed|^real|mutmut-session" | tail -n 4 \
+  >> ../runs.log
 cd "$root"
+parses() {   # whole once it parses (a .meta or .json file)
+  [[ $1 != *.meta && $1 != *.json ]] || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1" 2>/dev/null
+}
 snap=$(mktemp -d); mkdir -p "$snap/$name"
 (cd results/mutation && for f in "$name"/*.log "$name"/report.* "$name"/tree/mutants/mutmut-stats.json \
     $(find "$name/tree/mutants" -name "*.meta"); do
   [ -f "$f" ] || continue
   mkdir -p "$snap/$(dirname "$f")"
   for _ in 1 2 3 4 5 6; do     # a verdict file mutmut is rewriting: copy again until it parses
-    cp "$f" "$snap/$f" && { [[ $f != *.meta && $f != *.json ]] || python3 -c "import json,sys; json.load(open(sys.argv[1]))" \
-      "$snap/$f" 2>/dev/null; } && break
+    cp "$f" "$snap/$f" && parses "$snap/$f" && break
     sleep 0.3
   done
 done)

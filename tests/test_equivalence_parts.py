@@ -305,7 +305,8 @@ def test_every_digest_is_checked_in_one_call_and_the_first_bad_segment_decides(e
     n = len(ex.catalog.entries)
     calls = []
     real = segments_mod.arrival_digests
-    monkeypatch.setattr(segments_mod, "arrival_digests", lambda alg, views: calls.append(len(views)) or real(alg, views))
+    monkeypatch.setattr(segments_mod, "arrival_digests",
+                        lambda alg, views: calls.append(len(views)) or real(alg, views))
     staging = torch.empty(ex.catalog.nbytes, dtype=torch.uint8)
     out = run_child(env.ctx, child, InProcessSegments(ex), staging, torch.empty_like(staging))
     assert out.fallback is None and calls == [n]

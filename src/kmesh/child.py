@@ -147,10 +147,11 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
     once (one restore call); then the prefill with repair `arm`. Returns (restored mask, prefill result).
 
     A load, digest or transfer error at segment k (the first in catalog order) propagates (run_child turns it into a
-    recompute) after segments 0..k-1, verified (and copied) before it, were restored: the model state then holds exactly the segments before
-    the failure, as when each segment went its whole way before the next was loaded, but with one drain and one
-    restore instead of one per segment (on the H200 a drained copy and a restore call cost ~0.27 and ~0.35 ms a
-    segment, and a RAG child has 15-60 segments). `part(name)` times the steps as parts: stage ⊃ load (the
+    recompute) after segments 0..k-1, verified (and copied) before it, were restored: the model state then holds
+    exactly the segments before the failure, as when each segment went its whole way before the next was loaded,
+    but with one digest call, one drain and one restore instead of one each per segment (on the H200 a digest
+    launch, a drained copy and a restore call cost ~0.1, ~0.27 and ~0.35 ms a segment, and a RAG child has 15-60
+    segments). `part(name)` times the steps as parts: stage ⊃ load (the
     source's calls), private-copy, restore; then repair. `prefill_fn(cache, restored)` replaces the eager prefill
     (a CUDA graph of the same blend captured over `cache`)."""
     restored = torch.zeros(len(child.ids), dtype=torch.bool)
