@@ -135,6 +135,15 @@ def test_epic_handed_fewer_chunks_fails_the_rule_check(setup, monkeypatch):
     assert all(v["expected"] > v["recomputed"] for v in check["value"]["A"].values())   # one chunk's head fewer
 
 
+def _one_child_quality_check(setup, monkeypatch, name: str) -> dict:
+    """The RAG cases on one child (one TTFT pair), with whatever the caller planted: rag-quality's check `name`."""
+    res = Result("equivalence", "test", provenance={})
+    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
+    monkeypatch.setitem(setup.sec, "rag", small)
+    rag.rag_cases(res, setup)
+    return next(c for c in res.cases if c.id == "rag-quality").checks[name]
+
+
 def test_an_arm_that_fell_back_fails_arms_used_segments_and_is_named(setup, monkeypatch):
     """A child path that recomputed instead of restoring (a fallback) is not the arm it claims to measure."""
     import dataclasses
@@ -146,11 +155,7 @@ def test_an_arm_that_fell_back_fails_arms_used_segments_and_is_named(setup, monk
         return dataclasses.replace(out, fallback="ObjectMissing: planted") if arm == "naive" else out
 
     monkeypatch.setattr(rag, "run_child", naive_falls_back)
-    res = Result("equivalence", "test", provenance={})
-    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
-    monkeypatch.setitem(setup.sec, "rag", small)
-    rag.rag_cases(res, setup)
-    check = next(c for c in res.cases if c.id == "rag-quality").checks["arms_used_segments"]
+    check = _one_child_quality_check(setup, monkeypatch, "arms_used_segments")
     assert check["ok"] is False and check["value"] == {"A": {"naive": "ObjectMissing: planted"}}
 
 
@@ -240,11 +245,7 @@ def test_a_continuation_past_its_end_of_turn_fails_continuations_end_as_decode_s
         return rows
 
     monkeypatch.setattr(rag, "decode_batch", past_the_stop)
-    res = Result("equivalence", "test", provenance={})
-    small = dict(RAG, workload=dict(RAG["workload"], children=1), ttft={"children": 1, "pairs": 1, "warmup": 0})
-    monkeypatch.setitem(setup.sec, "rag", small)
-    rag.rag_cases(res, setup)
-    check = next(c for c in res.cases if c.id == "rag-quality").checks["continuations_end_as_decode_says"]
+    check = _one_child_quality_check(setup, monkeypatch, "continuations_end_as_decode_says")
     assert check["ok"] is False
     assert check["value"] == {"A": {"naive": {"fault": "continues past an end-of-turn token",
                                               "tokens": RAG["max_new_tokens"]}}}
