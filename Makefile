@@ -5,6 +5,10 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export LMCACHE_TRACK_USAGE := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# Byte-code is written, as pip writes it at install (setup-env.sh installs without it and compiles what most processes
+# import): a shell that sets PYTHONDONTWRITEBYTECODE (this machine's sessions do) made every process compile again
+# what the first one already had, e.g. each vLLM engine ~240 modules (2.7 of its 23.5 CPU-s), each Snakemake its own.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: env pipeline test test-all doctor lock mutation slurm-cluster
 
