@@ -39,7 +39,7 @@ def test_a_folder_without_a_model_is_refused_before_any_process_starts(tmp_path)
 def test_an_engine_has_a_temporary_directory_of_its_own_removed_when_it_ends(tmp_path, monkeypatch, unloadable):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)        # tempfile caches the first TMPDIR it saw
-    engines = [EngineProcess(unloadable, None, wait=False) for _ in range(2)]
+    engines = [EngineProcess(unloadable, None, wait=False, zygote=False) for _ in range(2)]
     a, b = engines
     assert a.tmpdir != b.tmpdir and {a.tmpdir.parent, b.tmpdir.parent} == {tmp_path}
     for eng in engines:
@@ -58,7 +58,7 @@ def test_engines_run_without_torch_compile_unless_the_caller_says_otherwise(unlo
     on the 2-core machine): every engine runs with torch.compile off, which a caller's own setting overrides."""
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     assert engine_env()["TORCH_COMPILE_DISABLE"] == "1"
-    eng = EngineProcess(unloadable, None, wait=False)
+    eng = EngineProcess(unloadable, None, wait=False, zygote=False)
     try:
         assert b"TORCH_COMPILE_DISABLE=1" in _environ(eng.pid)
     finally:

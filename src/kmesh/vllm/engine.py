@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.errors import KMeshError
+from kmesh.vllm.zygote import ForkedProcess, ZygoteError, zygote_for
 
 CONNECTOR = {"kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh.vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -49,6 +50,13 @@ WORKAROUNDS = {
         "vllm.triton_utils.dispatcher: vars(x) -> {} where x.__dict__ is not a dict (llvmlite's _lib_fn_wrapper, "
         "imported with LMCache via numba)",
 }
+
+
+# What an engine zygote imports before it forks engines: what every engine imports to build its LLM (measured: the
+# modules an engine start loads), not LMCache (only its arm needs it, and with it the dispatcher workaround below).
+ZYGOTE_PRELOAD = ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor",
+                  "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama",
+                  "kmesh.vllm.connector", "kmesh.vllm.engine")
 
 
 # Every engine's KV cache (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE counts whole GiB only). 256 MiB hold
@@ -95,7 +103,10 @@ class EngineProcess:
     def __init__(self, model_dir: str | Path, connector: dict[str, Any] | None, *, dtype: str = "float32",
                  threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0,
                  wait: bool = True, kv_transfer: dict[str, Any] | None = None,
-                 workarounds: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 workarounds: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 zygote: bool | None = None) -> None:
+        """`zygote`: fork the engine from this process's engine zygote (kmesh.vllm.zygote; ~12 of an engine start's
+        ~21 CPU-s are vLLM's imports, which the zygote has done once); None: unless KMESH_ENGINE_ZYGOTE=0."""
         unknown = [w for w in workarounds if w not in WORKAROUNDS]
         if unknown:
             raise EngineError(f"unknown engine workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
@@ -112,10 +123,19 @@ class EngineProcess:
         self.tmpdir = Path(tempfile.mkdtemp(prefix="kmesh-engine-"))
         self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self.tmpdir, ignore_errors=True)
         logf = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.engine"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=logf,
-                                     env={**engine_env(threads_bind), **(env or {}), "TMPDIR": str(self.tmpdir)},
-                                     text=True)
+        full_env = {**engine_env(threads_bind), **(env or {}), "TMPDIR": str(self.tmpdir)}
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        if zygote if zygote is not None else os.environ.get("KMESH_ENGINE_ZYGOTE", "1") != "0":
+            try:
+                self.proc = zygote_for(full_env, ZYGOTE_PRELOAD).spawn(
+                    "kmesh.vllm.engine:_serve", full_env, stderr=logf.fileno() if log_path else None)
+            except ZygoteError as e:     # not safe or not able to fork here: an ordinary start, said in the log
+                if log_path:
+                    logf.write(f"[kmesh] engine not forked from a zygote: {e}\n".encode())
+                    logf.flush()
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.engine"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=logf, env=full_env, text=True)
         if log_path:
             logf.close()
         # One reader thread per engine: a reply is awaited with a bound (queue.get), never by a bare readline that a
@@ -302,6 +322,9 @@ def _serve() -> int:
                     st["scheduler_seconds"] = dict(sched.stats["seconds"])
                 st["repairs"] = [{**r, "logits": r["logits"].tolist()} for r in st.get("repairs", [])]
                 result = st
+            elif op == "environ":
+                # what this process runs with, as it sees it (a forked engine's /proc/PID/environ is its zygote's)
+                result = {"environ": dict(os.environ), "tempdir": tempfile.gettempdir(), "pid": os.getpid()}
             elif op == "exit":
                 out.write(json.dumps({"ok": True, "result": {}}) + "\n")
                 out.flush()
@@ -343,6 +366,8 @@ def _shutdown(llm: Any) -> None:
             llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
+    if "vllm.distributed.kv_transfer.kv_transfer_state" not in sys.modules:
+        return                     # no KV-transfer agent was ever made here (and importing vLLM to say so costs ~7 s)
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     ensure_kv_transfer_shutdown()

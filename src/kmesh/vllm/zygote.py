@@ -1,0 +1,331 @@
+"""Processes forked from a zygote: one process that has imported what they all import, then forks each on request.
+
+Why: a vLLM engine start on the 2-core machine costs ~21 CPU-s, ~12 of them importing vLLM; an engine forked from a
+process that has already imported it costs ~8 (measured, same model and settings). A stage starts 3 to 8 engines.
+
+    zy = zygote_for(env, preload=("vllm", ...))        # one per environment and preload list, in this process
+    proc = zy.spawn("kmesh.vllm.engine:_serve", env, stderr=log_fd)   # a Popen-like ForkedProcess
+
+The zygote is a real process (`python -m kmesh.vllm.zygote MODULE...`), started with the children's environment
+(less TMPDIR), because modules read some variables once, at import (vLLM its logging level, torch its compile
+switch): children of one zygote differ only in TMPDIR, which a child sets before anything reads it. A child is a
+real process of its own: its stdin and stdout are pipes to the caller, its stderr the caller's log, its environment
+the caller's; the zygote reports its exit status. Forking is safe only from a process with one thread: the zygote
+reports its thread count when ready, and a zygote whose imports started a thread is not used (`ZygoteError`; the
+caller starts its process the ordinary way). The zygote ends when its caller closes the channel or dies.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+from kmesh.errors import KMeshError
+
+_FD_VAR = "KMESH_ZYGOTE_FD"
+_MAX_MSG = 1 << 20
+
+
+class ZygoteError(KMeshError):
+    """The zygote could not start, is not safe to fork from, or did not answer."""
+
+
+class ForkedProcess:
+    """The part of subprocess.Popen that callers use, for a child of a zygote (text-mode stdin/stdout pipes)."""
+
+    def __init__(self, zygote: "Zygote", pid: int, stdin_fd: int, stdout_fd: int) -> None:
+        self._zygote, self.pid = zygote, pid
+        self.stdin = os.fdopen(stdin_fd, "w")
+        self.stdout = os.fdopen(stdout_fd, "r")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            code = self._zygote.wait_exit(self.pid, timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            self.returncode = code
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...], start_timeout_s: float = 240.0) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.preload = preload
+        self._stderr = tempfile.TemporaryFile()     # a file, not a pipe: what the imports print cannot block it
+        self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.zygote", *preload],
+                                     env={**env, _FD_VAR: str(theirs.fileno())}, pass_fds=(theirs.fileno(),),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr)
+        theirs.close()
+        self._sock = ours
+        self._send_lock = threading.Lock()
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._cond = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._live: set[int] = set()
+        self._closed = False
+        self.retired = False
+        threading.Thread(target=self._read, name=f"zygote-{self.proc.pid}", daemon=True).start()
+        first = self._reply("start", start_timeout_s)
+        if "error" in first:
+            self.close()
+            raise ZygoteError(f"zygote could not import {list(preload)}: {first['error']}\n{self._stderr_tail()}")
+        if first["threads"] != 1:
+            # a fork copies only the forking thread: a lock another thread held stays locked in every child
+            self.close()
+            raise ZygoteError(f"zygote has {first['threads']} threads after importing {list(preload)}: not safe to "
+                              "fork from")
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(_MAX_MSG)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            msg = json.loads(data)
+            if "exit" in msg:
+                with self._cond:
+                    self._exits[msg["exit"]] = msg["code"]
+                    self._live.discard(msg["exit"])
+                    self._cond.notify_all()
+                    idle = self.retired and not self._live
+                if idle:
+                    self.close()
+            else:
+                self._replies.put(msg)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._replies.put({"error": "the zygote closed its channel"})
+
+    def _reply(self, what: str, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ZygoteError(f"zygote (pid {self.proc.pid}) did not answer {what!r} within {timeout_s:g} s:\n"
+                              f"{self._stderr_tail()}") from None
+
+    def _stderr_tail(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-3000:]
+
+    def spawn(self, entry: str, env: dict[str, str], stderr: int | None = None,
+              timeout_s: float = 60.0) -> ForkedProcess:
+        """Fork a child that runs `entry` ("module:function", its return value the exit status) with `env`."""
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err = stderr if stderr is not None else os.open(os.devnull, os.O_WRONLY)
+        try:
+            with self._send_lock:
+                if self._closed or self.retired:
+                    raise ZygoteError("the zygote is retired or gone")
+                msg = json.dumps({"entry": entry, "env": env}).encode()
+                socket.send_fds(self._sock, [msg], [in_r, out_w, err])
+                reply = self._reply("fork", timeout_s)
+            if "pid" not in reply:
+                raise ZygoteError(f"zygote could not fork: {reply.get('error')}")
+            with self._cond:
+                if reply["pid"] not in self._exits:
+                    self._live.add(reply["pid"])
+        except BaseException:
+            os.close(in_w)
+            os.close(out_r)
+            raise
+        finally:
+            for fd in (in_r, out_w) + (() if stderr is not None else (err,)):
+                os.close(fd)
+        return ForkedProcess(self, reply["pid"], in_w, out_r)
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._cond:
+            return self._exit_code_locked(pid)
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (code := self._exit_code_locked(pid)) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(timeout=0.5 if left is None else min(left, 0.5))
+            return code
+
+    def _exit_code_locked(self, pid: int) -> int | None:
+        if pid in self._exits:
+            return self._exits[pid]
+        if self._closed and not _alive(pid):
+            return 255              # the zygote went before it could say (killed from outside): status unknown
+        return None
+
+    def retire(self) -> None:
+        """Fork nothing more; close the channel (the zygote ends) once every child has exited."""
+        with self._cond:
+            self.retired = True
+            idle = not self._live
+        if idle:
+            self.close()
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+_zygotes: dict[tuple, Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(env: dict[str, str], preload: tuple[str, ...]) -> Zygote:
+    """This process's zygote for `env` (TMPDIR aside) and `preload`, started on first use. A zygote for another
+    environment is retired (one process of vLLM's size idles per caller at most). The zygote itself runs in this
+    process's TMPDIR; each child in the TMPDIR of its own `env`."""
+    key = (tuple(sorted((k, v) for k, v in env.items() if k != "TMPDIR")), preload)
+    with _zygotes_lock:
+        zy = _zygotes.get(key)
+        if zy is not None and not zy.retired and zy.proc.poll() is None:
+            return zy
+        for other in _zygotes.values():
+            other.retire()
+        _zygotes.clear()
+        own = {k: v for k, v in env.items() if k != "TMPDIR"}
+        if "TMPDIR" in os.environ:
+            own["TMPDIR"] = os.environ["TMPDIR"]
+        zy = Zygote(own, preload)
+        _zygotes[key] = zy
+        return zy
+
+
+@atexit.register
+def _close_all() -> None:
+    for zy in list(_zygotes.values()):
+        zy.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# inside the zygote
+
+def _child(req: dict[str, Any], fds: list[int], keep_closed: list[int]) -> None:
+    """In the forked child: never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in keep_closed:
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        tempfile.tempdir = None            # read TMPDIR again: this child's own
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        module, _, func = req["entry"].partition(":")
+        code = getattr(importlib.import_module(module), func)()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code if isinstance(code, int) else 0)
+
+
+def _main(preload: list[str]) -> int:
+    sock = socket.socket(fileno=int(os.environ.pop(_FD_VAR)))
+    sys.stdout = sys.stderr                 # what the imports print (and loggers they set up) goes to stderr
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except BaseException as e:
+        sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        return 1
+    # native threads too (an OpenMP pool, a library's helper): /proc counts every thread of the process
+    sock.send(json.dumps({"threads": len(os.listdir("/proc/self/task")), "pid": os.getpid()}).encode())
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while True:                          # reap every child that ended, and say so
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        if sock in ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
+            except ConnectionResetError:
+                data, fds = b"", []
+            if not data:
+                return 0                     # the caller closed the channel or died
+            try:
+                req = json.loads(data)
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(req, fds, [sock.fileno(), wake_r, wake_w])
+                reply: dict[str, Any] = {"pid": pid}
+            except Exception as e:
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            sock.send(json.dumps(reply).encode())
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
