@@ -159,3 +159,30 @@ def test_a_forked_engine_answers_as_a_spawned_one():
             assert isinstance(eng.proc, ForkedProcess) is forked
             got[forked] = eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]], 8, logprobs=5)
     assert json.dumps(got[True], sort_keys=True) == json.dumps(got[False], sort_keys=True)
+
+
+def test_a_stage_result_counts_the_cpu_of_processes_forked_from_its_zygote(tmp_path, monkeypatch):
+    """Forked engines are the zygote's children, not the stage's: their CPU reaches the stage's getrusage only once
+    the zygote is reaped, so writing a result ends this process's zygotes first."""
+    import resource
+
+    from kmesh.config import load_config
+    from kmesh.result import Result
+
+    (tmp_path / "burner.py").write_text("import time\ndef main():\n    t = time.process_time()\n"
+                                        "    while time.process_time() - t < 0.5:\n        pass\n    return 0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    monkeypatch.setattr(zygote, "_zygotes", {})
+
+    def children_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    before = children_cpu()
+    child = zygote.zygote_for(env, PRELOAD).spawn("burner:main", env)
+    assert child.wait(timeout=30) == 0
+    assert children_cpu() - before < 0.5               # reaped by the zygote, which still runs: not ours yet
+    res = Result.begin("unit", load_config())
+    res.write(tmp_path / "result.json")
+    assert res.provenance["resources"]["children_cpu_s"] >= before + 0.5
+    assert zygote._zygotes == {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -200,6 +201,10 @@ class Result:
         from kmesh.provenance import now, resource_use
 
         self.provenance["end"] = now()
+        zygotes = sys.modules.get("kmesh.vllm.zygote")
+        if zygotes is not None:
+            # engines forked from a zygote are its children: their CPU reaches ours once the zygote is reaped
+            zygotes.close_all()
         self.provenance["resources"] = resource_use()
         return write_json_atomic(path, self.to_dict())
 
