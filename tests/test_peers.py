@@ -73,8 +73,9 @@ def test_engine_reply_is_awaited_with_a_bound(tmp_path):
     # vLLM takes seconds to import and start: a 0.2 s bound on the start reply must raise, not block
     (tmp_path / "unloadable").mkdir()
     (tmp_path / "unloadable" / "config.json").write_text("{}")     # accepted; vLLM could never load it
+    # spawned, not forked: a zygote would import vLLM first (~12 CPU-s) for a test that never lets an engine start
     eng = EngineProcess(tmp_path / "unloadable", None, start_timeout_s=0.2, log_path=tmp_path / "engine.log",
-                        wait=False)
+                        wait=False, zygote=False)
     try:
         t0 = time.monotonic()
         with pytest.raises(EngineTimeout, match="did not answer 'start' within 0.2 s"):
