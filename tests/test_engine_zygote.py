@@ -105,6 +105,30 @@ def test_a_zygote_ends_when_its_caller_dies(tmp_path):
     assert _gone(child_pid)               # the child's stdin closed too: its serve loop ended
 
 
+def test_a_zygote_killed_from_outside_refuses_to_spawn_and_is_replaced(monkeypatch):
+    monkeypatch.setattr(zygote, "_zygotes", {})
+    first = zygote.zygote_for(dict(os.environ), PRELOAD)
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not first._closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first._closed
+    with pytest.raises(ZygoteError, match="retired or gone"):
+        first.spawn(SERVE, dict(os.environ))
+    first._closed = False      # the window before the channel's reader has seen the end: the send itself fails
+    with pytest.raises(ZygoteError, match="is gone"):
+        first.spawn(SERVE, dict(os.environ))
+    second = zygote.zygote_for(dict(os.environ), PRELOAD)
+    try:
+        assert second is not first
+        child = second.spawn(SERVE, dict(os.environ))
+        child.stdin.close()
+        assert child.wait(timeout=10) == 0
+    finally:
+        second.close()
+
+
 def test_a_zygote_whose_imports_start_a_thread_is_refused(tmp_path):
     (tmp_path / "threaded_import.py").write_text("import threading, time\n"
                                                   "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")

@@ -146,7 +146,10 @@ class Zygote:
                 if self._closed or self.retired:
                     raise ZygoteError("the zygote is retired or gone")
                 msg = json.dumps({"entry": entry, "env": env}).encode()
-                socket.send_fds(self._sock, [msg], [in_r, out_w, err])
+                try:
+                    socket.send_fds(self._sock, [msg], [in_r, out_w, err])
+                except OSError as e:      # the zygote died (killed from outside): the caller may start otherwise
+                    raise ZygoteError(f"zygote (pid {self.proc.pid}) is gone: {e}") from e
                 reply = self._reply("fork", timeout_s)
             if "pid" not in reply:
                 raise ZygoteError(f"zygote could not fork: {reply.get('error')}")
@@ -224,7 +227,7 @@ def zygote_for(env: dict[str, str], preload: tuple[str, ...]) -> Zygote:
     key = (tuple(sorted((k, v) for k, v in env.items() if k != "TMPDIR")), preload)
     with _zygotes_lock:
         zy = _zygotes.get(key)
-        if zy is not None and not zy.retired and zy.proc.poll() is None:
+        if zy is not None and not zy.retired and not zy._closed and zy.proc.poll() is None:
             return zy
         for other in _zygotes.values():
             other.retire()
