@@ -95,6 +95,17 @@ def test_engine_refuses_an_unknown_workaround_and_two_connectors(tmp_path):
     assert kw["kv_transfer_config"]["kv_connector"] == "LMCacheMPConnector" and not kw["enable_prefix_caching"]
 
 
+def test_every_arm_runs_in_one_environment_so_their_engines_share_one_zygote():
+    """The zygotes are keyed by the engine's whole environment: the LMCache arm's extra variables must already be
+    engine_env's, or each stage started three zygotes (~7 CPU-s of vLLM imports each) for its three arms."""
+    from kmesh.stages.peers.servers import LMCachePeer
+    from kmesh.vllm.engine import engine_env
+
+    base = engine_env("0-1")
+    assert {**base, **LMCachePeer.engine_env} == base
+    assert LMCachePeer.engine_env["DO_NOT_TRACK"] == "1" and base["LMCACHE_TRACK_USAGE"] == "false"
+
+
 def _children(pid: int) -> list[int]:
     """Live (not zombie) child processes of pid, from /proc."""
     kids = []

@@ -75,8 +75,10 @@ def engine_env(threads_bind: str = "0-1") -> dict[str, str]:
     # counts the same integers: tokens and every logprob were equal, compiled and not (12 tokens, top 20 each).
     # Every arm, KMesh's and the peers', runs through this.
     env.setdefault("TORCH_COMPILE_DISABLE", "1")
+    # Telemetry off in every arm alike (LMCache's engines need both), so every arm has one environment and the
+    # engines of a stage fork from one zygote (kmesh.vllm.zygote keys its zygotes by the environment).
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=threads_bind,
-               LMCACHE_TRACK_USAGE="false", HF_HUB_OFFLINE="1",
+               LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
                TOKENIZERS_PARALLELISM="false")
     return env

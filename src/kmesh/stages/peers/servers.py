@@ -37,6 +37,9 @@ class LMCachePeer(Peer):
     """LMCache 0.5.6's MP server + LMCacheMPConnector in the engine (its CPU path: engine-driven transfer)."""
     name = "lmcache"
     workarounds = ("vllm_dispatcher_vars_nondict",)
+    # LMCache's telemetry off in its engines; every arm's engine_env sets the same, so the arms' environments stay
+    # one and their engines fork from one zygote
+    engine_env = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
     def __init__(self, model_dir: Path, workdir: Path, common: dict[str, Any], settings: dict[str, Any]) -> None:
         super().__init__(model_dir, workdir, common)
@@ -69,8 +72,7 @@ class LMCachePeer(Peer):
 
     def engine(self, tag: str, wait: bool = True) -> EngineProcess:
         return EngineProcess(self.model_dir, None, kv_transfer=self._kv_transfer(), workarounds=self.workarounds,
-                             log_path=self._log(tag), wait=wait, env={"LMCACHE_TRACK_USAGE": "false",
-                                                                      "DO_NOT_TRACK": "1"}, **self.common)
+                             log_path=self._log(tag), wait=wait, env=self.engine_env, **self.common)
 
     def params(self) -> dict[str, Any]:
         return {"cached_token_stats": True}
