@@ -89,6 +89,34 @@ def test_what_a_child_prints_goes_to_its_log_not_the_protocol_channel(zy, tmp_pa
     assert proc.wait(timeout=10) == 0
 
 
+def test_a_child_collects_its_own_objects_but_never_scans_the_zygotes(tmp_path):
+    """The zygote freezes what its imports made before it forks (gc.freeze): a child's collections then neither scan
+    nor write to those objects (no copy-on-write of the zygote's pages); the child's own garbage is still collected."""
+    (tmp_path / "gcstate.py").write_text(textwrap.dedent("""\
+        import gc, json, os
+        def main():
+            class Cycle:
+                pass
+            a, b = Cycle(), Cycle()
+            a.other, b.other = b, a
+            del a, b
+            found = gc.collect()
+            with open(os.environ["GC_STATE"], "w") as f:
+                json.dump({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "collected": found}, f)
+            return 0
+        """))
+    env = {**os.environ, "GC_STATE": str(tmp_path / "gc.json"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    z = Zygote(env, PRELOAD)
+    try:
+        assert z.spawn("gcstate:main", env).wait(timeout=30) == 0
+    finally:
+        z.close()
+    got = json.loads((tmp_path / "gc.json").read_text())
+    assert got["enabled"] is True and got["collected"] >= 2
+    assert got["frozen"] > 10_000, got            # kmesh.vllm.engine's imports (torch among them): frozen
+
+
 def test_a_zygote_ends_when_its_caller_dies(tmp_path):
     caller = textwrap.dedent(f"""
         import os, sys
