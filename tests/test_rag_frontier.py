@@ -48,7 +48,8 @@ def setup():
     # the stage's own setup prefills the equivalence workload; the rag cases only need the runner and context
     placeholder = build_rag(tok, 1, RagSpec(**RAG["workload"]))
     export = leader_prefill(runner, placeholder, b"kmesh-rag-test/placeholder")
-    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(check_layers=(1,)), 4)
+    # max_new_tokens 6, not the rag section's 4: the rag cases must decode by their own section
+    ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(check_layers=(1,)), 6)
     # an end-of-turn token the first child's full continuation reaches at its second token: continuations of
     # different lengths meet in the batched decode, and one that ignored it would run past it
     first = build_rag(tok, _Cfg.seed, RagSpec(**RAG["workload"])).children[0]
@@ -74,7 +75,7 @@ def ran(setup):
     return res, rag.rag_cases(res, setup)
 
 
-def test_every_arm_measured_checked_and_timed(ran):
+def test_every_arm_measured_checked_and_timed(ran, setup):
     res, out = ran
     assert not _failed(res)
     assert [c.id for c in res.cases] == ["rag-workload", "rag-quality", "rag-ttft"]
@@ -104,6 +105,13 @@ def test_every_arm_measured_checked_and_timed(ran):
     assert out["ttft"]["end-to-end"]["arm"] == "repair-0.30"
     # the end-to-end arm's parts are published with its row (mutation survivors rag._ttft #267-#269)
     assert set(out["ttft"]["end-to-end"]["parts_ms_median"]) == set(endtoend.PARTS)
+    # the rag section's max_new_tokens, not the context's; the summary's workload entry (the report's caption
+    # reads it) and its frontier (mutation survivors rag_cases #63, #35-#47, #149-#152)
+    assert quality.params["max_new_tokens"] == RAG["max_new_tokens"] != setup.ctx.max_new_tokens
+    w = rag.rag_workload(setup)
+    assert out["workload"] == {"chunks": 4, "children": 3, "prompt_tokens": 512, "sha256": w.sha256(),
+                               "restorable_fraction": rag._restorable(w)}
+    assert [r["arm"] for r in out["frontier"]] == ARMS and "front" in out["goals"]
 
 
 def test_frontier_points_front_and_goals(ran):
@@ -337,6 +345,8 @@ def test_workload_is_the_seeds_and_each_workload_check_can_fail(setup):
     assert failed(dataclasses.replace(w, children=(c0, c1))) == {"children"}
     assert failed(dataclasses.replace(w, spec=dataclasses.replace(spec, min_restorable=by_hand + 0.01))) == {
         "restorable_fraction_at_least_min"}
+    # at least: a fraction equal to the minimum passes (mutation survivor _workload_checks #26)
+    assert failed(dataclasses.replace(w, spec=dataclasses.replace(spec, min_restorable=rag._restorable(w)))) == set()
     assert failed(dataclasses.replace(w, children=(c0, c0, c2))) == {"orders_distinct_and_not_the_leaders"}
     p = c1.placements[0]
     edited = list(c1.ids)
@@ -345,11 +355,47 @@ def test_workload_is_the_seeds_and_each_workload_check_can_fail(setup):
         "chunks_in_children"}
 
 
+def test_frontier_arms_give_each_epic_arm_its_own_k():
+    """epic-<k> runs with epic_tokens k, not the repair section's default (mutation survivor frontier_arms #82:
+    every epic arm at 16, so epic-4 published epic-16's figures)."""
+    arms = rag.frontier_arms({"rag": RAG, "repair": {"check_layers": [1], "recompute_ratio": 0.15},
+                              "stock": {"check_layers": [2], "recompute_ratio": 0.15}})
+    assert [a.name for a in arms] == ARMS
+    assert {a.name: a.config.epic_tokens for a in arms if a.blend_arm == "epic"} == {"epic-4": 4, "epic-16": 16}
+
+
+def test_expected_recomputed_follows_each_rule_from_the_placements():
+    """Each arm's expected count, from hand-made placements: the last position is recomputed whether restored
+    or not, epic adds each chunk's first k, stock-matched takes the matched arm's last layer (None without its
+    masks), stock takes int(ratio x T) but at least one (mutation survivors expected_recomputed #13, #48, #50,
+    #51, #62: equal on the stage's workloads, whose prompts end in a question and whose check layer is layer 1)."""
+    from types import SimpleNamespace as NS
+
+    # 12 positions: chunks [2, 6) and [6, 11) restored; 0, 1 and the last one (11) not, the one before it (10) is
+    child = NS(ids=list(range(12)), placements=[NS(start=2, end=6, tokens=4), NS(start=6, end=11, tokens=5)])
+    cfg = RepairConfig(check_layers=(1,), recompute_ratio=0.15)
+
+    def expected(blend_arm, config=cfg, masks=None, of=child):
+        return rag.expected_recomputed(rag.FrontierArm("arm", blend_arm, config), of, masks)
+
+    assert expected("full") == 12
+    assert expected("naive") == 3                                             # 0, 1, 11
+    assert expected("naive", of=NS(ids=list(range(12)), placements=[NS(start=2, end=12, tokens=10)])) == 3
+    assert expected("epic", dataclasses.replace(cfg, epic_tokens=2)) == 7     # + 2, 3 and 6, 7
+    assert expected("repair") == 3 + math.ceil(0.15 * 9)
+    masks = torch.zeros(4, 12, dtype=torch.bool)
+    masks[0], masks[1, :7], masks[2, :5], masks[3, :4] = True, True, True, True
+    assert expected("stock", None, masks) == 4 and expected("stock", None) is None
+    assert expected("stock") == 1                                             # int(12 x 0.15) = 1
+    assert expected("stock", RepairConfig(check_layers=(1,), recompute_ratio=0.05)) == 1   # int(0.6) = 0
+
+
 def test_continuation_fault_is_decodes_rule():
     assert rag.continuation_fault([5, 6, 7, 8], 4, (9,)) is None
     assert rag.continuation_fault([5, 9], 4, (9,)) is None                  # ended at its end-of-turn
     assert rag.continuation_fault([9], 4, (9,)) is None
     assert "past an end-of-turn" in rag.continuation_fault([9, 5, 6, 7], 4, (9,))
+    assert "past an end-of-turn" in rag.continuation_fault([5, 9, 6], 4, (9,))   # one token past it (survivor #6)
     assert "1 of 4" in rag.continuation_fault([5], 4, (9,))                  # cut short: a prefill's first token only
     assert "5 of 4" in rag.continuation_fault([5, 6, 7, 8, 1], 4, ())
     assert "0 of 4" in rag.continuation_fault([], 4, ())
