@@ -1,4 +1,4 @@
-"""Engines forked from a zygote (kmesh.vllm.zygote): each child a process of its own, with its own environment,
+"""Engines forked from a zygote (kmesh.zygote): each child a process of its own, with its own environment,
 TMPDIR, pipes and exit status. The zygotes here preload only kmesh.vllm.engine (no vLLM: a fork needs no engine to
 show these); the pipeline's vllm, peers and reliability stages run real engines through it, and the test below
 compares a forked engine's tokens and logprobs with a spawned one's where vLLM is installed."""
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kmesh.vllm import engine, zygote
-from kmesh.vllm.zygote import ForkedProcess, Zygote, ZygoteError
+from kmesh import zygote
+from kmesh.vllm import engine
+from kmesh.zygote import ForkedProcess, Zygote, ZygoteError
 
 PRELOAD = ("kmesh.vllm.engine",)
 SERVE = "kmesh.vllm.engine:_serve"
@@ -120,7 +121,7 @@ def test_a_child_collects_its_own_objects_but_never_scans_the_zygotes(tmp_path):
 def test_a_zygote_ends_when_its_caller_dies(tmp_path):
     caller = textwrap.dedent(f"""
         import os, sys
-        from kmesh.vllm.zygote import Zygote
+        from kmesh.zygote import Zygote
         z = Zygote(dict(os.environ), {PRELOAD!r})
         child = z.spawn({SERVE!r}, dict(os.environ))
         print(z.proc.pid, child.pid, flush=True)
@@ -198,11 +199,13 @@ def test_another_environment_retires_the_zygote_once_its_children_end(monkeypatc
 
 @pytest.mark.vllm
 @pytest.mark.slow    # two engine starts (~30 CPU-s): make test-all; make test's vllm stage checks forked engines' tokens
-def test_a_forked_engine_answers_as_a_spawned_one():
+def test_a_forked_engine_answers_as_a_spawned_one(monkeypatch):
     """Tokens and logprobs of one prompt, bit for bit, from an engine forked from the zygote and a spawned one."""
     from kmesh.config import load_config
     from kmesh.model import smollm2
 
+    # as make test runs it: with more than one OpenMP thread torch's import starts a thread and no zygote forks
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     folder = smollm2.converted_dir(load_config(profile="cpu"))
     smollm2.ensure_converted(folder)
     got = {}

@@ -201,7 +201,7 @@ class Result:
         from kmesh.provenance import now, resource_use
 
         self.provenance["end"] = now()
-        zygotes = sys.modules.get("kmesh.vllm.zygote")
+        zygotes = sys.modules.get("kmesh.zygote")
         if zygotes is not None:
             # engines forked from a zygote are its children: their CPU reaches ours once the zygote is reaped
             zygotes.close_all()

@@ -27,7 +27,7 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equ
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage
 # (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
 # The cache service: its modules and the remote tier's store client it loads (kmesh.service.remotetier).
-SERVICE_CODE = ["service/*.py", "storage/errors.py", "storage/remote.py", "storage/remote_agent.py",
+SERVICE_CODE = ["service/*.py", "zygote.py", "storage/errors.py", "storage/remote.py", "storage/remote_agent.py",
                 "storage/objfile.py", "integrity/*.py"]
 # What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
 CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",

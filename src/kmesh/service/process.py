@@ -19,10 +19,14 @@ from kmesh.service import identity
 from kmesh.service.client import ServiceClient
 from kmesh.service.errors import ServiceError, ServiceUnavailableError
 from kmesh.storage.remote import RemoteSpec
+from kmesh.zygote import ForkedProcess, ZygoteError, zygote_for
 
 SOCKET_NAME = "kmesh.sock"
 PID_NAME = "kmesh.pid"
 ADMIN_TOKEN_NAME = "kmesh.admin"
+# What a service zygote imports before it forks services (kmesh.zygote): the server and, through it, torch (~1.2 of
+# a service start's ~1.3 CPU-s on the 2-core machine; the suite and the stages start ~100 services).
+ZYGOTE_PRELOAD = ("kmesh.service.server",)
 
 
 def default_runtime_dir() -> Path:
@@ -64,7 +68,7 @@ class ServiceStartError(ServiceError):
 @dataclass
 class ServiceProcess:
     runtime_dir: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     log_path: Path | None = None
     pass_fds: tuple[int, ...] = field(default_factory=tuple)
 
@@ -110,6 +114,19 @@ class ServiceProcess:
         return ServiceClient.connect(self.socket_path, instance=instance, name=name, heartbeat=heartbeat,
                                      admin_token=self.admin_token())
 
+    def _signal(self, sig: int) -> None:
+        """Our own process through its handle (a forked service's pid is reaped by its zygote, and could be reused
+        by then); one found by its pid file by that pid. One that has ended meanwhile is left alone."""
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            return
+        pid = self.pid
+        if pid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self, timeout: float = 30.0, force: bool = True) -> int | None:
         """Ask for shutdown (registrations close and drain first); SIGKILL after timeout if force."""
         if not self.alive():
@@ -118,14 +135,12 @@ class ServiceProcess:
             with self.admin_client(name="kmesh-stop", heartbeat=False) as c:  # anonymous: never refused
                 c.shutdown()
         except ServiceError:  # unreachable, or no readable admin token: the signal is our uid's other way
-            pid = self.pid
-            if pid:
-                os.kill(pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.02)
         if self.alive() and force:
-            os.kill(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            self._signal(signal.SIGKILL)
             deadline = time.monotonic() + 5
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -143,8 +158,11 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
           max_tombstones: int | None = None, disk_dir: Path | None = None, adopt: bool = True,
           disk_read_gate_fd: int | None = None, max_disk_reads: int | None = None,
           eviction: str | None = None, high_watermark: float | None = None,
-          low_watermark: float | None = None, remote: RemoteSpec | None = None) -> ServiceProcess:
-    """Spawn `python -m kmesh.service.server` and wait until it answers ping. The max_* limits (None: the
+          low_watermark: float | None = None, remote: RemoteSpec | None = None,
+          zygote: bool | None = None) -> ServiceProcess:
+    """Spawn `python -m kmesh.service.server` and wait until it answers ping. zygote: fork it instead from this
+    process's service zygote (kmesh.zygote: the server's imports done once; None: unless KMESH_SERVICE_ZYGOTE=0;
+    never for a detached service, which must outlive its caller's zygote). The max_* limits (None: the
     server's defaults) bound the store, the job history and the registry (tests use small ones). adopt=False:
     start with an empty store although disk_dir holds a previous run's object files. disk_read_gate_fd: a
     ChunkGate read end that holds every disk read-back until the controller grants it (tests). eviction /
@@ -186,9 +204,10 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
     rd.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = log_path or rd / "service.log"
     logf = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=pass_fds,
-                            start_new_session=detach)
-    logf.close()
+    try:
+        proc = _spawn(cmd, logf, pass_fds, detach, zygote)
+    finally:
+        logf.close()
     sp = ServiceProcess(rd, proc, log_path, pass_fds)
     deadline = time.monotonic() + ready_timeout
     while True:
@@ -204,6 +223,24 @@ def start(runtime_dir: Path | None = None, *, device: str = "cpu", heartbeat_tim
             proc.kill()
             raise ServiceStartError(f"service did not answer within {ready_timeout} s:\n{_tail(log_path)}")
         time.sleep(0.02)
+
+
+def _spawn(cmd: list[str], logf, pass_fds: tuple[int, ...], detach: bool,
+           zygote: bool | None) -> subprocess.Popen | ForkedProcess:
+    if zygote is None:
+        zygote = os.environ.get("KMESH_SERVICE_ZYGOTE", "1") != "0"
+    if zygote and not detach:
+        env = dict(os.environ)
+        try:
+            with open(os.devnull, "rb") as devnull:
+                return zygote_for(env, ZYGOTE_PRELOAD).spawn("kmesh.service.server:main", env, argv=cmd[3:],
+                                                             stdin=devnull.fileno(), stdout=logf.fileno(),
+                                                             stderr=logf.fileno(), pass_fds=pass_fds)
+        except ZygoteError as e:   # started the ordinary way instead, and said so where its log says the rest
+            logf.write(f"[kmesh] service not forked from a zygote: {e}\n".encode())
+            logf.flush()
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=pass_fds,
+                            start_new_session=detach)
 
 
 def find(runtime_dir: Path | None = None) -> ServiceProcess:

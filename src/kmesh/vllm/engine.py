@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.errors import KMeshError
-from kmesh.vllm.zygote import ForkedProcess, ZygoteError, zygote_for
+from kmesh.zygote import ForkedProcess, ZygoteError, zygote_for
 
 CONNECTOR = {"kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh.vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -76,7 +76,7 @@ def engine_env(threads_bind: str = "0-1") -> dict[str, str]:
     # Every arm, KMesh's and the peers', runs through this.
     env.setdefault("TORCH_COMPILE_DISABLE", "1")
     # Telemetry off in every arm alike (LMCache's engines need both), so every arm has one environment and the
-    # engines of a stage fork from one zygote (kmesh.vllm.zygote keys its zygotes by the environment).
+    # engines of a stage fork from one zygote (kmesh.zygote keys its zygotes by the environment).
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=threads_bind,
                LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -107,7 +107,7 @@ class EngineProcess:
                  wait: bool = True, kv_transfer: dict[str, Any] | None = None,
                  workarounds: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  zygote: bool | None = None) -> None:
-        """`zygote`: fork the engine from this process's engine zygote (kmesh.vllm.zygote; ~12 of an engine start's
+        """`zygote`: fork the engine from this process's engine zygote (kmesh.zygote; ~12 of an engine start's
         ~21 CPU-s are vLLM's imports, which the zygote has done once); None: unless KMESH_ENGINE_ZYGOTE=0."""
         unknown = [w for w in workarounds if w not in WORKAROUNDS]
         if unknown:

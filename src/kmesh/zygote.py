@@ -2,21 +2,25 @@
 
 Why: a vLLM engine start on the 2-core machine costs ~21 CPU-s, ~12 of them importing vLLM; an engine forked from a
 process that has already imported it costs ~8 (measured, same model and settings). A stage starts 3 to 8 engines.
+A cache-service process costs ~1.2 CPU-s, nearly all of it `import torch`, and the suite starts ~60 of them.
 
-    zy = zygote_for(env, preload=("vllm", ...))        # one per environment and preload list, in this process
+    zy = zygote_for(env, preload=("vllm", ...))        # one per preload list in this process (and its environment)
     proc = zy.spawn("kmesh.vllm.engine:_serve", env, stderr=log_fd)   # a Popen-like ForkedProcess
+    proc = zy.spawn("kmesh.service.server:main", env, argv=[...], cwd=..., stdin=fd, stdout=fd, stderr=fd)
 
-The zygote is a real process (`python -m kmesh.vllm.zygote MODULE...`), started with the children's environment
+The zygote is a real process (`python -m kmesh.zygote MODULE...`), started with the children's environment
 (less TMPDIR), because modules read some variables once, at import (vLLM its logging level, torch its compile
 switch): children of one zygote differ only in TMPDIR, which a child sets before anything reads it. A child is a
-real process of its own: its stdin and stdout are pipes to the caller, its stderr the caller's log, its environment
-the caller's; the zygote reports its exit status. Forking is safe only from a process with one thread: the zygote
-reports its thread count when ready, and a zygote whose imports started a thread is not used (`ZygoteError`; the
-caller starts its process the ordinary way). The zygote ends when its caller closes the channel or dies.
+real process of its own: its stdin and stdout are pipes to the caller (or the files the caller gives), its stderr
+the caller's log, its environment, working directory and sys.argv the caller's; the zygote reports its exit status.
+Forking is safe only from a process with one thread: the zygote reports its thread count when ready, and a zygote
+whose imports started a thread is not used (`ZygoteError`; the caller starts its process the ordinary way). The
+zygote ends when its caller closes the channel or dies.
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import importlib
 import json
@@ -31,12 +35,16 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 from kmesh.errors import KMeshError
 
 _FD_VAR = "KMESH_ZYGOTE_FD"
 _MAX_MSG = 1 << 20
+MAX_KEEP_FDS = 8         # descriptors a child may keep at the caller's numbers (Popen's pass_fds)
+_FD_PARKING = 512        # where a child's descriptors wait before they are placed at their numbers
+_EXIT_REPORT_S = 10.0    # how long a child's exit status may take to come from the zygote once the child has ended
 
 
 class ZygoteError(KMeshError):
@@ -44,17 +52,31 @@ class ZygoteError(KMeshError):
 
 
 class ForkedProcess:
-    """The part of subprocess.Popen that callers use, for a child of a zygote (text-mode stdin/stdout pipes)."""
+    """The part of subprocess.Popen that callers use, for a child of a zygote (text-mode stdin/stdout pipes).
 
-    def __init__(self, zygote: "Zygote", pid: int, stdin_fd: int, stdout_fd: int) -> None:
+    The zygote, not the caller, reaps the child, so its pid may be free (and reused) before the caller hears of the
+    exit: signals go through a pidfd the zygote opened before it could reap (never a bare pid), and the pidfd also
+    tells at once that the child has ended, as Popen.poll's waitpid does, where the zygote's report comes a moment
+    later."""
+
+    def __init__(self, zygote: "Zygote", pid: int, stdin_fd: int | None, stdout_fd: int | None,
+                 pidfd: int) -> None:
         self._zygote, self.pid = zygote, pid
-        self.stdin = os.fdopen(stdin_fd, "w")
-        self.stdout = os.fdopen(stdout_fd, "r")
+        # pipes to the child, where the caller gave no file of its own (as Popen's stdin=PIPE / stdout=PIPE)
+        self.stdin = os.fdopen(stdin_fd, "w") if stdin_fd is not None else None
+        self.stdout = os.fdopen(stdout_fd, "r") if stdout_fd is not None else None
+        self.pidfd = pidfd
+        self._close_pidfd = weakref.finalize(self, os.close, pidfd)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._zygote.exit_code(self.pid)
+            if self.returncode is None and select.select([self.pidfd], [], [], 0)[0]:
+                # ended: its status follows from the zygote (255 if the zygote went first: unknown)
+                self.returncode = self._zygote.wait_exit(self.pid, _EXIT_REPORT_S)
+                if self.returncode is None:
+                    self.returncode = 255
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -65,12 +87,18 @@ class ForkedProcess:
             self.returncode = code
         return self.returncode
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except ProcessLookupError:      # it ended meanwhile, as with Popen's
                 pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
@@ -78,7 +106,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.preload = preload
         self._stderr = tempfile.TemporaryFile()     # a file, not a pipe: what the imports print cannot block it
-        self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.vllm.zygote", *preload],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.zygote", *preload],
                                      env={**env, _FD_VAR: str(theirs.fileno())}, pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr)
         theirs.close()
@@ -104,12 +132,16 @@ class Zygote:
     def _read(self) -> None:
         while True:
             try:
-                data = self._sock.recv(_MAX_MSG)
+                data, fds, _, _ = socket.recv_fds(self._sock, _MAX_MSG, 1)
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
+                for fd in fds:
+                    os.close(fd)
                 break
             msg = json.loads(data)
+            if fds:
+                msg["pidfd"] = fds[0]      # a fork's reply: the child's pidfd
             if "exit" in msg:
                 with self._cond:
                     self._exits[msg["exit"]] = msg["code"]
@@ -136,35 +168,67 @@ class Zygote:
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")[-3000:]
 
-    def spawn(self, entry: str, env: dict[str, str], stderr: int | None = None,
-              timeout_s: float = 60.0) -> ForkedProcess:
-        """Fork a child that runs `entry` ("module:function", its return value the exit status) with `env`."""
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err = stderr if stderr is not None else os.open(os.devnull, os.O_WRONLY)
+    def spawn(self, entry: str, env: dict[str, str], stderr: int | None = None, timeout_s: float = 60.0, *,
+              argv: list[str] | None = None, cwd: str | os.PathLike | None = None, stdin: int | None = None,
+              stdout: int | None = None, pass_fds: tuple[int, ...] = ()) -> ForkedProcess:
+        """Fork a child that runs `entry` ("module:function", its return value the exit status) with `env`, in `cwd`
+        (default: the caller's working directory now), with sys.argv[1:] = `argv`. stdin / stdout: file descriptors
+        the child gets as its own (None: a pipe to the caller, the ForkedProcess's stdin / stdout); stderr: the
+        caller's log (None: /dev/null); pass_fds: descriptors the child has at the same numbers (as Popen's; a
+        number the zygote itself holds is refused with ZygoteError). The caller keeps its descriptors (the child has
+        its own copies)."""
+        if len(pass_fds) > MAX_KEEP_FDS:
+            raise ZygoteError(f"{len(pass_fds)} descriptors to keep: at most {MAX_KEEP_FDS}")
+        pipes: list[int] = []                    # the caller's ends of the pipes it asked for
+        theirs: list[int] = []                   # what the child gets as 0, 1, 2
+        opened: list[int] = []                   # closed here once sent
         try:
+            if stdin is None:
+                r, w = os.pipe()
+                theirs.append(r)
+                opened.append(r)
+                pipes.append(w)
+            else:
+                theirs.append(stdin)
+            if stdout is None:
+                r, w = os.pipe()
+                theirs.append(w)
+                opened.append(w)
+                pipes.append(r)
+            else:
+                theirs.append(stdout)
+            if stderr is None:
+                stderr = os.open(os.devnull, os.O_WRONLY)
+                opened.append(stderr)
+            theirs.append(stderr)
+            theirs.extend(pass_fds)
             with self._send_lock:
                 if self._closed or self.retired:
                     raise ZygoteError("the zygote is retired or gone")
-                msg = json.dumps({"entry": entry, "env": env}).encode()
+                msg = json.dumps({"entry": entry, "env": env, "argv": list(argv or []), "keep_fds": list(pass_fds),
+                                  "cwd": os.fspath(cwd if cwd is not None else os.getcwd())}).encode()
                 try:
-                    socket.send_fds(self._sock, [msg], [in_r, out_w, err])
+                    socket.send_fds(self._sock, [msg], theirs)
                 except OSError as e:      # the zygote died (killed from outside): the caller may start otherwise
                     raise ZygoteError(f"zygote (pid {self.proc.pid}) is gone: {e}") from e
                 reply = self._reply("fork", timeout_s)
-            if "pid" not in reply:
+            if "pid" not in reply or "pidfd" not in reply:
+                if "pidfd" in reply:
+                    os.close(reply["pidfd"])
                 raise ZygoteError(f"zygote could not fork: {reply.get('error')}")
             with self._cond:
                 if reply["pid"] not in self._exits:
                     self._live.add(reply["pid"])
         except BaseException:
-            os.close(in_w)
-            os.close(out_r)
+            for fd in pipes:
+                os.close(fd)
             raise
         finally:
-            for fd in (in_r, out_w) + (() if stderr is not None else (err,)):
+            for fd in opened:
                 os.close(fd)
-        return ForkedProcess(self, reply["pid"], in_w, out_r)
+        it = iter(pipes)
+        return ForkedProcess(self, reply["pid"], next(it) if stdin is None else None,
+                             next(it) if stdout is None else None, reply["pidfd"])
 
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
@@ -217,23 +281,26 @@ def _alive(pid: int) -> bool:
         return True
 
 
+# Variables that differ from child to child and that no import reads, so children of one zygote may differ in them:
+# TMPDIR (tempfile reads it again in each child) and pytest's name of the running test (a new one each test).
+PER_CHILD = frozenset({"TMPDIR", "PYTEST_CURRENT_TEST"})
 _zygotes: dict[tuple, Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
 def zygote_for(env: dict[str, str], preload: tuple[str, ...]) -> Zygote:
-    """This process's zygote for `env` (TMPDIR aside) and `preload`, started on first use. A zygote for another
-    environment is retired (one process of vLLM's size idles per caller at most). The zygote itself runs in this
-    process's TMPDIR; each child in the TMPDIR of its own `env`."""
-    key = (tuple(sorted((k, v) for k, v in env.items() if k != "TMPDIR")), preload)
+    """This process's zygote for `env` (PER_CHILD aside) and `preload`, started on first use. The zygote of the same
+    preload for another environment is retired (one idle zygote per kind, e.g. one of vLLM's size and one of the
+    cache service's, per caller at most). The zygote itself runs in this process's TMPDIR; each child in the TMPDIR
+    of its own `env`."""
+    key = (tuple(sorted((k, v) for k, v in env.items() if k not in PER_CHILD)), preload)
     with _zygotes_lock:
         zy = _zygotes.get(key)
         if zy is not None and not zy.retired and not zy._closed and zy.proc.poll() is None:
             return zy
-        for other in _zygotes.values():
-            other.retire()
-        _zygotes.clear()
-        own = {k: v for k, v in env.items() if k != "TMPDIR"}
+        for other_key in [k for k in _zygotes if k[1] == preload]:
+            _zygotes.pop(other_key).retire()
+        own = {k: v for k, v in env.items() if k not in PER_CHILD}
         if "TMPDIR" in os.environ:
             own["TMPDIR"] = os.environ["TMPDIR"]
         zy = Zygote(own, preload)
@@ -263,12 +330,20 @@ def _child(req: dict[str, Any], fds: list[int], keep_closed: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in keep_closed:
             os.close(fd)
-        for target, fd in enumerate(fds):
+        # stdin, stdout, stderr at 0-2, then each kept descriptor at the number the caller gave it; all moved out of
+        # the way first, so that no descriptor lands on one not yet placed
+        targets = [0, 1, 2, *req["keep_fds"]]
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, _FD_PARKING) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip(targets, moved):
             os.dup2(fd, target)
-        for fd in set(fds) - {0, 1, 2}:
+        for fd in moved:
             os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        sys.argv = [req["entry"], *req["argv"]]
         tempfile.tempdir = None            # read TMPDIR again: this child's own
         sys.stdin = open(0, "r", closefd=False)
         sys.stdout = open(1, "w", closefd=False)
@@ -323,25 +398,43 @@ def _main(preload: list[str]) -> int:
             sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
         if sock in ready:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3 + MAX_KEEP_FDS)
             except ConnectionResetError:
                 data, fds = b"", []
             if not data:
                 return 0                     # the caller closed the channel or died
             try:
                 req = json.loads(data)
+                req.setdefault("keep_fds", [])
+                if len(fds) != 3 + len(req["keep_fds"]):
+                    raise ZygoteError(f"{len(fds)} descriptors came for 3 + {len(req['keep_fds'])}")
+                # a kept descriptor's number must be free in the child: one the zygote holds (a library's file, its
+                # own stderr) would be replaced under it; the caller then starts its process the ordinary way
+                held = {int(n) for n in os.listdir("/proc/self/fd")} - set(fds) - {sock.fileno(), wake_r, wake_w}
+                clash = sorted(set(req["keep_fds"]) & (held | {0, 1, 2}))
+                if clash:
+                    raise ZygoteError(f"descriptor number(s) {clash} are in use in the zygote")
                 sys.stderr.flush()
                 gc.freeze()                  # what the loop allocated since, too (little)
                 pid = os.fork()
                 if pid == 0:
                     _child(req, fds, [sock.fileno(), wake_r, wake_w])
+                try:     # before this loop can reap it: the child is at worst a zombie, so this pidfd is surely its
+                    pidfd = os.pidfd_open(pid)
+                except OSError:
+                    os.kill(pid, signal.SIGKILL)       # not yet reaped: this pid is still the child's
+                    raise
                 reply: dict[str, Any] = {"pid": pid}
             except Exception as e:
-                reply = {"error": f"{type(e).__name__}: {e}"}
+                reply, pidfd = {"error": f"{type(e).__name__}: {e}"}, None
             finally:
                 for fd in fds:
                     os.close(fd)
-            sock.send(json.dumps(reply).encode())
+            if pidfd is None:
+                sock.send(json.dumps(reply).encode())
+            else:
+                socket.send_fds(sock, [json.dumps(reply).encode()], [pidfd])
+                os.close(pidfd)
 
 
 if __name__ == "__main__":
