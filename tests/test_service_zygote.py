@@ -140,6 +140,9 @@ def probe_zygote(tmp_path, monkeypatch):
         "    print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd()}), flush=True)\n"
         "    return 3\n"
         "def sleep():\n"
+        "    time.sleep(60)\n"
+        "def ready_then_sleep():\n"
+        "    print('ready', flush=True)\n"
         "    time.sleep(60)\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     z = Zygote(dict(os.environ), ("zygote_probe",))
@@ -172,6 +175,26 @@ def test_a_child_writes_to_the_file_the_caller_gives_and_the_caller_keeps_its_ow
     out.close()
     lines = (tmp_path / "out.log").read_text().splitlines()
     assert json.loads(lines[0])["argv"] == ["zygote_probe:main", "a"] and lines[1] == "after"
+
+
+def test_descriptors_kept_at_high_numbers_land_where_asked(probe_zygote, tmp_path):
+    """Numbers at and above where the child parks its descriptors before placing them (zygote._FD_PARKING)."""
+    r, w = os.pipe()
+    high = [zygote._FD_PARKING, zygote._FD_PARKING + 1]
+    try:
+        os.dup2(r, high[0])
+        os.dup2(w, high[1])
+        child = probe_zygote.spawn("zygote_probe:ready_then_sleep", dict(os.environ), pass_fds=tuple(high))
+        try:
+            assert child.stdout.readline() == "ready\n"     # its entry runs once every descriptor is in place
+            for n in high:
+                assert os.readlink(f"/proc/{child.pid}/fd/{n}") == os.readlink(f"/proc/self/fd/{n}")
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+    finally:
+        for fd in (r, w, *high):
+            os.close(fd)
 
 
 def test_a_descriptor_number_the_zygote_holds_is_refused_not_replaced(probe_zygote):

@@ -9,8 +9,9 @@ A cache-service process costs ~1.2 CPU-s, nearly all of it `import torch`, and t
     proc = zy.spawn("kmesh.service.server:main", env, argv=[...], cwd=..., stdin=fd, stdout=fd, stderr=fd)
 
 The zygote is a real process (`python -m kmesh.zygote MODULE...`), started with the children's environment
-(less TMPDIR), because modules read some variables once, at import (vLLM its logging level, torch its compile
-switch): children of one zygote differ only in TMPDIR, which a child sets before anything reads it. A child is a
+(less PER_CHILD's variables), because modules read some variables once, at import (vLLM its logging level, torch
+its compile switch): children of one zygote differ only in PER_CHILD's (TMPDIR, pytest's test name), which a child
+sets before anything reads them. A child is a
 real process of its own: its stdin and stdout are pipes to the caller (or the files the caller gives), its stderr
 the caller's log, its environment, working directory and sys.argv the caller's; the zygote reports its exit status.
 Forking is safe only from a process with one thread: the zygote reports its thread count when ready, and a zygote
@@ -180,7 +181,7 @@ class Zygote:
         if len(pass_fds) > MAX_KEEP_FDS:
             raise ZygoteError(f"{len(pass_fds)} descriptors to keep: at most {MAX_KEEP_FDS}")
         pipes: list[int] = []                    # the caller's ends of the pipes it asked for
-        theirs: list[int] = []                   # what the child gets as 0, 1, 2
+        theirs: list[int] = []                   # what the child gets as 0, 1, 2, then at pass_fds' numbers
         opened: list[int] = []                   # closed here once sent
         try:
             if stdin is None:
@@ -333,7 +334,8 @@ def _child(req: dict[str, Any], fds: list[int], keep_closed: list[int]) -> None:
         # stdin, stdout, stderr at 0-2, then each kept descriptor at the number the caller gave it; all moved out of
         # the way first, so that no descriptor lands on one not yet placed
         targets = [0, 1, 2, *req["keep_fds"]]
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, _FD_PARKING) for fd in fds]
+        parking = max(_FD_PARKING, max(targets) + 1)   # above every number to place: no placing lands on a parked one
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, parking) for fd in fds]
         for fd in fds:
             os.close(fd)
         for target, fd in zip(targets, moved):
