@@ -184,20 +184,15 @@ class Zygote:
         theirs: list[int] = []                   # what the child gets as 0, 1, 2, then at pass_fds' numbers
         opened: list[int] = []                   # closed here once sent
         try:
-            if stdin is None:
+            for given, child_reads in ((stdin, True), (stdout, False)):
+                if given is not None:
+                    theirs.append(given)
+                    continue
                 r, w = os.pipe()
-                theirs.append(r)
-                opened.append(r)
-                pipes.append(w)
-            else:
-                theirs.append(stdin)
-            if stdout is None:
-                r, w = os.pipe()
-                theirs.append(w)
-                opened.append(w)
-                pipes.append(r)
-            else:
-                theirs.append(stdout)
+                child_end, our_end = (r, w) if child_reads else (w, r)
+                theirs.append(child_end)
+                opened.append(child_end)
+                pipes.append(our_end)
             if stderr is None:
                 stderr = os.open(os.devnull, os.O_WRONLY)
                 opened.append(stderr)
