@@ -212,23 +212,24 @@ class BlendState:
     several requests layer-major (or runs the same pieces batched). A step makes no host synchronisation.
     """
 
-    @torch.no_grad()
     def __init__(self, runner: LayerRunner, ids: torch.Tensor, cache: KVCache, p: BlendPlan) -> None:
-        T, dev = p.T, runner.device
-        ids = ids.to(dev)
-        if ids.numel() != T or cache.capacity < T:
-            raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
-        self.runner, self.cache, self.plan = runner, cache, p
-        self.layer = 0
-        if p.arm == "stock":  # no data is zeros, not whatever the buffer held
-            for layer in range(runner.num_layers):
-                cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
-                            torch.zeros_like(cache.v[layer][p.forced]))
-        self.active = p.forced if p.arm in REUSE_ARMS else torch.arange(T, device=dev)
-        self.h = runner.embed(ids[self.active])
-        self.rot = runner.rotary(self.active)
-        self.masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
-        self.mask_kind = "bottom_right" if p.arm == "stock" else "position"
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            T, dev = p.T, runner.device
+            ids = ids.to(dev)
+            if ids.numel() != T or cache.capacity < T:
+                raise ModelError(f"{ids.numel()} ids / cache of {cache.capacity} slots for a {T}-position plan")
+            self.runner, self.cache, self.plan = runner, cache, p
+            self.layer = 0
+            if p.arm == "stock":  # no data is zeros, not whatever the buffer held
+                for layer in range(runner.num_layers):
+                    cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
+                                torch.zeros_like(cache.v[layer][p.forced]))
+            self.active = p.forced if p.arm in REUSE_ARMS else torch.arange(T, device=dev)
+            self.h = runner.embed(ids[self.active])
+            self.rot = runner.rotary(self.active)
+            self.masks = torch.zeros(runner.num_layers, T, dtype=torch.bool, device=dev)
+            self.mask_kind = "bottom_right" if p.arm == "stock" else "position"
 
     @property
     def done(self) -> bool:
@@ -269,36 +270,39 @@ class BlendState:
         self.cache.write(layer, self.active, k, v)
         self.masks[layer].index_fill_(0, self.active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
 
-    @torch.no_grad()
     def step(self) -> None:
         """Run the next layer."""
-        layer, runner, p = self.layer, self.runner, self.plan
-        q, k, v = runner.qkv(layer, self.h, self.active, self.rot)
-        i = self.check_index(layer)
-        if i is not None:
-            rows = _select(p, i, self.active, *self.deviation_inputs(layer, k, v), self.forced_rows())
-            q, k, v = self.keep_rows(rows, q, k, v)
-        self.store(layer, k, v)
-        kc, vc = self.cache.layer_kv(layer, p.T)
-        a = runner.attend(q, self.active, kc, vc, mask=self.mask_kind, all_rows=self.all_rows(layer))
-        self.h = runner.finish_layer(layer, self.h, a)
-        self.layer += 1
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            layer, runner, p = self.layer, self.runner, self.plan
+            q, k, v = runner.qkv(layer, self.h, self.active, self.rot)
+            i = self.check_index(layer)
+            if i is not None:
+                rows = _select(p, i, self.active, *self.deviation_inputs(layer, k, v), self.forced_rows())
+                q, k, v = self.keep_rows(rows, q, k, v)
+            self.store(layer, k, v)
+            kc, vc = self.cache.layer_kv(layer, p.T)
+            a = runner.attend(q, self.active, kc, vc, mask=self.mask_kind, all_rows=self.all_rows(layer))
+            self.h = runner.finish_layer(layer, self.h, a)
+            self.layer += 1
 
-    @torch.no_grad()
     def result(self) -> BlendResult:
-        if not self.done:
-            raise ModelError(f"blend stopped at layer {self.layer} of {self.runner.num_layers}")
-        return BlendResult(self.runner.logits(self.h[-1:])[0], self.masks, self.plan.arm)
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            if not self.done:
+                raise ModelError(f"blend stopped at layer {self.layer} of {self.runner.num_layers}")
+            return BlendResult(self.runner.logits(self.h[-1:])[0], self.masks, self.plan.arm)
 
 
-@torch.no_grad()
 def blend(runner: LayerRunner, ids: torch.Tensor, cache: KVCache, restored: Sequence[bool] | torch.Tensor,
           config: RepairConfig = RepairConfig(), arm: str = "repair", plan_: BlendPlan | None = None,
           chunks: Sequence[tuple[int, int]] | None = None) -> BlendResult:
     """One request's prefill over a cache holding restored K/V at `restored` positions (see module doc);
     `chunks` ([start, end) of each restored chunk) only for the epic arm."""
-    p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device, chunks)
-    state = BlendState(runner, ids, cache, p)
-    for _ in range(runner.num_layers):
-        state.step()
-    return state.result()
+    # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+    with torch.no_grad():
+        p = plan_ or plan(arm, restored, config, runner.num_layers, runner.device, chunks)
+        state = BlendState(runner, ids, cache, p)
+        for _ in range(runner.num_layers):
+            state.step()
+        return state.result()

@@ -102,16 +102,17 @@ def first_divergence(ref: Sequence[int], got: Sequence[int], stop_ids: Collectio
     return next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
 
 
-@torch.no_grad()
 def teacher_forced_logits(runner: Any, outcome: Any, tokens: Sequence[int], block_size: int = 16) -> torch.Tensor:
     """Next-token logits [len(tokens), vocab] of `outcome`'s prefilled state (its K/V of the prompt and its
     next-token logits) along the given continuation (kmesh.model.runner.LayerRunner.teacher_forced), in a
     fresh cache: the outcome itself is not touched."""
-    T = outcome.k.shape[1]
-    cache = runner.new_cache(T + len(tokens), block_size)
-    for layer in range(outcome.k.shape[0]):
-        cache.write_prefix(layer, outcome.k[layer].to(runner.device), outcome.v[layer].to(runner.device))
-    return runner.teacher_forced(cache, T, outcome.logits.to(runner.device), tokens)
+    # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+    with torch.no_grad():
+        T = outcome.k.shape[1]
+        cache = runner.new_cache(T + len(tokens), block_size)
+        for layer in range(outcome.k.shape[0]):
+            cache.write_prefix(layer, outcome.k[layer].to(runner.device), outcome.v[layer].to(runner.device))
+        return runner.teacher_forced(cache, T, outcome.logits.to(runner.device), tokens)
 
 
 def _batched_prefix(runner: Any, outcomes: Sequence[Any], extra: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -283,72 +283,76 @@ class LayerRunner:
         return self.model.lm_head(self.inner.norm(h))
 
     # -- whole requests -------------------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Plain full prefill of ids [T] at positions 0..T-1 into `cache`: next-token logits [vocab]."""
-        T = ids.shape[0]
-        pos = torch.arange(T, device=self.device)
-        rot = self.rotary(pos)
-        h = self.embed(ids)
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, pos, rot)
-            cache.write_prefix(layer, k, v)
-            kc, vc = cache.layer_kv(layer, T)
-            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc, all_rows=True))
-        return self.logits(h[-1:])[0]
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            T = ids.shape[0]
+            pos = torch.arange(T, device=self.device)
+            rot = self.rotary(pos)
+            h = self.embed(ids)
+            for layer in range(self.num_layers):
+                q, k, v = self.qkv(layer, h, pos, rot)
+                cache.write_prefix(layer, k, v)
+                kc, vc = cache.layer_kv(layer, T)
+                h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc, all_rows=True))
+            return self.logits(h[-1:])[0]
 
-    @torch.no_grad()
     def decode_step(self, cache: KVCache, position: int, token: int) -> torch.Tensor:
         """Feed `token` at `position` (its K/V written into the cache, every earlier slot read): next-token
         logits [vocab]."""
-        p = torch.tensor([position], device=self.device)
-        h = self.embed(torch.tensor([token], device=self.device))
-        rot = self.rotary(p)
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, p, rot)
-            cache.write(layer, p, k, v)
-            kc, vc = cache.layer_kv(layer, position + 1)
-            # one query at the last position sees every key under either mask: no mask tensor needed
-            h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
-        return self.logits(h)[0]
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            p = torch.tensor([position], device=self.device)
+            h = self.embed(torch.tensor([token], device=self.device))
+            rot = self.rotary(p)
+            for layer in range(self.num_layers):
+                q, k, v = self.qkv(layer, h, p, rot)
+                cache.write(layer, p, k, v)
+                kc, vc = cache.layer_kv(layer, position + 1)
+                # one query at the last position sees every key under either mask: no mask tensor needed
+                h = self.finish_layer(layer, h, self.attend(q, p, kc, vc, last_query=True))
+            return self.logits(h)[0]
 
-    @torch.no_grad()
     def decode(self, cache: KVCache, length: int, first_logits: torch.Tensor, max_new_tokens: int,
                step_logits: list[torch.Tensor] | None = None, stop_ids: Collection[int] = ()) -> list[int]:
         """Greedy continuation after a prefill of `length` positions whose next-token logits are given. With
         `step_logits`, each decode step's next-token logits [vocab] are appended to it (the logits behind every
         token after the first). A token in `stop_ids` (the model's end-of-turn) ends the continuation: it is the
         last token returned, and nothing after it is computed or written."""
-        if length + max_new_tokens > cache.capacity + 1:
-            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
-        stop = frozenset(int(t) for t in stop_ids)
-        tokens = [int(first_logits.argmax())]
-        for i in range(max_new_tokens - 1):
-            if tokens[-1] in stop:
-                break
-            logits = self.decode_step(cache, length + i, tokens[-1])
-            if step_logits is not None:
-                step_logits.append(logits)
-            tokens.append(int(logits.argmax()))
-        return tokens
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            if length + max_new_tokens > cache.capacity + 1:
+                raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {max_new_tokens} tokens")
+            stop = frozenset(int(t) for t in stop_ids)
+            tokens = [int(first_logits.argmax())]
+            for i in range(max_new_tokens - 1):
+                if tokens[-1] in stop:
+                    break
+                logits = self.decode_step(cache, length + i, tokens[-1])
+                if step_logits is not None:
+                    step_logits.append(logits)
+                tokens.append(int(logits.argmax()))
+            return tokens
 
-    @torch.no_grad()
     def teacher_forced(self, cache: KVCache, length: int, first_logits: torch.Tensor,
                        tokens: Sequence[int]) -> torch.Tensor:
         """Next-token logits [len(tokens), vocab] along a GIVEN continuation after a prefill of `length`
         positions: row 0 is `first_logits`, row i the logits after tokens[:i] were fed (whatever this state would
         have generated itself). The last token is never fed: nothing is predicted after it."""
-        if not tokens:
-            raise ModelError("teacher forcing needs at least one token")
-        if length + len(tokens) > cache.capacity + 1:
-            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {len(tokens)} tokens")
-        fed = tokens[:-1]
-        if not fed:
-            return first_logits[None]
-        # one forward over every fed token at once (causal among them, each seeing the whole prefix): the same
-        # logits a decode step per token gives, up to float rounding of the larger matrix products, in one pass
-        return torch.cat([first_logits[None], self.extend(cache, length, torch.tensor(
-            [int(t) for t in fed], device=self.device))])
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            if not tokens:
+                raise ModelError("teacher forcing needs at least one token")
+            if length + len(tokens) > cache.capacity + 1:
+                raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {len(tokens)} tokens")
+            fed = tokens[:-1]
+            if not fed:
+                return first_logits[None]
+            # one forward over every fed token at once (causal among them, each seeing the whole prefix): the same
+            # logits a decode step per token gives, up to float rounding of the larger matrix products, in one pass
+            return torch.cat([first_logits[None], self.extend(cache, length, torch.tensor(
+                [int(t) for t in fed], device=self.device))])
 
     def extend_batch(self, k: torch.Tensor, v: torch.Tensor, length: int, ids: torch.Tensor) -> torch.Tensor:
         """`extend` for B requests at once, each over K/V of its own: k, v [layers, B, slots, kv_heads, D] hold
@@ -384,19 +388,20 @@ class LayerRunner:
                 h = self.finish_layer(layer, h, out.transpose(1, 2).reshape(B * n, self.num_heads * self.head_dim))
             return self.logits(h).view(B, n, -1)
 
-    @torch.no_grad()
     def extend(self, cache: KVCache, length: int, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [n] at positions length..length+n-1 after a prefill of `length` positions (their K/V written
         into the cache; query i sees every slot up to its own position): next-token logits [n, vocab]."""
-        n = ids.shape[0]
-        if length + n > cache.capacity:
-            raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {n} tokens")
-        pos = torch.arange(length, length + n, device=self.device)
-        rot = self.rotary(pos)
-        h = self.embed(ids)
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, pos, rot)
-            cache.write(layer, pos, k, v)
-            kc, vc = cache.layer_kv(layer, length + n)
-            h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc))
-        return self.logits(h)
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            n = ids.shape[0]
+            if length + n > cache.capacity:
+                raise ModelError(f"cache of {cache.capacity} slots cannot hold {length} + {n} tokens")
+            pos = torch.arange(length, length + n, device=self.device)
+            rot = self.rotary(pos)
+            h = self.embed(ids)
+            for layer in range(self.num_layers):
+                q, k, v = self.qkv(layer, h, pos, rot)
+                cache.write(layer, pos, k, v)
+                kc, vc = cache.layer_kv(layer, length + n)
+                h = self.finish_layer(layer, h, self.attend(q, pos, kc, vc))
+            return self.logits(h)

@@ -144,30 +144,31 @@ class EndToEndArm:
     kept_parts: list[dict[str, float]] = field(default_factory=list)
     problems: dict[str, list[Any]] = field(default_factory=lambda: {"runs": [], "parts": []})
 
-    @torch.no_grad()
     def run(self, round_index: int) -> dict[str, list[float]]:
         """One round of the arm: every child's path to its first token, timed as `ttft` with its parts inside,
         each run checked (staged every segment in order, first token equal to the repair-only arm's)."""
-        ttft: list[float] = []
-        for child in self.children:
-            intervals = Intervals(self.device)
-            events: list[str] = []
-            with intervals.part("ttft"):
-                _, result = self.child_path(child, events, intervals.part)
-                token = int(result.logits.argmax())   # the first token on the host ends it
-            seconds = intervals.seconds()
-            ttft.append(seconds["ttft"])
-            if events != self.expected_events or token != self.reference_tokens[child.name]:
-                self.problems["runs"].append({"round": round_index, "child": child.name, "events": events,
-                                              "token": token, "expected_token": self.reference_tokens[child.name]})
-            if intervals.parents != PARTS or set(seconds) != set(PARTS):
-                self.problems["parts"].append({"round": round_index, "child": child.name,
-                                               "parents": intervals.parents})
-            elif not _nested(seconds):
-                self.problems["parts"].append({"round": round_index, "child": child.name, "seconds": seconds})
-            if round_index >= self.warmup:
-                self.kept_parts.append(seconds)
-        return {"ttft": ttft}
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+        with torch.no_grad():
+            ttft: list[float] = []
+            for child in self.children:
+                intervals = Intervals(self.device)
+                events: list[str] = []
+                with intervals.part("ttft"):
+                    _, result = self.child_path(child, events, intervals.part)
+                    token = int(result.logits.argmax())   # the first token on the host ends it
+                seconds = intervals.seconds()
+                ttft.append(seconds["ttft"])
+                if events != self.expected_events or token != self.reference_tokens[child.name]:
+                    self.problems["runs"].append({"round": round_index, "child": child.name, "events": events,
+                                                  "token": token, "expected_token": self.reference_tokens[child.name]})
+                if intervals.parents != PARTS or set(seconds) != set(PARTS):
+                    self.problems["parts"].append({"round": round_index, "child": child.name,
+                                                   "parents": intervals.parents})
+                elif not _nested(seconds):
+                    self.problems["parts"].append({"round": round_index, "child": child.name, "seconds": seconds})
+                if round_index >= self.warmup:
+                    self.kept_parts.append(seconds)
+            return {"ttft": ttft}
 
     def finish(self, case: Case, timing: PairedTiming) -> dict[str, Any]:
         """The arm's checks over its timed runs, on `case`; returns its parts' medians and loading share."""

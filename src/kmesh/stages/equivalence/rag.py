@@ -312,10 +312,11 @@ def _ttft(case: Case, res: Result, setup: ModelSetup, ctx: ChildContext, export:
                     lambda kc=cache, ch=child, pf=prefill: (
                         restore_child(kc, export.catalog, export.raw, ch, runner, backend), pf())), prefill_fn)
 
-    @torch.no_grad()
     def run_arm(arm: str, child: Child, intervals: Intervals) -> None:
-        with intervals.part("ttft"):
-            int(runs[(arm, child.name)]().logits.argmax())   # the first token on the host ends the interval
+        # not @torch.no_grad(): mutmut leaves decorated functions unmutated, nested ones too
+        with torch.no_grad():
+            with intervals.part("ttft"):
+                int(runs[(arm, child.name)]().logits.argmax())   # the first token on the host ends the interval
 
     names = tuple(a.name for a in arms)
     per_child = over_children(run_arm, children, dev)
