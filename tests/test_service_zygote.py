@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,6 +64,16 @@ def test_services_of_successive_tests_share_one_zygote(tmp_path, own_zygotes, mo
     finally:
         for sp in (one, two, three):
             assert sp.stop() == 0
+
+
+def test_a_service_forks_where_the_stage_runs_torch_on_two_threads(tmp_path, own_zygotes, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")           # what Snakemake exports to make pipeline's stages
+    sp = process.start(tmp_path / "rt")
+    try:
+        assert isinstance(sp.proc, ForkedProcess)
+        assert "not forked" not in sp.log_path.read_text()
+    finally:
+        assert sp.stop() == 0
 
 
 def test_a_killed_forked_service_is_seen_ended_at_once_and_stop_signals_nothing_else(tmp_path, own_zygotes,
@@ -224,3 +235,34 @@ def test_signals_reach_the_child_through_its_pidfd_and_an_ended_child_is_left_al
     assert ended.returncode == 3
     ended.kill()                                   # no signal, no error: as Popen.kill of an ended process
     assert ended.poll() == 3
+
+
+@pytest.mark.parametrize("threads", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"},
+                                     {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"}])
+def test_a_child_runs_torch_with_the_threads_its_environment_asks_for_as_a_spawned_process(tmp_path, monkeypatch,
+                                                                                           threads):
+    """make pipeline's stages run with 2 OpenMP threads: a zygote importing torch so would start a thread and could
+    not fork; it imports with one and each child sets torch's intra-op threads from its own environment (torch's
+    rule: MKL_NUM_THREADS over OMP_NUM_THREADS), the count a process started with that environment has."""
+    (tmp_path / "torch_probe.py").write_text(
+        "import json, os, torch\n"
+        "def main():\n"
+        "    a = torch.randn(512, 512)\n"
+        "    (a @ a).sum()                      # a parallel region: its OpenMP team is this process's own\n"
+        "    print(json.dumps({'threads': torch.get_num_threads(), 'tasks': len(os.listdir('/proc/self/task'))}),\n"
+        "          flush=True)\n"
+        "    return 0\n")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), **threads}
+    spawned = subprocess.run([sys.executable, "-c", "import torch_probe; torch_probe.main()"], env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+    zy = Zygote(env, ("torch_probe",))              # refused (2 threads after the import) without the one-thread import
+    try:
+        child = zy.spawn("torch_probe:main", env)
+        forked = json.loads(child.stdout.readline())
+        assert child.wait(timeout=60) == 0
+    finally:
+        zy.close()
+    want = json.loads(spawned.stdout)
+    assert forked["threads"] == want["threads"] == int(threads.get("MKL_NUM_THREADS", threads["OMP_NUM_THREADS"]))
+    assert (forked["tasks"] > 1) == (forked["threads"] > 1)    # a second thread ran the product where one should

@@ -15,8 +15,10 @@ sets before anything reads them. A child is a
 real process of its own: its stdin and stdout are pipes to the caller (or the files the caller gives), its stderr
 the caller's log, its environment, working directory and sys.argv the caller's; the zygote reports its exit status.
 Forking is safe only from a process with one thread: the zygote reports its thread count when ready, and a zygote
-whose imports started a thread is not used (`ZygoteError`; the caller starts its process the ordinary way). The
-zygote ends when its caller closes the channel or dies.
+whose imports started a thread is not used (`ZygoteError`; the caller starts its process the ordinary way). torch's
+import starts an OpenMP thread where the environment asks for more than one, so a zygote imports with one, and each
+child sets torch's intra-op threads from its own environment (torch's rule: MKL_NUM_THREADS over OMP_NUM_THREADS).
+The zygote ends when its caller closes the channel or dies.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from typing import Any
 from kmesh.errors import KMeshError
 
 _FD_VAR = "KMESH_ZYGOTE_FD"
+_THREADS_VAR = "KMESH_ZYGOTE_ONE_THREAD"    # the zygote imported with one OpenMP thread: children set theirs
 _MAX_MSG = 1 << 20
 MAX_KEEP_FDS = 8         # descriptors a child may keep at the caller's numbers (Popen's pass_fds)
 _FD_PARKING = 512        # where a child's descriptors wait before they are placed at their numbers
@@ -107,8 +110,13 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.preload = preload
         self._stderr = tempfile.TemporaryFile()     # a file, not a pipe: what the imports print cannot block it
+        own = {**env, _FD_VAR: str(theirs.fileno())}
+        if any(_positive(env.get(name)) > 1 for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+            # torch's import runs an OpenMP region: with more than one thread that starts a pool no fork can copy
+            # (the zygote would be refused). It imports with one; each child sets what its environment asks for.
+            own.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", _THREADS_VAR: "1"})
         self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.zygote", *preload],
-                                     env={**env, _FD_VAR: str(theirs.fileno())}, pass_fds=(theirs.fileno(),),
+                                     env=own, pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr)
         theirs.close()
         self._sock = ours
@@ -267,6 +275,24 @@ class Zygote:
             self.proc.wait()
 
 
+def _intraop_threads(env: dict[str, str]) -> int | None:
+    """torch's intra-op threads for a process started with `env`, where the environment sets them: OMP_NUM_THREADS,
+    overridden by MKL_NUM_THREADS (torch's own rule); None where neither is a positive number."""
+    n = None
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if _positive(env.get(name)) > 0:
+            n = _positive(env.get(name))
+    return n
+
+
+def _positive(value: str | None) -> int:
+    """A thread count from the environment; 0 for none or a value that is not a positive number."""
+    try:
+        return max(int(value or ""), 0)
+    except ValueError:
+        return 0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -339,6 +365,8 @@ def _child(req: dict[str, Any], fds: list[int], keep_closed: list[int]) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
+        if _one_thread_import and "torch" in sys.modules and _intraop_threads(os.environ):
+            sys.modules["torch"].set_num_threads(_intraop_threads(os.environ))   # what its environment asks for
         os.chdir(req["cwd"])
         sys.argv = [req["entry"], *req["argv"]]
         tempfile.tempdir = None            # read TMPDIR again: this child's own
@@ -359,8 +387,13 @@ def _child(req: dict[str, Any], fds: list[int], keep_closed: list[int]) -> None:
         os._exit(code if isinstance(code, int) else 0)
 
 
+_one_thread_import = False
+
+
 def _main(preload: list[str]) -> int:
+    global _one_thread_import
     sock = socket.socket(fileno=int(os.environ.pop(_FD_VAR)))
+    _one_thread_import = os.environ.pop(_THREADS_VAR, None) is not None
     sys.stdout = sys.stderr                 # what the imports print (and loggers they set up) goes to stderr
     # The imports' objects (vLLM's and torch's: millions) are frozen out of the cyclic GC before any fork, as
     # Python's gc docs advise for fork without exec: a child's collections would otherwise scan all of them again
