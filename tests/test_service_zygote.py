@@ -23,8 +23,7 @@ from kmesh.zygote import ForkedProcess, Zygote
 
 @pytest.fixture
 def own_zygotes(monkeypatch):
-    """This test's zygotes only, ended afterwards; one OpenMP thread (as make test runs: with more, torch's import
-    starts a thread and no zygote may fork)."""
+    """This test's zygotes only, ended afterwards; one OpenMP thread, as make test runs (two: the test below)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(zygote, "_zygotes", {})
     yield
