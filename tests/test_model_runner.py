@@ -547,6 +547,32 @@ def test_teacher_forced_follows_decode(tiny):
         r.teacher_forced(prompt, 40, first, [0] * 10)
 
 
+def test_teacher_forced_and_extend_fill_the_cache_exactly_and_refuse_one_more(tiny):
+    """A 48-slot cache after 40 prompt positions: teacher forcing 9 tokens feeds 8 (slots 40..47, exactly full) and
+    `extend` of 8 fits; `extend` of 9 is refused before anything is written; teacher forcing refuses a prefill
+    longer than the cache even when it feeds nothing (one token)."""
+    r = tiny.runner
+    ids = _ids(40, 2)
+    cache = r.new_cache(48)
+    first = r.prefill(ids, cache)
+    assert cache.capacity == 48
+    prompt = r.cache_over(cache.raw.clone(), cache.layout, fill=None)
+    tokens = [int(t) for t in _ids(9, 7)]
+    full = r.cache_over(prompt.raw.clone(), prompt.layout, fill=None)
+    forced = r.teacher_forced(full, 40, first, tokens)
+    assert forced.shape == (9, TINY["vocab_size"])
+    assert all(torch.count_nonzero(full.k[layer][47]) > 0 for layer in range(r.num_layers))   # the last slot written
+    fits = r.cache_over(prompt.raw.clone(), prompt.layout, fill=None)
+    torch.testing.assert_close(r.extend(fits, 40, torch.tensor(tokens[:8])), forced[1:], rtol=1e-5, atol=1e-5)
+    over = r.cache_over(prompt.raw.clone(), prompt.layout, fill=None)
+    with pytest.raises(ModelError, match="cannot hold"):
+        r.extend(over, 40, torch.tensor(tokens))
+    assert torch.equal(over.raw, prompt.raw)
+    with pytest.raises(ModelError, match="cannot hold"):
+        r.teacher_forced(prompt, 49, first, tokens[:1])
+    assert torch.equal(r.teacher_forced(prompt, 48, first, tokens[:1]), first[None])
+
+
 # --- 4. repair is meaningful on the real model -------------------------------------------------------------
 
 def test_smollm2_repair_beats_naive(smol):
