@@ -266,6 +266,10 @@ def test_blend_shapes_and_arm(tiny, arm):
     assert res.arm == arm and res.masks.dtype == torch.bool and res.masks.shape == (r.num_layers, c.T)
     assert res.logits.shape == (TINY["vocab_size"],) and torch.isfinite(res.logits).all()
     assert res.counts() == res.masks.sum(1).tolist() == res.recomputed
+    if arm == "repair":   # blend()'s default arm (and default config)
+        default = blend(r, c.child, _copy(r, c.pristine), c.restored)
+        assert default.arm == "repair" and torch.equal(default.masks, res.masks)
+        assert torch.equal(default.logits, res.logits)
 
 
 def test_full_arm_is_prefill_bit_for_bit(tiny):
@@ -315,6 +319,21 @@ def test_repair_masks(tiny, shape):
     dev[~cand] = -1
     top = set(torch.topk(dev, math.ceil(RATIO * int(cand.sum()))).indices.tolist())
     assert set(torch.nonzero(m[CHECK] & cand)[:, 0].tolist()) == top
+
+
+def test_repair_by_v_deviation_ranks_restored_rows_by_v(tiny):
+    """deviation="v": the restored rows kept at the check layer are the top ceil(0.15·n) by ‖fresh V − restored V‖²
+    (fresh V = the full prefill's, every earlier layer recomputed for every position)."""
+    r, c = tiny.runner, _case(tiny.runner)
+    res = blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(deviation="v"), arm="repair")
+    T = c.T
+    cand = c.restored.clone()
+    cand[T - 1] = False
+    dev = ((c.full_cache.v[CHECK][:T] - c.pristine.v[CHECK][:T]) ** 2).sum((1, 2))
+    dev[~cand] = -1
+    top = set(torch.topk(dev, math.ceil(RATIO * int(cand.sum()))).indices.tolist())
+    assert set(torch.nonzero(res.masks[CHECK] & cand)[:, 0].tolist()) == top
+    assert int(res.masks[CHECK].sum()) == _repair_expected_keep(c.restored)
 
 
 def test_repair_cache_after_blend(tiny):
