@@ -348,6 +348,67 @@ def test_end_to_end_finish_medians_loading_share_and_parts_check():
     assert "stage" not in out["parts_ms_median"] and out["loading_fraction_median"] is None
 
 
+def _end_to_end_arm(events_given: list[str], token: int, load_in: str = "stage",
+                    skip: str | None = None) -> endtoend.EndToEndArm:
+    """An end-to-end arm of one child "A" whose path records `events_given`, opens every part nested as PARTS
+    (but "load" inside `load_in`, and `skip` not at all) and gives `token` as its first token; the expected run is
+    events ["s0"], token 3; one warm-up round."""
+    def child_path(child, events, part):
+        events.extend(events_given)
+        with part("stage"):
+            if load_in == "stage":
+                with part("load"):
+                    pass
+        for name in ("private-copy", "restore", "repair") + (("load",) if load_in == "ttft" else ()):
+            if name != skip:
+                with part(name):
+                    pass
+        return None, SimpleNamespace(logits=torch.nn.functional.one_hot(torch.tensor(token), 5).float())
+    return endtoend.EndToEndArm(children=(SimpleNamespace(name="A"),), child_path=child_path,
+                                expected_events=["s0"], reference_tokens={"A": 3}, warmup=1, device="cpu")
+
+
+def test_end_to_end_run_records_a_wrong_run_by_its_events_or_its_token_alone():
+    """EndToEndArm.run: a run whose staged events or whose first token (either alone) differs from the expected is
+    recorded as a run problem with what it got; a right run is not; the warm-up round is not kept (mutation
+    survivors EndToEndArm.run #21, #24, #25, #26)."""
+    for events, token, wrong in ((["s0"], 3, False), (["s1"], 3, True), (["s0"], 2, True), (["s0", "s1"], 3, True)):
+        arm = _end_to_end_arm(events, token)
+        out = arm.run(0)
+        assert len(out["ttft"]) == 1 and out["ttft"][0] >= 0.0
+        assert arm.problems["runs"] == ([{"round": 0, "child": "A", "events": events, "token": token,
+                                          "expected_token": 3}] if wrong else []), (events, token)
+        assert arm.problems["parts"] == [] and arm.kept_parts == []
+        arm.run(1)
+        assert len(arm.kept_parts) == 1 and set(arm.kept_parts[0]) == set(endtoend.PARTS)
+
+
+def test_end_to_end_run_records_a_part_under_another_parent_or_a_missing_part():
+    """EndToEndArm.run: a run whose parts are all there but one opened under another parent ("load" directly in
+    ttft), or one whose part is missing, is recorded as a parts problem with the parents it had (mutation survivors
+    EndToEndArm.run #37, #42)."""
+    for load_in, skip in (("ttft", None), ("stage", "restore")):
+        arm = _end_to_end_arm(["s0"], 3, load_in=load_in, skip=skip)
+        arm.run(0)
+        parents = dict(endtoend.PARTS, load=load_in)
+        if skip:
+            del parents[skip]
+        assert arm.problems == {"runs": [], "parts": [{"round": 0, "child": "A", "parents": parents}]}, load_in
+
+
+def test_end_to_end_run_records_parts_that_are_not_nested_with_their_seconds(monkeypatch):
+    """EndToEndArm.run: a run with every part under its parent whose times are not nested (endtoend._nested false:
+    real intervals nest by construction, so it is forced here) is recorded as a parts problem with its seconds,
+    and still kept after the warm-up (mutation survivors EndToEndArm.run #53 to #61)."""
+    seen: list[dict] = []
+    monkeypatch.setattr(endtoend, "_nested", lambda seconds: seen.append(seconds) or False)
+    arm = _end_to_end_arm(["s0"], 3)
+    arm.run(1)
+    assert len(seen) == 1 and set(seen[0]) == set(endtoend.PARTS)
+    assert arm.problems == {"runs": [], "parts": [{"round": 1, "child": "A", "seconds": seen[0]}]}
+    assert arm.kept_parts == seen
+
+
 def test_nested_means_each_part_within_its_parent_and_the_ttft_parts_together_within_ttft():
     """endtoend._nested at its boundaries: a part may exceed its parent by the slack (CUDA events' resolution),
     the parts directly inside ttft together by the slack per part; one more is not nested, nor are parts each
