@@ -590,6 +590,10 @@ def test_teacher_forced_and_extend_fill_the_cache_exactly_and_refuse_one_more(ti
     with pytest.raises(ModelError, match="cannot hold"):
         r.teacher_forced(prompt, 49, first, tokens[:1])
     assert torch.equal(r.teacher_forced(prompt, 48, first, tokens[:1]), first[None])
+    # `extend` reads only the slots up to its last position: NaN in every later slot (a cache of 64) changes nothing
+    poisoned = r.new_cache(64, fill=float("nan"))
+    assert torch.equal(r.prefill(ids, poisoned), first)
+    torch.testing.assert_close(r.extend(poisoned, 40, torch.tensor(tokens[:8])), forced[1:], rtol=1e-5, atol=1e-5)
 
 
 # --- 4. repair is meaningful on the real model -------------------------------------------------------------
