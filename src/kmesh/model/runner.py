@@ -112,8 +112,7 @@ def _policy_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-@contextmanager
-def transformers_sdpa_policy(model: Any) -> Iterator[None]:
+def _transformers_sdpa_policy(model: Any) -> Iterator[None]:
     """Run transformers' own SDPA attention under the runner's kernel rule (sdpa_backends) for a comparison."""
     from transformers import AttentionInterface
 
@@ -124,6 +123,10 @@ def transformers_sdpa_policy(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(before)
+
+
+# not @contextmanager: mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+transformers_sdpa_policy = contextmanager(_transformers_sdpa_policy)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
