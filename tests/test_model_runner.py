@@ -794,6 +794,15 @@ def test_transformers_sdpa_policy_keeps_transformers_forward(tiny):
     assert tiny.model.config._attn_implementation == before
     assert torch.equal(got, ref)
     assert gen.shape == (1, 33)
+    # a setting other than transformers' default comes back as it was, not as the default
+    other = "eager" if before != "eager" else "sdpa"
+    tiny.model.set_attn_implementation(other)
+    try:
+        with transformers_sdpa_policy(tiny.model):
+            assert tiny.model.config._attn_implementation == "kmesh_sdpa"
+        assert tiny.model.config._attn_implementation == other
+    finally:
+        tiny.model.set_attn_implementation(before)
 
 
 def test_sdpa_backend_rule():
