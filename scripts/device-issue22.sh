@@ -3,7 +3,8 @@
 # naive, stock, stock-matched, repair x3, epic x3 on 4096-token RAG prompts, every arm's prefill one CUDA graph
 # verified equal to eager, the end-to-end arm through a real service) beside the ttft-4096 / ttft-16384 cases.
 # Builds the kernels and the model first; the stage under its own time limit. With GROUP=1 the cuda group stage
-# runs after it (its scaling and the RAG-shaped scaling, group.rag), also under a time limit.
+# runs after it (its scaling and the RAG-shaped scaling, group.rag), also under a time limit. With DIAG=1 the
+# layer_step_pair diagnostic (eager vs compiled layer step, graphs of both arms at 4k and 16k) runs before the stage.
 #   run: bash scripts/device-issue22.sh      (carry .whl: scripts/fetch-device-wheels.sh fills it)
 source scripts/device-env.sh
 set -o pipefail
@@ -14,9 +15,14 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 } > "$out/gpu.txt" 2>&1
 python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" > "$out/stages.log" 2>&1
 timeout 240 python3 -m pytest -q -p no:cacheprovider --no-header -m gpu -o addopts="" tests/test_model_runner.py \
-  tests/test_group_math.py > "$out/pytest_gpu.txt" 2>&1
+  tests/test_group_math.py tests/test_layer_step.py > "$out/pytest_gpu.txt" 2>&1
 echo "pytest rc=$?" >> "$out/pytest_gpu.txt"
 timeout 200 python3 -m kmesh run model --profile cuda --out /tmp/model.json >> "$out/stages.log" 2>&1
+if [ -n "${DIAG:-}" ]; then
+  (time timeout "${DIAG_TIMEOUT:-200}" python3 -m kmesh diagnose layer_step_pair --out "$out/layer_step_pair.json") \
+    > "$out/diag.log" 2>&1
+  tail -n 4 "$out/diag.log"
+fi
 (time timeout "${EQ_TIMEOUT:-420}" python3 -m kmesh run equivalence --profile cuda --out "$out/equivalence.json" \
   ${EQ_SET:+--set "$EQ_SET"}) >> "$out/stages.log" 2>&1
 if [ -n "${GROUP:-}" ]; then

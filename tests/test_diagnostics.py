@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(p.stem for p in (ROOT / "src" / "kmesh" / "diagnostics").glob("*.py") if not p.stem.startswith("_"))
 # every diagnostic but decode_reproducibility needs a GPU; the arguments each requires besides
 GPU_ONLY = {"attention_variants": ["--out"], "blend_profile": ["--out"], "decode_isolation": ["--out"],
-            "restore_breakdown": ["--out"], "gpu_hash_overhead": [], "cufile_registration": [], "kernel_pair": []}
+            "restore_breakdown": ["--out"], "layer_step_pair": ["--out"], "gpu_hash_overhead": [], "cufile_registration": [], "kernel_pair": []}
 TINY_QWEN2 = ("{num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
               "num_key_value_heads: 2, head_dim: 16, vocab_size: 300, max_position_embeddings: 512, dtype: float32}")
 

@@ -119,7 +119,8 @@ def leader_prefill(runner: LayerRunner, workload: Workload, key_prefix: bytes, a
 def build_setup(cfg: Config, spec: SetupSpec) -> ModelSetup:
     device = torch.device(spec.device)
     model, tok, what = load_model(cfg, spec.model_sec, device)
-    runner = LayerRunner(model, spec.attention)
+    # the model section's layer step for every stage that runs this model (both arms of every comparison alike)
+    runner = LayerRunner(model, spec.attention, str(spec.model_sec.get("layer_step", "eager")))
     workload = build(tok, cfg.seed, WorkloadSpec(**spec.workload))
     export = leader_prefill(runner, workload, spec.key_prefix, spec.arrival_digest)
     ctx = ChildContext(runner, export.catalog, TransferEngine(str(device)), RepairConfig.from_dict(spec.repair),

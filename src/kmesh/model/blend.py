@@ -223,8 +223,8 @@ class BlendState:
             self.layer = 0
             if p.arm == "stock":  # no data is zeros, not whatever the buffer held
                 for layer in range(runner.num_layers):
-                    cache.write(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
-                                torch.zeros_like(cache.v[layer][p.forced]))
+                    cache.write_distinct(layer, p.forced, torch.zeros_like(cache.k[layer][p.forced]),
+                                         torch.zeros_like(cache.v[layer][p.forced]))
             self.active = p.forced if p.arm in REUSE_ARMS else torch.arange(T, device=dev)
             self.h = runner.embed(ids[self.active])
             self.rot = runner.rotary(self.active)
@@ -244,7 +244,8 @@ class BlendState:
         p = self.plan
         return p.arm not in REUSE_ARMS and (not p.check_layers or layer < p.check_layers[0])
 
-    def deviation_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def deviation_inputs(self, layer: int, k: torch.Tensor,
+                         v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(fresh, restored) rows a check layer compares: K or V of the active positions."""
         if self.plan.deviation == "k":
             return k, self.cache.k[layer][self.active]
@@ -261,13 +262,24 @@ class BlendState:
         self.active = self.active[rows]
         return q[rows], k[rows], v[rows]
 
+    def check(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check layer i: K (or V) of every active row compared with the restored, the state narrowed to the rows
+        that stay, and q, k, v of those rows. Q is projected only for the kept rows: the dropped ones need none."""
+        runner, p = self.runner, self.plan
+        x, k, v = runner.check_qkv(layer, self.h, self.rot, with_v=p.deviation == "v")
+        rows = _select(p, i, self.active, *self.deviation_inputs(layer, k, v), self.forced_rows())
+        x, k, v = x[rows], k[rows], (None if v is None else v[rows])
+        self.h, self.rot, self.active = self.h[rows], (self.rot[0][rows], self.rot[1][rows]), self.active[rows]
+        q, v = runner.kept_qv(layer, x, self.rot, v)
+        return q, k, v
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This layer's fresh K/V of the active positions into the cache, and the layer's recompute mask."""
         if self.all_rows(layer):   # a plain copy into slots 0..T-1 instead of a scatter (the same bytes land)
             self.cache.write_prefix(layer, k, v)
             self.masks[layer].fill_(True)
             return
-        self.cache.write(layer, self.active, k, v)
+        self.cache.write_distinct(layer, self.active, k, v)   # active positions are distinct by construction
         self.masks[layer].index_fill_(0, self.active, True)   # a scalar fill: no host tensor (CUDA-graph capturable)
 
     def step(self) -> None:
@@ -275,11 +287,11 @@ class BlendState:
         # not @torch.no_grad(): mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
         with torch.no_grad():
             layer, runner, p = self.layer, self.runner, self.plan
-            q, k, v = runner.qkv(layer, self.h, self.active, self.rot)
             i = self.check_index(layer)
-            if i is not None:
-                rows = _select(p, i, self.active, *self.deviation_inputs(layer, k, v), self.forced_rows())
-                q, k, v = self.keep_rows(rows, q, k, v)
+            if i is None:
+                q, k, v = runner.qkv(layer, self.h, self.active, self.rot)
+            else:   # only the compared projection for every row; Q (and V) for the rows that stay
+                q, k, v = self.check(layer, i)
             self.store(layer, k, v)
             kc, vc = self.cache.layer_kv(layer, p.T)
             a = runner.attend(q, self.active, kc, vc, mask=self.mask_kind, all_rows=self.all_rows(layer))

@@ -32,10 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kmesh.layout import KVLayout
 from kmesh.model.errors import ModelError
+from kmesh.model.layer_step import LAYER_STEPS, CompiledSteps, rope
 from kmesh.rope import RopeConfig
 
 MaskKind = Literal["position", "bottom_right"]
 AttentionKind = Literal["auto", "sdpa", "triton"]
+LayerStep = Literal["eager", "compiled"]
 _TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -60,6 +62,15 @@ class KVCache:
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
+    def write_distinct(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """write() for slots the caller knows are distinct (a blend's active positions, by construction): each
+        slot is written once, so the plain scatter is exact whatever its order, and it runs without the
+        deterministic mode's index sort (kmesh.modelsetup.deterministic_kernels turns that mode on; on the H200 the
+        sort, its fills and bound checks were ~0.6 ms of a 4k repair's 8 ms, two calls a layer)."""
+        with _plain_scatter():
+            self.k[layer][slots] = k
+            self.v[layer][slots] = v
+
     def write_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [n, heads, D] into slots 0..n-1 (what write() with slots arange(n) does, as a plain copy)."""
         n = k.shape[0]
@@ -73,6 +84,20 @@ class KVCache:
     def stacked(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of slots [0, n), [layers, n, heads, D] (for comparisons)."""
         return (torch.stack([k[:n] for k in self.k]).clone(), torch.stack([v[:n] for v in self.v]).clone())
+
+
+@contextmanager
+def _plain_scatter() -> Iterator[None]:
+    """Deterministic-algorithms mode off for the enclosed index writes (host state only: capturable), then back."""
+    on, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if not on:
+        yield
+        return
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
 # cuDNN's SDPA kernel is what torch 2.11 picks on the H200 for a decode step (one query, GQA), and it is not
@@ -129,15 +154,10 @@ def _transformers_sdpa_policy(model: Any) -> Iterator[None]:
 transformers_sdpa_policy = contextmanager(_transformers_sdpa_policy)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LayerRunner:
     """Llama / Qwen2 (incl. SmolLM2) weights run layer by layer (see module doc)."""
 
-    def __init__(self, model: Any, attention: AttentionKind = "auto") -> None:
+    def __init__(self, model: Any, attention: AttentionKind = "auto", layer_step: LayerStep = "eager") -> None:
         cfg = model.config
         if cfg.model_type not in ("llama", "qwen2"):
             raise ModelError(f"the layer-wise runner knows llama and qwen2 models, not {cfg.model_type!r}")
@@ -158,6 +178,11 @@ class LayerRunner:
             raise ModelError(f"runner dtype must be float32/bfloat16/float16, got {self.dtype}")
         self.rope = RopeConfig.from_hf_config(cfg)
         self.attention = self._attention_backend(attention)
+        if layer_step not in LAYER_STEPS:
+            raise ModelError(f"layer_step must be one of {LAYER_STEPS}, got {layer_step!r}")
+        self.layer_step = layer_step
+        # the compiled functions (kmesh.model.layer_step) replace the modules' calls; None: the modules run
+        self.steps: CompiledSteps | None = CompiledSteps(model) if layer_step == "compiled" else None
 
     def _attention_backend(self, attention: str) -> str:
         """Which kernel runs the position-masked attention of a subset of queries (the repair's recompute).
@@ -220,6 +245,9 @@ class LayerRunner:
     def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
             rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-RoPE q [n, heads, D], k and v [n, kv_heads, D] of hidden rows h [n, hidden] at `positions`."""
+        cos, sin = rot if rot is not None else self.rotary(positions)
+        if self.steps is not None:
+            return self.steps.norm_qkv(h, self.steps.weights[layer], cos, sin, self.num_heads, self.num_kv_heads)
         blk = self.inner.layers[layer]
         x = blk.input_layernorm(h)
         att = blk.self_attn
@@ -227,9 +255,38 @@ class LayerRunner:
         q = att.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = att.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = att.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        cos, sin = rot if rot is not None else self.rotary(positions)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def check_qkv(self, layer: int, h: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor],
+                  with_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A check layer's first half: (normed rows, post-RoPE K, V or None) of every row; Q (and V) of the rows
+        the check keeps come from `kept_qv` (what qkv() gives those rows, without projecting the dropped ones)."""
+        cos, sin = rot
+        if self.steps is not None:
+            w = self.steps.weights[layer]
+            if with_v:
+                return self.steps.norm_kv(h, w, cos, sin, self.num_kv_heads)
+            x, k = self.steps.norm_k(h, w, cos, sin, self.num_kv_heads)
+            return x, k, None
+        blk = self.inner.layers[layer]
+        x = blk.input_layernorm(h)
+        att, n = blk.self_attn, h.shape[0]
+        k = rope(att.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = att.v_proj(x).view(n, self.num_kv_heads, self.head_dim) if with_v else None
+        return x, k, v
+
+    def kept_qv(self, layer: int, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor],
+                v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE Q, and V unless given, of normed rows x (check_qkv's, narrowed to the kept rows)."""
+        cos, sin = rot
+        if self.steps is not None:
+            w = self.steps.weights[layer]
+            if v is None:
+                return self.steps.qv_rows(x, w, cos, sin, self.num_heads, self.num_kv_heads)
+            return self.steps.q_rows(x, w, cos, sin, self.num_heads), v
+        att, n = self.inner.layers[layer].self_attn, x.shape[0]
+        q = rope(att.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        return q, (att.v_proj(x).view(n, self.num_kv_heads, self.head_dim) if v is None else v)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                key_pos: torch.Tensor | None = None, mask: MaskKind = "position",
@@ -278,6 +335,8 @@ class LayerRunner:
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual."""
+        if self.steps is not None:
+            return self.steps.finish(h, attn, self.steps.weights[layer])
         blk = self.inner.layers[layer]
         h = h + blk.self_attn.o_proj(attn)
         return h + blk.mlp(blk.post_attention_layernorm(h))

@@ -75,6 +75,8 @@ def _runner_case(res: Result, setup: ModelSetup) -> None:
         case.record("logits_max_abs", scale)
         # the kernel the recomputed rows' masked attention ran
         case.record("attention_backend", setup.runner.attention)
+        # compiled: the runner's fused layer functions, so this case is their check against transformers' modules
+        case.record("layer_step", setup.runner.layer_step)
         case.record("sdpa_rule", "both sides: cuDNN only for a causal prefill without mask (kmesh.model.runner)")
         case.check("logits_within_bound", diff <= bound * max(scale, 1.0), value={"diff": diff, "bound_rel": bound})
         case.check("argmax_equal", int(ref.logits.argmax()) == int(hf_logits.argmax()))

@@ -1,0 +1,174 @@
+"""kmesh.model.layer_step: a layer's math over plain weight tensors (what `layer_step="compiled"` compiles) against
+the checkpoint's own modules, and the check layer that projects Q only for the rows it keeps.
+
+The functions are checked uncompiled in float32 against the modules (the same operations in the same order: equal
+to float rounding, measured bit for bit here), traced whole by torch.compile's aot_eager
+backend with dynamic row counts (no graph break: fullgraph), and compiled by Inductor on the GPU (skipped here).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kmesh.model.blend import RepairConfig, blend
+from kmesh.model.errors import ModelError
+from kmesh.model.layer_step import CompiledSteps, LayerStepError, layer_weights
+from kmesh.model.runner import LayerRunner
+from test_model_runner import _case, _copy, _repair_expected_keep, _tiny_model
+
+F32_TOL = 1e-6      # the same operations in float32 (the runner's lowest-rounding dtype): measured 0
+AOT_TOL = 1e-5      # traced by dynamo / AOTAutograd, float32: measured 0
+
+
+def _identity(fn):
+    return fn
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    """(eager runner, runner whose layers run layer_step's functions uncompiled), float32."""
+    model = _tiny_model(request.param)
+    eager = LayerRunner(model)
+    steps = LayerRunner(model)
+    steps.steps = CompiledSteps(model, compile_fn=_identity)
+    return eager, steps
+
+
+def test_prefill_through_the_functions_equals_the_modules(pair):
+    eager, steps = pair
+    c = _case(eager)
+    cache = steps.new_cache(c.T + 8)
+    logits = steps.prefill(c.child, cache)
+    assert float((logits - c.full).abs().max()) <= F32_TOL * float(c.full.abs().max())
+    for a, b in zip(cache.stacked(c.T), c.full_cache.stacked(c.T)):
+        assert float((a - b).abs().max()) <= F32_TOL
+
+
+@pytest.mark.parametrize("arm, deviation", [("repair", "k"), ("repair", "v"), ("stock", "k"), ("naive", "k")])
+def test_blend_through_the_functions_equals_the_modules(pair, arm, deviation):
+    eager, steps = pair
+    c = _case(eager)
+    cfg = RepairConfig(deviation=deviation)
+    e = blend(eager, c.child, _copy(eager, c.pristine), c.restored, cfg, arm=arm)
+    s_cache = _copy(steps, c.pristine)
+    s = blend(steps, c.child, s_cache, c.restored, cfg, arm=arm)
+    assert torch.equal(e.masks, s.masks)
+    assert float((e.logits - s.logits).abs().max()) <= F32_TOL * float(e.logits.abs().max())
+
+
+def test_check_layer_rows_equal_a_full_projection_of_those_rows(pair):
+    """check_qkv + kept_qv give the kept rows exactly what qkv() of every row gives them (both paths)."""
+    for r in pair:
+        c = _case(r)
+        pos = torch.arange(c.T)
+        rot = r.rotary(pos)
+        h = torch.randn(c.T, r.config.hidden_size, generator=torch.Generator().manual_seed(3))
+        q, k, v = r.qkv(1, h, pos, rot)
+        rows = torch.tensor([0, 5, 6, c.T - 1])
+        for with_v in (False, True):
+            x, kc, vc = r.check_qkv(1, h, rot, with_v=with_v)
+            assert torch.allclose(kc, k, rtol=0, atol=F32_TOL) and (vc is None) == (not with_v)
+            kept_rot = (rot[0][rows], rot[1][rows])
+            qk, vk = r.kept_qv(1, x[rows], kept_rot, None if vc is None else vc[rows])
+            assert torch.allclose(qk, q[rows], rtol=0, atol=F32_TOL)
+            assert torch.allclose(vk, v[rows], rtol=0, atol=F32_TOL)
+
+
+def test_repair_projects_q_only_for_the_rows_the_check_keeps():
+    """At the check layer K is projected for every row and Q only for the rows that stay recomputed (before,
+    every row's Q was projected and the dropped rows' thrown away)."""
+    model = _tiny_model("qwen2")
+    r = LayerRunner(model)
+    c = _case(r)
+    seen: dict[str, list[int]] = {"q": [], "k": []}
+    att = model.model.layers[1].self_attn
+    hooks = [att.q_proj.register_forward_hook(lambda m, i, o: seen["q"].append(i[0].shape[0])),
+             att.k_proj.register_forward_hook(lambda m, i, o: seen["k"].append(i[0].shape[0]))]
+    try:
+        blend(r, c.child, _copy(r, c.pristine), c.restored, arm="repair")
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert seen == {"q": [_repair_expected_keep(c.restored)], "k": [c.T]}
+    assert _repair_expected_keep(c.restored) < c.T
+
+
+def test_compiled_functions_trace_whole_with_dynamic_row_counts():
+    """torch.compile (aot_eager: dynamo's trace without Inductor's code generation) of every function, fullgraph
+    and dynamic: no graph break, and the traced runner's prefill and repair equal the modules'."""
+    model = _tiny_model("qwen2")
+    eager = LayerRunner(model)
+    traced = LayerRunner(model)
+    torch._dynamo.reset()
+    traced.steps = CompiledSteps(model, compile_fn=lambda fn: torch.compile(fn, backend="aot_eager", dynamic=True,
+                                                                             fullgraph=True))
+    for child_prefix in (13, 6):    # two prompt lengths: other row counts, the same traces
+        c = _case(eager, child_prefix=child_prefix)
+        cache = traced.new_cache(c.T + 8)
+        assert float((traced.prefill(c.child, cache) - c.full).abs().max()) <= AOT_TOL * float(c.full.abs().max())
+        e = blend(eager, c.child, _copy(eager, c.pristine), c.restored, arm="repair")
+        t = blend(traced, c.child, _copy(traced, c.pristine), c.restored, arm="repair")
+        assert torch.equal(e.masks, t.masks)
+        assert float((e.logits - t.logits).abs().max()) <= AOT_TOL * float(e.logits.abs().max())
+
+
+def test_layer_step_refuses_what_it_does_not_implement():
+    model = _tiny_model("llama")
+    with pytest.raises(ModelError, match="layer_step must be one of"):
+        LayerRunner(model, layer_step="fused")
+    other = copy.deepcopy(model)
+    other.config.hidden_act = "gelu"
+    with pytest.raises(LayerStepError, match="SiLU"):
+        layer_weights(other)
+    w = layer_weights(model)
+    assert len(w) == model.config.num_hidden_layers
+    assert w[0].wq is model.model.layers[0].self_attn.q_proj.weight   # references, never copies
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_inductor_step_matches_eager_and_its_graph_replays_bit_for_bit():
+    """Inductor's fused layer step in bf16 on the GPU: logits within 2e-2 of max |logit| of the eager modules'
+    (bf16 rounding of a reduction in another order), the same next token, and a CUDA graph of the compiled repair
+    equal bit for bit to the same compiled repair run eagerly."""
+    from kmesh.model.graphs import GraphedBlend
+
+    model = _tiny_model("qwen2").to("cuda", torch.bfloat16)
+    eager = LayerRunner(model)
+    compiled = LayerRunner(model, layer_step="compiled")
+    c = _case(eager)
+    e = blend(eager, c.child, _copy(eager, c.pristine), c.restored, arm="repair")
+    t = blend(compiled, c.child, _copy(compiled, c.pristine), c.restored, arm="repair")
+    scale = float(e.logits.float().abs().max())
+    assert float((e.logits.float() - t.logits.float()).abs().max()) <= 2e-2 * max(scale, 1.0)
+    assert int(e.logits.argmax()) == int(t.logits.argmax())
+    g = GraphedBlend(compiled, c.child, _copy(compiled, c.pristine), c.restored, RepairConfig(), "repair")
+    assert g.verify_against_eager() == {"logits": True, "masks": True, "cache_bytes": True}
+
+
+@pytest.mark.parametrize("mode", [(False, False), (True, False), (True, True)], ids=["off", "on", "warn-only"])
+def test_write_distinct_writes_what_write_does_and_gives_the_deterministic_mode_back(mode):
+    """The scatter without the deterministic mode's sort lands the same bytes as write(), and the mode (on or off,
+    warn-only or not) is what it was afterwards — also when the write raises."""
+    r = LayerRunner(_tiny_model("qwen2"))
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    slots = torch.tensor([9, 2, 5])
+    k = torch.randn(3, r.num_kv_heads, r.head_dim)
+    v = torch.randn(3, r.num_kv_heads, r.head_dim)
+    a, b = r.new_cache(16, fill=float("nan")), r.new_cache(16, fill=float("nan"))
+    try:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+        a.write(1, slots, k, v)
+        b.write_distinct(1, slots, k, v)
+        assert (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) == mode
+        with pytest.raises((IndexError, RuntimeError)):
+            b.write_distinct(1, torch.tensor([99]), k[:1], v[:1])
+        assert (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) == mode
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert torch.equal(a.raw, b.raw)
+    assert torch.equal(b.k[1][slots], k) and torch.equal(b.v[1][slots], v)
