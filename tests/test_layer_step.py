@@ -146,6 +146,13 @@ def test_gpu_inductor_step_matches_eager_and_its_graph_replays_bit_for_bit():
     assert int(e.logits.argmax()) == int(t.logits.argmax())
     g = GraphedBlend(compiled, c.child, _copy(compiled, c.pristine), c.restored, RepairConfig(), "repair")
     assert g.verify_against_eager() == {"logits": True, "masks": True, "cache_bytes": True}
+    # the same prefill gives the same bits after other variants were compiled (a decode step's one row, the repair's
+    # narrowed rows): with timed kernel choices a later variant could take another reduction blocking
+    first = compiled.prefill(c.child, compiled.new_cache(c.T + 8))
+    cache = compiled.new_cache(c.T + 8)
+    compiled.decode(cache, c.T, compiled.prefill(c.child, cache), 4)
+    blend(compiled, c.child, _copy(compiled, c.pristine), c.restored, RepairConfig(deviation="v"), arm="repair")
+    assert torch.equal(first, compiled.prefill(c.child, compiled.new_cache(c.T + 8)))
 
 
 @pytest.mark.parametrize("mode", [(False, False), (True, False), (True, True)], ids=["off", "on", "warn-only"])
@@ -172,3 +179,19 @@ def test_write_distinct_writes_what_write_does_and_gives_the_deterministic_mode_
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert torch.equal(a.raw, b.raw)
     assert torch.equal(b.k[1][slots], k) and torch.equal(b.v[1][slots], v)
+
+
+def test_tokens_agree_allows_a_divergence_only_at_a_near_tie():
+    from kmesh.model.quality import tokens_agree
+
+    wide = torch.tensor([0.0, 5.0, 1.0])      # token 1 by a margin of 4
+    tie = torch.tensor([2.0, 2.05, 0.0])      # token 1 by 0.05
+    assert tokens_agree([1, 1, 1], [1, 1, 1], [wide] * 3, 0.1) == {
+        "first_divergence": None, "bound": 0.1, "agree": True, "margin": None}
+    assert tokens_agree([1, 1, 1, 7], [1, 1, 1], [wide] * 3, 0.1)["agree"]      # longer: compared up to the reference
+    near = tokens_agree([1, 0, 5], [1, 1, 1], [wide, tie, wide], 0.1)
+    assert near["agree"] and near["first_divergence"] == 1 and abs(near["margin"] - 0.05) < 1e-6
+    far = tokens_agree([1, 0, 1], [1, 1, 1], [wide, wide, wide], 0.1)
+    assert not far["agree"] and far["first_divergence"] == 1 and far["margin"] == 4.0
+    assert not tokens_agree([1, 0], [1, 1], [wide, tie], 0.01)["agree"]    # 0.05 > 2 × 0.01
+    assert not tokens_agree([1], [1, 1], [wide, tie], 0.1)["agree"]         # stopped short of the reference

@@ -149,6 +149,22 @@ def layer_weights(model: Any) -> list[LayerWeights]:
     return out
 
 
+def _compile(fn: Callable) -> Callable:
+    """torch.compile for the runner's comparisons: Inductor's kernel choices fixed by its heuristics, not by timing
+    (`deterministic`). Dynamo compiles a function again for inputs its guards tell apart (a view or not, one row
+    or many), and with timed choices each compilation may take another reduction blocking: the same prefill
+    then gave other bits once another variant existed (seen on the H200: a child's recompute after a failure
+    differed from its reference computed earlier in the same process). A recompile past dynamo's limit raises
+    instead of running the function uncompiled behind the caller's back."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = True          # read at compilation and at each kernel's first launch
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        dynamo_config.fail_on_recompile_limit_hit = True
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 class CompiledSteps:
     """The layer functions above, each compiled once for every layer and row count (weights are arguments, so
     one graph serves all layers; dynamic row counts, so the repair's narrowing does not recompile per size).
@@ -158,7 +174,7 @@ class CompiledSteps:
 
     def __init__(self, model: Any, compile_fn: Callable[[Callable], Callable] | None = None) -> None:
         self.weights = layer_weights(model)
-        wrap = compile_fn or (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True))
+        wrap = compile_fn or _compile
         self.norm_qkv = wrap(norm_qkv)
         self.norm_k = wrap(norm_k)
         self.norm_kv = wrap(norm_kv)

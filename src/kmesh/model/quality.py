@@ -102,6 +102,24 @@ def first_divergence(ref: Sequence[int], got: Sequence[int], stop_ids: Collectio
     return next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
 
 
+def tokens_agree(got: Sequence[int], reference: Sequence[int], reference_logits: Sequence[torch.Tensor],
+                 bound: float) -> dict[str, Any]:
+    """Greedy tokens of a second code path against a reference path's, allowing exactly what rounding within
+    `bound` (max |logit difference| allowed between the paths) allows: every reference token equal, or equal up
+    to a first divergence at a step where the reference's two best logits lie within 2 × bound of each other
+    (each may move by `bound`, so the pair can swap). Nothing after a divergence is compared: the two then
+    continue from different prefixes. reference_logits[i]: the reference's logits [vocab] that chose its token i."""
+    first = next((i for i, t in enumerate(reference) if i >= len(got) or got[i] != t), None)
+    out: dict[str, Any] = {"first_divergence": first, "bound": bound}
+    if first is None:
+        return {**out, "agree": True, "margin": None}
+    if first >= len(got) or first >= len(reference_logits):
+        return {**out, "agree": False, "margin": None}
+    top = reference_logits[first].double().topk(2).values
+    margin = float(top[0] - top[1])
+    return {**out, "agree": margin <= 2 * bound, "margin": margin}
+
+
 def teacher_forced_logits(runner: Any, outcome: Any, tokens: Sequence[int], block_size: int = 16) -> torch.Tensor:
     """Next-token logits [len(tokens), vocab] of `outcome`'s prefilled state (its K/V of the prompt and its
     next-token logits) along the given continuation (kmesh.model.runner.LayerRunner.teacher_forced), in a

@@ -42,7 +42,7 @@ from kmesh.child import full_reference, run_child
 from kmesh.config import Config
 from kmesh.model.blend import RepairConfig, matched_stock
 from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
-                                 teacher_forced_logits_batch)
+                                 teacher_forced_logits_batch, tokens_agree)
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
@@ -64,9 +64,10 @@ def _runner_case(res: Result, setup: ModelSetup) -> None:
         stop = {"eos_token_id": list(setup.ctx.stop_ids)} if setup.ctx.stop_ids else {}
         with torch.no_grad(), transformers_sdpa_policy(model):
             hf_logits = model(ids[None]).logits[0, -1]
-            hf_tokens = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
-                                       max_new_tokens=setup.ctx.max_new_tokens, do_sample=False,
-                                       pad_token_id=model.config.eos_token_id or 0, **stop)[0, len(ids):].tolist()
+            hf = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
+                                max_new_tokens=setup.ctx.max_new_tokens, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=model.config.eos_token_id or 0, **stop)
+            hf_tokens = hf.sequences[0, len(ids):].tolist()
         ref = full_reference(setup.ctx, child)
         diff = float((ref.logits.double() - hf_logits.double()).abs().max())
         scale = float(hf_logits.double().abs().max())
@@ -80,8 +81,11 @@ def _runner_case(res: Result, setup: ModelSetup) -> None:
         case.record("sdpa_rule", "both sides: cuDNN only for a causal prefill without mask (kmesh.model.runner)")
         case.check("logits_within_bound", diff <= bound * max(scale, 1.0), value={"diff": diff, "bound_rel": bound})
         case.check("argmax_equal", int(ref.logits.argmax()) == int(hf_logits.argmax()))
-        case.check("greedy_tokens_equal", ref.tokens[:len(hf_tokens)] == hf_tokens,
-                   value={"runner": ref.tokens, "transformers": hf_tokens})
+        # the same arithmetic (layer_step eager) gives the same tokens; a fused step's rounding may swap a near tie
+        # (random weights have many), never a token the bound cannot explain
+        agree = tokens_agree(ref.tokens, hf_tokens, [x[0] for x in hf.logits], bound * max(scale, 1.0))
+        case.check("greedy_tokens_equal_until_a_near_tie", agree["agree"],
+                   value={**agree, "runner": ref.tokens, "transformers": hf_tokens})
 
 
 def _workload_case(res: Result, setup: ModelSetup) -> None:
