@@ -816,3 +816,41 @@ def test_cuda_drain_waits_until_the_copy_itself_ran(chunked, busy):
     assert torch.equal(dst, pattern(8 << 20)) and eng.live_holds() == 0
     eng.close()
     torch.cuda.synchronize()
+
+
+def test_gate_opened_for_good_is_seen_without_taking_a_token():
+    g = ChunkGate()
+    reader = ChunkGate.from_read_fd(g.read_fd)
+    assert not reader.opened_for_good()
+    g.allow(2)
+    assert not reader.opened_for_good()         # tokens granted, the controller still holds the write end
+    assert reader.wait(0) and not reader._open  # a token is still there to take: polling took none
+    g.open()
+    assert reader.opened_for_good()              # one token left, but nothing can follow it but the open gate
+    assert reader.wait(0) and reader.wait(0)
+
+
+def test_a_gate_paces_copies_until_it_is_opened_for_good_then_copies_run_whole():
+    """A copy submitted while the gate paces goes chunk by chunk; one submitted after the controller opened the
+    gate for good runs whole, as without a gate (the service after ServiceSide.unpace); a chunk fault still
+    chunks through an open gate."""
+    eng, gate = gated()
+    src, dst = bufs()
+    paced = eng.submit(src, dst, owner="a")
+    assert paced.chunks_total == N // CHUNK
+    gate.allow(2)
+    wait_chunks(paced, 2)
+    assert paced.state == "pending" and paced.chunks_done == 2
+    gate.open()
+    assert eng.drain([paced]).done == [paced] and torch.equal(dst, src)
+    src2, dst2 = bufs()
+    whole = eng.submit(src2, dst2, owner="a")
+    assert whole.chunks_total == 1 and eng.drain([whole]).done == [whole] and torch.equal(dst2, src2)
+    eng.close()
+    faulty, gate = gated(fail_copy_at_chunk=2)
+    gate.open()
+    src3, dst3 = bufs()
+    t = faulty.submit(src3, dst3, owner="a")
+    assert t.chunks_total == N // CHUNK
+    assert faulty.drain([t]).failed == [t] and t.chunks_done == 2
+    faulty.close()

@@ -80,6 +80,7 @@ class _Job:
     dst: torch.Tensor
     after: object | None
     chunk: int
+    chunked: bool = False   # decided once, at submit: through the worker, chunk by chunk
 
 
 _ids = itertools.count(1)
@@ -97,7 +98,13 @@ class TransferEngine:
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.device = dev
         self.faults = faults or FaultPlan()
-        self._chunked = faults is not None or gate is not None
+        # Chunk by chunk where something acts between chunks: a chunk fault, or a gate that still paces. A gate
+        # opened for good paces nothing, so with a gate and no chunk fault, copies submitted after it opened run
+        # whole, as in an engine without a gate (a service whose harness opened its gate copies as a deployed one).
+        # Without a gate an explicit plan chunks at its chunk_bytes.
+        chunk_fault = faults is not None and (faults.fail_copy_at_chunk is not None
+                                              or faults.kill_after_chunks is not None)
+        self._chunk_faults = chunk_fault or (faults is not None and gate is None)
         self.gate = gate
         self.ledger = ledger
         self._holds = HoldTable()
@@ -107,6 +114,9 @@ class TransferEngine:
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+
+    def _chunked(self) -> bool:
+        return self._chunk_faults or (self.gate is not None and not self.gate.opened_for_good())
 
     # -- submit -------------------------------------------------------------------------------------
     def submit(self, src: torch.Tensor, dst: torch.Tensor, *, owner: str, after: object | None = None) -> Ticket:
@@ -122,7 +132,8 @@ class TransferEngine:
         if not isinstance(owner, str) or not owner:
             raise TransferArgumentError(f"owner must be a non-empty string, got {owner!r}")
         s, d = self._byte_views(src, dst)
-        chunk = self.faults.chunk_bytes if self._chunked else max(s.numel(), 1)
+        chunked = self._chunked()
+        chunk = self.faults.chunk_bytes if chunked else max(s.numel(), 1)
         if chunk <= 0:
             raise TransferArgumentError(f"chunk_bytes must be > 0, got {chunk}")
         t = Ticket(id=next(_ids), owner=owner, nbytes=s.numel(), route=f"{src.device}->{dst.device}",
@@ -136,7 +147,7 @@ class TransferEngine:
             raise
         with self._lock:
             self._tickets[t.id] = t
-        job = _Job(t, s, d, producer, chunk)
+        job = _Job(t, s, d, producer, chunk, chunked)
         try:
             if self.device.type == "cuda":
                 self._submit_cuda(job)
@@ -257,7 +268,7 @@ class TransferEngine:
             if x.device.type == "cuda":
                 x.record_stream(s)  # the caching allocator must not reuse the block before the copy ends
         job.after = None
-        if self._chunked:
+        if job.chunked:
             self._enqueue(job)  # chunks issued one by one by the worker (gate, chunk faults)
             return
         t = job.ticket

@@ -83,6 +83,20 @@ class ChunkGate:
             os.close(self.write_fd)
             self.write_fd = None
 
+    def opened_for_good(self) -> bool:
+        """Copying side, without taking a token: has the controller opened the gate for good (closed its write
+        end)? A pipe whose writers are all gone polls as hung up, tokens still in it or not; those tokens no
+        longer pace anything, since nothing can follow them but the open gate."""
+        if self._open:
+            return True
+        if self.read_fd is None:
+            return False
+        poller = select.poll()
+        poller.register(self.read_fd, select.POLLIN | select.POLLHUP)
+        if any(ev & select.POLLHUP for _, ev in poller.poll(0)):
+            self._open = True
+        return self._open
+
     def wait(self, timeout: float | None = None) -> bool:
         """Copying side: take one token (or see the gate open). False if the timeout passed first."""
         if self._open:
