@@ -95,10 +95,9 @@ def staged_events(export: Export) -> list[str]:
             for e in export.catalog.entries]
 
 
-@contextmanager
-def end_to_end_arm(case: Case, setup: ModelSetup, export: Export, children: tuple[Child, ...],
-                   repair_only: dict[str, RepairOnlyArm], arm: str, warmup: int,
-                   device: str) -> Iterator["EndToEndArm"]:
+def _end_to_end_arm(case: Case, setup: ModelSetup, export: Export, children: tuple[Child, ...],
+                    repair_only: dict[str, RepairOnlyArm], arm: str, warmup: int,
+                    device: str) -> Iterator["EndToEndArm"]:
     """The end-to-end arm of one ttft-<T> case, ready to be timed while the context is open (its service running,
     the leader's segments saved into it, its staging registered, its state checked against the repair-only arm's),
     with its checks recorded on `case`. The caller times it in its rounds and then calls EndToEndArm.finish."""
@@ -129,6 +128,10 @@ def end_to_end_arm(case: Case, setup: ModelSetup, export: Export, children: tupl
                                              prompt_tokens)
             yield EndToEndArm(children, child_path, expected_events, reference_tokens, warmup, device)
         case.check("end_to_end_service_released_no_leaks", svc.no_leaks(), value=svc.leaks())
+
+
+# not @contextmanager: mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+end_to_end_arm = contextmanager(_end_to_end_arm)
 
 
 @dataclass
