@@ -195,3 +195,82 @@ def test_tokens_agree_allows_a_divergence_only_at_a_near_tie():
     assert not far["agree"] and far["first_divergence"] == 1 and far["margin"] == 4.0
     assert not tokens_agree([1, 0], [1, 1], [wide, tie], 0.01)["agree"]    # 0.05 > 2 × 0.01
     assert not tokens_agree([1], [1, 1], [wide, tie], 0.1)["agree"]         # stopped short of the reference
+
+
+def test_eps_is_read_under_either_attribute_name_and_a_norm_without_one_is_refused():
+    """transformers' RMSNorms keep `variance_epsilon`; torch.nn.RMSNorm (also accepted by name) keeps `eps`."""
+    from types import SimpleNamespace
+
+    from kmesh.model.layer_step import _eps
+
+    assert _eps(SimpleNamespace(variance_epsilon=1e-5)) == 1e-5
+    assert _eps(torch.nn.RMSNorm(8, eps=1e-3)) == 1e-3
+    with pytest.raises(LayerStepError, match="no epsilon"):
+        _eps(SimpleNamespace(epsilon=1e-6))
+
+
+def test_a_config_without_hidden_act_is_refused_as_a_layer_step_error():
+    from types import SimpleNamespace
+
+    with pytest.raises(LayerStepError, match="SiLU"):     # not an AttributeError
+        layer_weights(SimpleNamespace(config=SimpleNamespace(model_type="llama")))
+
+
+def test_fresh_compiled_steps_give_the_check_layer_what_the_modules_give():
+    """Each function CompiledSteps wraps is the one its name says: a runner built here (not the module-scoped
+    fixture's) runs the check layer's K-only, K+V, Q-only and Q+V steps and equals the modules."""
+    model = _tiny_model("qwen2")
+    eager, steps = LayerRunner(model), LayerRunner(model)
+    steps.steps = CompiledSteps(model, compile_fn=_identity)
+    pos = torch.arange(11)
+    rot = eager.rotary(pos)
+    h = torch.randn(11, eager.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([1, 4, 10])
+    kept_rot = (rot[0][rows], rot[1][rows])
+    for with_v in (False, True):
+        want, got = eager.check_qkv(1, h, rot, with_v), steps.check_qkv(1, h, rot, with_v)
+        for a, b in zip(want, got):
+            assert (a is None and b is None) or torch.allclose(a, b, rtol=0, atol=F32_TOL)
+        v = None if got[2] is None else got[2][rows]
+        for a, b in zip(eager.kept_qv(1, want[0][rows], kept_rot, v), steps.kept_qv(1, got[0][rows], kept_rot, v)):
+            assert torch.allclose(a, b, rtol=0, atol=F32_TOL)
+
+
+def test_tokens_agree_at_the_bound_exactly_and_with_short_or_two_entry_logits():
+    from kmesh.model.quality import tokens_agree
+
+    pair = torch.tensor([0.0, 0.5])           # a vocabulary of two: token 1 by 0.5 (exact in binary)
+    assert tokens_agree([0], [1], [pair], 0.25) == {"first_divergence": 0, "bound": 0.25, "agree": True,
+                                                    "margin": 0.5}     # 0.5 == 2 × 0.25: still a tie
+    assert not tokens_agree([0], [1], [pair], 0.2)["agree"]            # 0.5 > 2 × 0.2 (< 3 × 0.2)
+    wide = torch.tensor([0.0, 5.0, 1.0])
+    # the divergence lies past the logits given, or the second path stopped short: no margin, no agreement
+    assert tokens_agree([1, 0], [1, 1], [wide], 0.1) == {"first_divergence": 1, "bound": 0.1, "agree": False,
+                                                         "margin": None}
+    assert tokens_agree([1], [1, 1], [wide, wide], 0.1) == {"first_divergence": 1, "bound": 0.1, "agree": False,
+                                                            "margin": None}
+
+
+def test_every_bias_of_a_llama_with_attention_and_mlp_biases_is_applied():
+    """Llama's attention_bias / mlp_bias put biases on o_proj and the MLP's three projections too (the tiny Qwen2
+    has only q/k/v biases): the functions' prefill equals the modules' with every bias nonzero."""
+    transformers = pytest.importorskip("transformers")
+    from test_model_runner import TINY
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True))
+    model = model.float().eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    blk = model.model.layers[0]
+    assert all(m.bias is not None for m in (blk.self_attn.o_proj, blk.mlp.gate_proj, blk.mlp.up_proj,
+                                            blk.mlp.down_proj))
+    eager, steps = LayerRunner(model), LayerRunner(model)
+    steps.steps = CompiledSteps(model, compile_fn=_identity)
+    ids = torch.randint(0, TINY["vocab_size"], (12,), generator=g)
+    want = eager.prefill(ids, eager.new_cache(16))
+    got = steps.prefill(ids, steps.new_cache(16))
+    assert float((got - want).abs().max()) <= F32_TOL * float(want.abs().max())
