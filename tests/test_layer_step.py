@@ -274,3 +274,16 @@ def test_every_bias_of_a_llama_with_attention_and_mlp_biases_is_applied():
     want = eager.prefill(ids, eager.new_cache(16))
     got = steps.prefill(ids, steps.new_cache(16))
     assert float((got - want).abs().max()) <= F32_TOL * float(want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_equals_the_modules_norm_in_a_half_precision_model(dtype):
+    """Statistics in float32, the result cast back to the model dtype before the weight: bit for bit the
+    checkpoint's RMSNorm (the float32 tests cannot see a missing cast back)."""
+    from kmesh.model.layer_step import rms_norm
+
+    model = _tiny_model("llama").to(dtype)
+    w = layer_weights(model)[1]
+    h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = rms_norm(h, w.ln1, w.eps1)
+    assert got.dtype == dtype and torch.equal(got, model.model.layers[1].input_layernorm(h))
