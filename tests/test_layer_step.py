@@ -287,3 +287,29 @@ def test_rms_norm_equals_the_modules_norm_in_a_half_precision_model(dtype):
     h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
     got = rms_norm(h, w.ln1, w.eps1)
     assert got.dtype == dtype and torch.equal(got, model.model.layers[1].input_layernorm(h))
+
+
+def test_layer_step_compiled_makes_the_runner_run_the_functions(monkeypatch):
+    """`layer_step="compiled"` builds the CompiledSteps (here with a counting stand-in for torch.compile: no
+    Inductor on the CPU) and the runner's layers run through them; the default runs the modules."""
+    import kmesh.model.layer_step as layer_step
+
+    calls: dict[str, int] = {}
+
+    def counting(fn):
+        def run(*args, **kwargs):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(layer_step, "_compile", counting)
+    model = _tiny_model("qwen2")
+    eager = LayerRunner(model)
+    assert eager.layer_step == "eager" and eager.steps is None
+    compiled = LayerRunner(model, layer_step="compiled")
+    assert compiled.layer_step == "compiled" and isinstance(compiled.steps, CompiledSteps)
+    ids = torch.arange(3, 15)
+    want = eager.prefill(ids, eager.new_cache(16))
+    got = compiled.prefill(ids, compiled.new_cache(16))
+    assert calls == {"norm_qkv": model.config.num_hidden_layers, "finish": model.config.num_hidden_layers}
+    assert float((got - want).abs().max()) <= F32_TOL * float(want.abs().max())
