@@ -434,3 +434,87 @@ def test_speedup_row_in_milliseconds_with_the_speedup_a_median_of_inverse_ratios
     assert speedup_row(timing) == {"arm_a": "full", "arm_b": "repair", "median_a_ms": pytest.approx(300.0),
                                    "median_b_ms": pytest.approx(120.0), "median_ratio_b_over_a": 0.45,
                                    "median_speedup_a_over_b": pytest.approx(2.25), "b_faster_pairs": 4, "pairs": 4}
+
+
+def test_end_to_end_arm_wires_the_child_path_to_its_service_buffers_and_caches(monkeypatch):
+    """endtoend.end_to_end_arm with its service, source and path faked (pure): the path loads through the service's
+    client into its staging, with no after_accept once the gate is open for good (a deployed client's calls:
+    prefetch, one load_many), into one private buffer of the export's bytes on the setup's device; each child's
+    cache is the repair-only arm's where that arm has a graph (its prefill_fn, passed on), else a new cache of the
+    prompt in the catalog's block size; the path's copies are owned per child and timed only when given a part
+    timer; the states are compared over the prompt's positions; both service checks carry their values (mutation
+    survivors _end_to_end_arm #27, #30, #39, #42, #44-#46, #50, #51, #60, #76, #86, #95, #117, #120)."""
+    import contextlib
+
+    T, nbytes = 6, 40
+    entries = [SimpleNamespace(key=b"k0", sha256="d0", index=0), SimpleNamespace(key=b"k1", sha256="d1", index=1)]
+    export = SimpleNamespace(catalog=SimpleNamespace(entries=entries, nbytes=nbytes,
+                                                     layout=SimpleNamespace(block_size=32)))
+
+    @dataclasses.dataclass
+    class Ctx:
+        catalog: object
+
+    seen: dict = {"staging": [], "paths": []}
+
+    class Service:
+        client, paced = object(), True
+
+        def save_leader(self):
+            return {e.key: e.sha256 for e in entries}
+
+        def unpace(self):
+            self.paced = False
+
+        def after_accept(self, req, nbytes):
+            raise AssertionError("no gate to pace")
+
+        @contextlib.contextmanager
+        def staging(self, name):
+            seen["staging"].append(name)
+            yield SimpleNamespace(reg="reg", tensor="staging")
+
+        def no_leaks(self):
+            return True
+
+        def leaks(self):
+            return {"regs": 0}
+
+    svc = Service()
+    monkeypatch.setattr(endtoend, "ServiceSide", SimpleNamespace(start=lambda *a: contextlib.nullcontext(svc)))
+    monkeypatch.setattr(endtoend, "ServiceSegments",
+                        lambda client, reg, after_accept=None: ("source", client, reg, after_accept))
+
+    def path(ctx, child, source, staging, private, cache, arm, owner, events, prefill_fn=None, **part):
+        seen["paths"].append((ctx.catalog, child.name, source, staging, cache, arm, owner, prefill_fn, part))
+        seen["private"] = private
+        return None, None
+    monkeypatch.setattr(endtoend, "prefill_from_segments", path)
+    monkeypatch.setattr(endtoend, "_states_equal", lambda case, children, arms, caches, child_path, *rest: (
+        seen.update(rest=rest), {c.name: (child_path(c, []), 7)[1] for c in children})[1])
+
+    def graph(cache, restored):                               # the graph arm's replay
+        raise AssertionError("not called: the path is faked")
+    arms = {"A": endtoend.RepairOnlyArm("cache-A", None, graph), "B": endtoend.RepairOnlyArm("cache-B", None)}
+    runner = SimpleNamespace(new_cache=lambda capacity, block_size=16: ("new", capacity, block_size))
+    setup = SimpleNamespace(sec={"heartbeat_timeout_s": 30.0, "chunk_bytes": 4096}, ctx=Ctx("other catalog"),
+                            device=torch.device("meta"), runner=runner)
+    children = (SimpleNamespace(name="A", ids=[0] * T), SimpleNamespace(name="B", ids=[0] * T))
+    res = Result("equivalence", "test", provenance={})
+    with res.case("ttft-fake") as case:
+        with endtoend.end_to_end_arm(case, setup, export, children, arms, "repair", 1, "cpu") as e2e:
+            assert (e2e.children, e2e.reference_tokens, e2e.warmup) == (children, {"A": 7, "B": 7}, 1)
+            e2e.child_path(children[1], [], "timer")
+    assert res.cases[0].error is None and seen["staging"] == [f"ttft-{T}"]
+    assert seen["rest"] == (["staged:0", "staged:1", "private-copy-drained:0", "private-copy-drained:1", "restored:0",
+                             "restored:1"], T)       # the states compared over the prompt's positions
+    source = ("source", svc.client, "reg", None)
+    assert seen["paths"] == [
+        (export.catalog, "A", source, "staging", "cache-A", "repair", "ttft-e2e-A", graph, {}),
+        (export.catalog, "B", source, "staging", ("new", T, 32), "repair", "ttft-e2e-B", None, {}),
+        (export.catalog, "B", source, "staging", ("new", T, 32), "repair", "ttft-e2e-B", None, {"part": "timer"})]
+    private = seen["private"]
+    assert (private.shape, private.dtype, private.device) == ((nbytes,), torch.uint8, torch.device("meta"))
+    checks = res.cases[0].checks
+    assert checks["end_to_end_service_holds_the_segments"] == {"ok": True, "value": 2}
+    assert checks["end_to_end_service_released_no_leaks"] == {"ok": True, "value": {"regs": 0}}
