@@ -95,6 +95,26 @@ def test_repair_projects_q_only_for_the_rows_the_check_keeps():
     assert _repair_expected_keep(c.restored) < c.T
 
 
+def test_a_v_deviation_check_projects_v_once_for_every_row_and_q_for_the_kept():
+    """deviation="v": the check projects K and V of every row, and only Q of the rows it keeps; the kept rows' V
+    is the compared one narrowed, not projected again (the values would be the same: only a count shows it)."""
+    model = _tiny_model("qwen2")
+    r = LayerRunner(model)
+    c = _case(r)
+    seen: dict[str, list[int]] = {"q": [], "k": [], "v": []}
+    att = model.model.layers[1].self_attn
+    hooks = [getattr(att, f"{n}_proj").register_forward_hook(lambda m, i, o, n=n: seen[n].append(i[0].shape[0]))
+             for n in seen]
+    try:
+        got = blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(deviation="v"), arm="repair")
+    finally:
+        for hk in hooks:
+            hk.remove()
+    keep = int(got.masks[1].sum())
+    assert seen == {"q": [keep], "k": [c.T], "v": [c.T]}
+    assert keep < c.T
+
+
 def test_compiled_functions_trace_whole_with_dynamic_row_counts():
     """torch.compile (aot_eager: dynamo's trace without Inductor's code generation) of every function, fullgraph
     and dynamic: no graph break, and the traced runner's prefill and repair equal the modules'."""
