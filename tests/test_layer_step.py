@@ -115,6 +115,31 @@ def test_a_v_deviation_check_projects_v_once_for_every_row_and_q_for_the_kept():
     assert keep < c.T
 
 
+def test_the_rotary_rows_are_computed_once_a_request_and_qkv_computes_them_when_not_given():
+    """blend() and prefill() look the checkpoint's rotary table up once and carry the rows (narrowed with the
+    state) to every layer's qkv(); qkv() without them computes the same rows itself (the values would be the same
+    either way: only a count shows a layer computing them again)."""
+    model = _tiny_model("qwen2")
+    r = LayerRunner(model)
+    c = _case(r)
+    calls = []
+    hook = model.model.rotary_emb.register_forward_hook(lambda m, i, o: calls.append(i[1].shape[-1]))
+    try:
+        for arm in ("repair", "full", "stock", "naive"):
+            calls.clear()
+            blend(r, c.child, _copy(r, c.pristine), c.restored, arm=arm)
+            assert len(calls) == 1, arm
+        calls.clear()
+        r.prefill(c.child, r.new_cache(c.T))
+        assert calls == [c.T]
+    finally:
+        hook.remove()
+    pos = torch.tensor([0, 3, 4, c.T - 1])
+    h = torch.randn(4, r.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    for a, b in zip(r.qkv(1, h, pos), r.qkv(1, h, pos, r.rotary(pos))):
+        assert torch.equal(a, b)
+
+
 def test_compiled_functions_trace_whole_with_dynamic_row_counts():
     """torch.compile (aot_eager: dynamo's trace without Inductor's code generation) of every function, fullgraph
     and dynamic: no graph break, and the traced runner's prefill and repair equal the modules'."""
