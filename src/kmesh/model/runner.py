@@ -86,8 +86,7 @@ class KVCache:
         return (torch.stack([k[:n] for k in self.k]).clone(), torch.stack([v[:n] for v in self.v]).clone())
 
 
-@contextmanager
-def _plain_scatter() -> Iterator[None]:
+def _without_index_sort() -> Iterator[None]:
     """Deterministic-algorithms mode off for the enclosed index writes (host state only: capturable), then back."""
     on, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     if not on:
@@ -98,6 +97,10 @@ def _plain_scatter() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
+# not @contextmanager: mutmut leaves decorated functions unmutated (pyproject [tool.mutmut])
+_plain_scatter = contextmanager(_without_index_sort)
 
 
 # cuDNN's SDPA kernel is what torch 2.11 picks on the H200 for a decode step (one query, GQA), and it is not
