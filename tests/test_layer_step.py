@@ -358,3 +358,25 @@ def test_layer_step_compiled_makes_the_runner_run_the_functions(monkeypatch):
     got = compiled.prefill(ids, compiled.new_cache(16))
     assert calls == {"norm_qkv": model.config.num_hidden_layers, "finish": model.config.num_hidden_layers}
     assert float((got - want).abs().max()) <= F32_TOL * float(want.abs().max())
+
+
+def test_blend_runs_the_fused_causal_kernel_while_the_rows_are_every_position(monkeypatch):
+    """The full arm's layers, and a repair's layers before its first check, attend through the fused causal kernel
+    (all_rows), not an explicit mask (the values agree to rounding: only the kernel's arguments show it)."""
+    import kmesh.model.runner as runner_mod
+
+    causal: list[bool] = []
+    real = runner_mod._sdpa
+
+    def spy(q, k, v, **kw):
+        causal.append(bool(kw.get("is_causal", False)) and "attn_mask" not in kw)
+        return real(q, k, v, **kw)
+
+    r = LayerRunner(_tiny_model("qwen2"))
+    c = _case(r)
+    monkeypatch.setattr(runner_mod, "_sdpa", spy)
+    blend(r, c.child, _copy(r, c.pristine), c.restored, arm="full")
+    assert causal == [True] * r.num_layers
+    causal.clear()
+    blend(r, c.child, _copy(r, c.pristine), c.restored, arm="repair")     # check layer 1
+    assert causal == [True] + [False] * (r.num_layers - 1)
