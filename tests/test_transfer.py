@@ -854,3 +854,110 @@ def test_a_gate_paces_copies_until_it_is_opened_for_good_then_copies_run_whole()
     assert t.chunks_total == N // CHUNK
     assert faulty.drain([t]).failed == [t] and t.chunks_done == 2
     faulty.close()
+
+
+# --- submit_many: submit() of every pair as one batch --------------------------------------------------------
+
+def _pairs(n_pairs, size=CHUNK):
+    src = pattern(n_pairs * size)
+    dst = torch.full((n_pairs * size,), POISON, dtype=torch.uint8)
+    return src, dst, [(src[i * size:(i + 1) * size], dst[i * size:(i + 1) * size]) for i in range(n_pairs)]
+
+
+def test_submit_many_copies_every_pair_with_a_ticket_and_holds_each():
+    eng = TransferEngine("cpu")
+    src, dst, pairs = _pairs(5)
+    tickets = eng.submit_many(pairs, owner="m")
+    assert [t.nbytes for t in tickets] == [CHUNK] * 5 and len({t.id for t in tickets}) == 5
+    assert all(t.owner == "m" for t in tickets)
+    r = eng.drain(owner="m")
+    assert sorted(t.id for t in r.done) == sorted(t.id for t in tickets) and r.holds_released == 10
+    assert torch.equal(dst, src) and eng.live_holds() == 0
+    eng.close()
+
+
+def test_submit_many_refused_at_pair_k_keeps_the_pairs_before_it_accepted_and_issued():
+    eng = TransferEngine("cpu")
+    src, dst, pairs = _pairs(4)
+    pairs[2] = (pairs[2][0], pairs[2][1][:-1])            # one byte short: refused before anything of it is held
+    with pytest.raises(TransferArgumentError) as e:
+        eng.submit_many(pairs, owner="m")
+    assert [t.nbytes for t in e.value.accepted] == [CHUNK, CHUNK]
+    assert eng.pending(owner="m") == e.value.accepted     # pairs 0 and 1 accepted, nothing of 2 and 3
+    eng.drain(owner="m")
+    assert torch.equal(dst[:2 * CHUNK], src[:2 * CHUNK]) and bool((dst[2 * CHUNK:] == POISON).all())
+    assert eng.live_holds() == 0
+    eng.close()
+
+
+def test_submit_many_injected_submit_error_names_the_failed_pair_pending_and_the_earlier_accepted():
+    g = ChunkGate()
+    eng = TransferEngine("cpu", FaultPlan(chunk_bytes=CHUNK), gate=g)
+    src, dst, pairs = _pairs(3)
+    eng.submit(pattern(CHUNK), torch.empty(CHUNK, dtype=torch.uint8), owner="other")   # a submit before the batch
+    eng.faults.fail_after_submit = 1
+    g.open()
+    with pytest.raises(SubmitError) as e:
+        eng.submit_many(pairs, owner="m")
+    assert e.value.accepted == [] and len(e.value.pending) == 1 and e.value.pending[0].owner == "m"
+    eng.drain()
+    assert torch.equal(dst[:CHUNK], src[:CHUNK]) and bool((dst[CHUNK:] == POISON).all())   # pair 0 ran out
+    eng.close()
+
+
+def test_submit_many_goes_through_an_overridden_submit_pair_by_pair():
+    calls = []
+
+    class Counting(TransferEngine):
+        def submit(self, *args, **kwargs):
+            calls.append(kwargs["owner"])
+            if len(calls) == 3:
+                raise TransferArgumentError("refused by the override")
+            return super().submit(*args, **kwargs)
+
+    eng = Counting("cpu")
+    src, dst, pairs = _pairs(4)
+    with pytest.raises(TransferArgumentError, match="override") as e:
+        eng.submit_many(pairs, owner="m")
+    assert calls == ["m"] * 3 and len(e.value.accepted) == 2
+    eng.drain(owner="m")
+    assert torch.equal(dst[:2 * CHUNK], src[:2 * CHUNK]) and eng.live_holds() == 0
+    eng.close()
+
+
+def test_hold_table_drops_one_tickets_holds_and_counts_the_rest():
+    from kmesh.transfer.holds import Hold, HoldTable, Span
+
+    table = HoldTable()
+    for tid in (1, 2, 3):
+        table.add(Hold(tid, "src", Span("cpu", tid * 100, tid * 100 + 50)))
+        table.add(Hold(tid, "dst", Span("cpu", 1000 + tid * 100, 1000 + tid * 100 + 50)))
+    assert len(table) == 6
+    assert {h.role for h in table.drop_ticket(2)} == {"src", "dst"} and len(table) == 4
+    assert table.drop_ticket(2) == [] and len(table) == 4
+    assert [h.ticket_id for h in table.over(Span("cpu", 0, 10_000))] == [1, 1, 3, 3]
+    assert table.over(Span("cpu", 200, 250)) == [] and len(table.over(Span("cuda:0", 100, 150))) == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_submit_many_waits_for_the_producer_once_and_every_ticket_for_its_copy():
+    # the producer (the default stream) is busy when the batch is submitted: a copy issued without waiting for it
+    # would read the source before the producer's write; a ticket finished before its own copy would drain early
+    eng = TransferEngine("cuda")
+    n, size = 6, 1 << 20
+    src = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    dst = torch.full((n * size,), POISON, dtype=torch.uint8).pin_memory()
+    want = pattern(n * size).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)
+    src.copy_(want)                                             # written on the default stream, after the sleep
+    tickets = eng.submit_many([(src[i * size:(i + 1) * size], dst[i * size:(i + 1) * size]) for i in range(n)],
+                              owner="g")
+    assert len({id(t._event) for t in tickets}) == 1           # one event after the last copy
+    r = eng.drain(tickets[:1])
+    assert r.done == tickets[:1] and torch.equal(dst, pattern(n * size))
+    eng.drain(owner="g")
+    assert eng.live_holds() == 0
+    eng.close()
+    torch.cuda.synchronize()

@@ -516,30 +516,27 @@ class PrivateCopyError(TransferError):
 
 def copy_private_each(engine: TransferEngine, staging: torch.Tensor, private: torch.Tensor,
                       entries: Sequence[CatalogEntry], owner: str) -> list[CatalogEntry]:
-    """Every entry's span of staging copied into the same span of `private`: one submit per entry, in order, then
-    one drain for all of them (the copies overlap; one wait instead of one per segment). Returns the entries
-    copied. A copy that fails — refused or failing after it was accepted (SubmitError), or ending failed —
-    raises PrivateCopyError naming the entries before it, and only once nothing of the owner's is pending, so
-    the caller may use those and reuse the rest of `private`. A drain that cannot finish raises as it is (the
-    caller must not touch the memory)."""
-    submitted: list[CatalogEntry] = []
-    tickets: list[Any] = []
-    for e in entries:
-        span = slice(e.offset, e.offset + e.nbytes)
-        try:
-            tickets.append(engine.submit(staging[span], private[span], owner=owner))
-        except TransferError as err:
-            engine.drain(owner=owner)          # the failed copy's accepted ticket and every earlier one
-            raise PrivateCopyError(f"private copy of segment {e.index} failed: {type(err).__name__}: {err}",
-                                   submitted) from err
-        submitted.append(e)
+    """Every entry's span of staging copied into the same span of `private`: one ticket per entry, submitted in
+    order as one batch (TransferEngine.submit_many: on CUDA one stream wait and one event for all), then one drain
+    for all of them. Returns the entries copied. A copy that fails — refused or failing after it was accepted
+    (SubmitError), or ending failed — raises PrivateCopyError naming the entries before it, and only once nothing
+    of the owner's is pending, so the caller may use those and reuse the rest of `private`. A drain that cannot
+    finish raises as it is (the caller must not touch the memory)."""
+    pairs = [(staging[e.offset:e.offset + e.nbytes], private[e.offset:e.offset + e.nbytes]) for e in entries]
+    try:
+        tickets = engine.submit_many(pairs, owner=owner)
+    except TransferError as err:
+        engine.drain(owner=owner)          # the failed copy's accepted ticket and every earlier one
+        k = len(getattr(err, "accepted", ()))
+        raise PrivateCopyError(f"private copy of segment {entries[k].index} failed: {type(err).__name__}: {err}",
+                               list(entries[:k])) from err
     report = engine.drain(owner=owner)
     if report.failed:
         bad = {id(t) for t in report.failed}
         first = next(i for i, t in enumerate(tickets) if id(t) in bad)
         raise PrivateCopyError(f"private copy of segment {entries[first].index} ended failed: "
-                               f"{report.failed[0].error}", submitted[:first])
-    return submitted
+                               f"{report.failed[0].error}", list(entries[:first]))
+    return list(entries)
 
 
 def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child: Child, runner: LayerRunner,
