@@ -71,8 +71,11 @@ def test_help_shows_the_whole_docstring(name, capsys):
     assert last_line in capsys.readouterr().out
 
 
-def test_gpu_list_covers_every_diagnostic_but_decode_reproducibility():
-    assert sorted(GPU_ONLY) == [name for name in MODULES if name != "decode_reproducibility"]
+CPU_RUNNABLE = ("decode_reproducibility", "service_load")
+
+
+def test_gpu_list_covers_every_diagnostic_but_the_cpu_runnable_ones():
+    assert sorted(GPU_ONLY) == [name for name in MODULES if name not in CPU_RUNNABLE]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -193,3 +196,37 @@ def test_decode_isolation_finds_the_first_differing_op_on_cpu(tmp_path):
     # on the CPU the runner's attention is SDPA's flash kernel; a backend that cannot run here is recorded
     assert rows[2]["backend_flash_eq_run0"] is True and rows[2]["backend_math_eq_this"] is False
     assert rows[2]["backend_cudnn"].startswith("RuntimeError: No viable backend")
+
+
+def test_service_load_on_the_cpu_profile(tmp_path):
+    """service_load end to end on a 2-layer seeded Qwen2 and a small RAG workload: a real service, every arm timed
+    in every kept round, each arm's destination checked against the leader's bytes (a mismatch would stop it)."""
+    out_json = tmp_path / "sl.json"
+    out = _kmesh("diagnose", "service_load", "--profile", "cpu", "--rounds", "2", "--warmup", "1",
+                 "--out", str(out_json), "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",
+                 "--set", "equivalence.byte_token_offset=0", "--set", f"model.qwen2_random={TINY_QWEN2.replace('512', '2048')}",
+                 "--set", "equivalence.rag.workload={chunks: 4, chunk_tokens: 256, prompt_tokens: 1120, children: 2, "
+                          "block_size: 16, leader_preamble_tokens: 16}", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    got = json.loads(out_json.read_text())
+    assert got["segments"] == 4 and got["rounds"] == 2 and got["profile"] == {}
+    from kmesh.diagnostics.service_load import ARMS
+    assert sorted(got["arms"]) == sorted(ARMS)
+    assert all(row["median_ms"] > 0 for row in got["arms"].values())
+    assert got["arms"]["load-many"]["ratio_to_host-floor_median"] > 0 and got["accept_ms_median"] > 0
+
+
+def test_service_load_summarises_py_spy_raw_stacks_per_thread():
+    from kmesh.diagnostics.service_load import summarise_raw
+
+    raw = ("thread (1): MainThread;serve (s.py:1);load (o.py:9) 30\n"
+           "thread (1): MainThread;serve (s.py:1);select (sel.py:4) 50\n"
+           "thread (2): watch;drain (e.py:3);sync (e.py:7) 12\n"
+           "garbage line\n")
+    got = summarise_raw(raw)
+    assert list(got) == ["thread (1): MainThread", "thread (2): watch"]
+    main = got["thread (1): MainThread"]
+    assert main["samples"] == 80 and main["self"][0] == ("select (sel.py:4)", 50)
+    assert dict(main["inclusive"])["serve (s.py:1)"] == 80 and got["thread (2): watch"]["samples"] == 12
