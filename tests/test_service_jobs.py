@@ -54,3 +54,57 @@ def test_copies_in_flight_bound_new_requests_and_finished_ones_do_not():
     finally:
         gate.open()
         runner.close()      # closes the gate's read end it was given
+
+
+def _prepared(runner: CopyRunner, n: int = 8, pending: int = 0):
+    job = CopyJob(runner.new_id(pending=pending), 1, "load", SimpleNamespace(reg_id=1), SimpleNamespace(key=b"k"), 0, n)
+    return job, torch.arange(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+
+
+def test_start_many_starts_every_item_as_start_does_and_pending_ones_count_against_the_limit():
+    runner = CopyRunner(chunk_bytes=4, max_jobs=3)
+    try:
+        items = [_prepared(runner, pending=k) for k in range(3)]
+        with pytest.raises(CapacityError, match="3 copies in flight, limit 3"):
+            runner.new_id(pending=3)                     # three prepared, none started yet
+        assert runner.start_many(items) is None
+        assert runner.running() == 3 and list(runner.jobs) == [job.req_id for job, _, _ in items]
+        assert all(job.ticket is not None and job.lane is not None and job.error is None for job, _, _ in items)
+        assert set(_collect(runner, 3)) == {job for job, _, _ in items}
+        assert all(torch.equal(dst, src) for _, src, dst in items)
+    finally:
+        runner.close()
+
+
+def test_start_many_a_refused_item_ends_the_run_and_an_accepted_then_failed_one_is_kept_with_its_error():
+    from kmesh.transfer import TransferArgumentError
+
+    runner = CopyRunner(chunk_bytes=4)
+    try:
+        items = [_prepared(runner) for _ in range(4)]
+        job2, src2, _ = items[2]
+        items[2] = (job2, src2, torch.zeros(5, dtype=torch.uint8))           # sizes differ: not accepted
+        failure = runner.start_many(items)
+        assert isinstance(failure, TransferArgumentError)
+        assert [job.ticket is not None for job, _, _ in items] == [True, True, False, False]
+        assert runner.running() == 2 and set(_collect(runner, 2)) == {items[0][0], items[1][0]}
+
+        items = [_prepared(runner) for _ in range(3)]
+        lane = runner._lane(torch.device("cpu"))
+        lane.engine.faults.fail_after_submit = 0
+        calls = {"n": 0}
+        real_take = lane.engine.faults.take
+
+        def take(name):                                   # the second copy accepted, then failing (SubmitError)
+            if name == "fail_after_submit":
+                calls["n"] += 1
+                return calls["n"] == 2
+            return real_take(name)
+
+        lane.engine.faults.take = take
+        assert runner.start_many(items) is None
+        assert [job.ticket is not None for job, _, _ in items] == [True, True, True]
+        assert [job.error is not None for job, _, _ in items] == [False, True, False]
+        assert runner.running() == 3 and len(_collect(runner, 3)) == 3
+    finally:
+        runner.close()

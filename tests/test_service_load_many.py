@@ -134,3 +134,24 @@ def test_an_original_being_read_back_ends_the_batch_and_service_segments_load_th
             # entry 2 was read back by the loads above (in RAM again): the batch of 3, then the cold one alone
             assert _staged_through_segments(svc, st, export) == ["load_many", "load", "wait"]
         assert svc.no_leaks(), svc.leaks()
+
+
+def test_two_items_into_the_same_bytes_are_refused_as_one_after_the_other_would_be(export):
+    """The batch's copies are accepted together, after every item's checks: an item whose destination overlaps an
+    earlier item's of the same batch is refused (DestinationBusyError) as if the earlier had been accepted first,
+    and the batch stops there; nothing pinned is left behind."""
+    first = export.catalog.entries[0]
+    with _service(export) as svc, svc.h:
+        svc.save_leader()
+        svc.unpace()
+        with svc.staging("overlap") as st:
+            r = svc.client.load_many(st.reg, [(first.key, first.offset), (first.key, first.offset),
+                                              (export.catalog.entries[1].key, export.catalog.entries[1].offset)],
+                                     wait_s=5.0)
+            assert r["stopped_at"] == 1 and r["error"]["code"] == "busy" and len(r["reqs"]) == 1
+            assert r["jobs"][0]["state"] == "done"
+            assert torch.equal(st.tensor[first.offset:first.offset + first.nbytes],
+                               export.raw[first.offset:first.offset + first.nbytes])
+        st_now = svc.h.status()
+        assert all(o["pins"] == 0 for o in st_now["store"]["objects"]), st_now["store"]["objects"]
+        assert svc.no_leaks(), svc.leaks()

@@ -17,6 +17,8 @@ arm's) and registers one child staging buffer. Arms, every round each, the order
                    on one side stream, one synchronise (what the copies cost without the service)
   private-each     kmesh.segments.copy_private_each staging -> private (one submit per segment, one drain): the
                    end-to-end arm's `private-copy`
+  private-one-by-one  the same copies submitted one by one (engine.submit per segment, one drain): the path
+                   before copy_private_each batched its submits (TransferEngine.submit_many)
   private-floor    the catalog's span of staging copied into private in one device copy
 
 After every load arm the staging spans are compared with the leader's export (a wrong byte stops the run); after
@@ -49,8 +51,9 @@ from kmesh.service_side import ServiceSide
 from kmesh.transfer import TransferEngine
 from kmesh.workload import RagSpec, build_rag
 
-ARMS = ("load-many", "load-accept", "host-floor", "private-each", "private-floor")
-FLOOR_OF = {"load-many": "host-floor", "load-accept": "host-floor", "private-each": "private-floor"}
+ARMS = ("load-many", "load-accept", "host-floor", "private-each", "private-one-by-one", "private-floor")
+FLOOR_OF = {"load-many": "host-floor", "load-accept": "host-floor", "private-each": "private-floor",
+            "private-one-by-one": "private-floor"}
 TOP_FRAMES = 25
 
 
@@ -152,11 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             def private_each() -> None:
                 copy_private_each(engine, dst, private, entries, "diag-private")
 
+            def private_one_by_one() -> None:
+                for e in entries:
+                    engine.submit(dst[e.offset:e.offset + e.nbytes], private[e.offset:e.offset + e.nbytes],
+                                  owner="diag-private")
+                engine.drain(owner="diag-private")
+
             def private_floor() -> None:
                 private[span].copy_(dst[span])
 
             calls: dict[str, Callable[[], None]] = {"load-many": load_many, "load-accept": load_accept,
                                                     "host-floor": host_floor, "private-each": private_each,
+                                                    "private-one-by-one": private_one_by_one,
                                                     "private-floor": private_floor}
 
             def run_arm(arm: str, _round: int) -> dict[str, list[float]]:

@@ -70,8 +70,12 @@ class Reservations:
     def __init__(self) -> None:
         self._by_reg: dict[int, list[tuple[int, int, bool, int]]] = {}
 
-    def check(self, reg_id: int, start: int, end: int, writes: bool) -> None:
-        for s, e, w, req in self._by_reg.get(reg_id, ()):
+    def check(self, reg_id: int, start: int, end: int, writes: bool,
+              extra: list[tuple[int, int, int, int]] = ()) -> None:
+        """DestinationBusyError if [start, end) overlaps a reserved range (or one of `extra`: (reg_id, start, end,
+        req_id) of writes about to be reserved) that either side writes."""
+        pending = [(s, e, True, req) for r, s, e, req in extra if r == reg_id]
+        for s, e, w, req in [*self._by_reg.get(reg_id, ()), *pending]:
             if s < end and start < e and (w or writes):
                 raise DestinationBusyError(f"bytes [{start}, {end}) of registration {reg_id} overlap request {req} "
                                            f"({'writing' if w else 'reading'} [{s}, {e})), which has not drained")
@@ -155,8 +159,9 @@ class CopyRunner:
                 n += 1
         return n
 
-    def new_id(self) -> int:
-        running = self.running()
+    def new_id(self, pending: int = 0) -> int:
+        """A request id, unless the copies in flight (and `pending` accepted ones about to start) reach max_jobs."""
+        running = self.running() + pending
         if running >= self.max_jobs:
             raise CapacityError(f"{running} copies in flight, limit {self.max_jobs}")
         return next(self._ids)
@@ -164,12 +169,46 @@ class CopyRunner:
     def start(self, job: CopyJob, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Hand an accepted job to the engine of the device memory involved (TransferArgumentError = nothing
         accepted; the caller undoes its bookkeeping)."""
-        device = dst.device if dst.device.type == "cuda" else src.device
-        lane = self._lane(device)
+        lane = self._lane(self._device_of(src, dst))
         try:
             job.ticket = lane.engine.submit(src, dst, owner=f"req-{job.req_id}")
         except SubmitError as e:  # accepted, then failed: still drained like any accepted copy
             job.ticket, job.error = e.pending[0], str(e)
+        self._started(job, lane, src, dst)
+
+    def start_many(self, items: list[tuple[CopyJob, torch.Tensor, torch.Tensor]]) -> TransferError | None:
+        """start() of every item in order, the copies of consecutive items on one engine submitted as one batch
+        (TransferEngine.submit_many). Returns None, or the error of the first item no engine accepted: it and the
+        items after it were not started (the caller undoes their bookkeeping); every item before it was."""
+        i = 0
+        while i < len(items):
+            lane = self._lane(self._device_of(items[i][1], items[i][2]))
+            run = [items[i]]
+            while i + len(run) < len(items) and \
+                    self._lane(self._device_of(items[i + len(run)][1], items[i + len(run)][2])) is lane:
+                run.append(items[i + len(run)])
+            try:
+                tickets = lane.engine.submit_many([(src, dst) for _, src, dst in run],
+                                                  owners=[f"req-{job.req_id}" for job, _, _ in run])
+                failure: TransferError | None = None
+            except SubmitError as e:     # run[k] accepted, then failed: drained like any accepted copy
+                tickets, failure = [*e.accepted, e.pending[0]], None   # type: ignore[attr-defined]
+                run[len(tickets) - 1][0].error = str(e)
+            except TransferError as e:   # run[k] not accepted: nothing from it on started
+                tickets, failure = list(getattr(e, "accepted", ())), e
+            for (job, src, dst), ticket in zip(run, tickets):
+                job.ticket = ticket
+                self._started(job, lane, src, dst)
+            if failure is not None:
+                return failure
+            i += len(tickets)
+        return None
+
+    @staticmethod
+    def _device_of(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+        return dst.device if dst.device.type == "cuda" else src.device
+
+    def _started(self, job: CopyJob, lane: _Lane, src: torch.Tensor, dst: torch.Tensor) -> None:
         job.tensors = (src, dst)
         job.lane = lane
         lane.outstanding += 1

@@ -38,6 +38,37 @@ class CopyOps:
         st.registry.begin_work(reg, job.req_id)
         return {"req": job.req_id, "state": job.state}
 
+    def accept_many(self, batch: list[tuple[CopyJob, Any, Any, Callable[[], None]]]
+                    ) -> tuple[list[CopyJob], InternalError | None]:
+        """accept() of every prepared load (writes into client memory) in order, their copies started as one
+        batch (CopyRunner.start_many). Returns the accepted jobs and, where the engine refused one (a bug: every
+        check passed), an InternalError for it; that one and the rest are undone, never started."""
+        st = self.state
+        usable: list[tuple[CopyJob, Any, Any, Callable[[], None]]] = []
+        error: InternalError | None = None
+        for i, (job, src, dst, undo) in enumerate(batch):
+            if job.reg.state is not State.ACTIVE or job.reg.memory is None:
+                st.stats["stale_uses"] += 1  # unreachable by construction; counted, never silently used
+                error = InternalError(f"registration {job.reg.reg_id} not mapped at accept")
+                for _, _, _, later in batch[i:]:
+                    later()
+                break
+            usable.append((job, src, dst, undo))
+        refused = st.copies.start_many([(job, src, dst) for job, src, dst, _ in usable])
+        started = [item for item in usable if item[0].ticket is not None]
+        for _, _, _, undo in usable[len(started):]:
+            undo()
+        if refused is not None:
+            error = InternalError(f"the transfer engine refused a checked copy: {type(refused).__name__}: {refused}")
+        return self._accepted(started), error
+
+    def _accepted(self, started: list[tuple[CopyJob, Any, Any, Callable[[], None]]]) -> list[CopyJob]:
+        st = self.state
+        for job, _, _, _ in started:
+            st.copies.reservations.add(job.reg.reg_id, job.offset, job.offset + job.nbytes, True, job.req_id)
+            st.registry.begin_work(job.reg, job.req_id)
+        return [job for job, _, _, _ in started]
+
     def collect(self) -> None:
         """Finish the bookkeeping of every drained copy. Each job in its own try, and what must happen
         regardless (a terminal state, the store settled, the reservation removed, the registration's in-flight

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kmesh.service.diskreads import Flight, ReadCancelledError
 from kmesh.service.errors import (DiskReadError, InternalError, LayoutMismatchError, ObjectMissingError,
@@ -33,6 +33,9 @@ from kmesh.service.registry import Client
 from kmesh.service.state import DEFERRED, Conn, Replies, ServiceState
 
 log = logging.getLogger("kmesh.service")
+
+# a load checked and ready to be accepted: its job, source, destination, and what undoes its pin of the original
+PreparedLoad = tuple[CopyJob, Any, Any, Callable[[], None]]
 
 
 @dataclass(eq=False)
@@ -79,6 +82,17 @@ class ObjectOps:
         """Every check first (nothing is read for a load that would be refused); then a RAM hit starts its copy,
         and a load of an evicted original parks behind that object's one read-back (collect_reads runs it
         again from here once the read ended)."""
+        prepared = self._checked_load(conn, c, req)
+        if prepared is DEFERRED:
+            return DEFERRED
+        job, src, dst, undo = prepared
+        return self.copies.accept(job, src=src, dst=dst, writes=True, undo=undo)
+
+    def _checked_load(self, conn: Conn, c: Client, req: Request, batch: list[PreparedLoad] = ()) -> Any:
+        """load()'s checks and what its copy needs, nothing started: (job, src, dst, undo), the original pinned
+        (undo releases it), or DEFERRED where the load parked. `batch`: loads of the same load_many prepared
+        before this one and not accepted yet: a destination overlapping one of theirs is refused as if they had
+        been accepted (as load() one after another would), and they count as copies in flight."""
         st = self.state
         a = req.args
         reg = work_registration(st, c, req)
@@ -89,44 +103,55 @@ class ObjectOps:
             raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
         off, n = a["offset"], obj.nbytes
         check_range(reg, off, n)
-        st.copies.reservations.check(reg.reg_id, off, off + n, writes=True)
+        st.copies.reservations.check(reg.reg_id, off, off + n, writes=True,
+                                     extra=[(j.reg.reg_id, j.offset, j.offset + j.nbytes, j.req_id)
+                                            for j, _, _, _ in batch])
         if not obj.in_ram:
             return self._park_load(conn, c, req, obj)
         obj = st.store.acquire(a["key"])
         try:
-            req_id = st.copies.new_id()
+            req_id = st.copies.new_id(pending=len(batch))
         except BaseException:
             st.store.release(obj)
             raise
         job = CopyJob(req_id, c.client_id, "load", reg, obj, off, n)
-        return self.copies.accept(job, src=obj.tensor, dst=reg.memory.tensor[off:off + n], writes=True,
-                                  undo=lambda: st.store.release(obj))
+        return job, obj.tensor, reg.memory.tensor[off:off + n], (lambda: st.store.release(obj))
 
     def load_many(self, conn: Conn, c: Client, req: Request) -> Any:
-        """The items' loads in order, each exactly as load() (same checks, same copy), up to the first one load()
-        would refuse (its typed error in the reply; nothing after it requested) or park (an original not in this
-        host's RAM: the client loads it and the rest one by one); then, with timeout_s > 0, one wait for all of
+        """The items' loads in order, each with load()'s checks and copy, up to the first one load() would refuse
+        (its typed error in the reply; nothing after it requested) or park (an original not in this host's RAM:
+        the client loads it and the rest one by one); the copies of the items before it are accepted together
+        (CopyOps.accept_many: one batch for the transfer engine). Then, with timeout_s > 0, one wait for all of
         the accepted copies (CopyOps.wait_batch). One round trip for a child's segments instead of two each."""
         a = req.args
-        reqs: list[int] = []
         stopped: int | None = None
         error: dict[str, str] | None = None
-        for i, item in enumerate(a["items"]):
-            if self._would_park(item["key"]):
-                stopped = i
-                break
-            one = Request("load", req.seq, req.token, {"reg": a["reg"], "gen": a["gen"],
-                                                        "layout_digest": a["layout_digest"], **item}, [])
-            try:
-                result = self.load(conn, c, one)
-            except ServiceError as e:
-                if e.fatal:
-                    raise
-                stopped, error = i, {"code": e.code, "message": clip(str(e))}
-                break
-            if result is DEFERRED:   # _would_park says when load parks: never here
-                raise InternalError(f"load_many: item {i} parked although its original is in RAM")
-            reqs.append(result["req"])
+        batch: list[PreparedLoad] = []
+        try:
+            for i, item in enumerate(a["items"]):
+                if self._would_park(item["key"]):
+                    stopped = i
+                    break
+                one = Request("load", req.seq, req.token, {"reg": a["reg"], "gen": a["gen"],
+                                                            "layout_digest": a["layout_digest"], **item}, [])
+                try:
+                    prepared = self._checked_load(conn, c, one, batch)
+                except ServiceError as e:
+                    if e.fatal:
+                        raise
+                    stopped, error = i, {"code": e.code, "message": clip(str(e))}
+                    break
+                if prepared is DEFERRED:   # _would_park says when load parks: never here
+                    raise InternalError(f"load_many: item {i} parked although its original is in RAM")
+                batch.append(prepared)
+        except BaseException:
+            for _, _, _, undo in batch:    # nothing of the batch was accepted: its originals are unpinned
+                undo()
+            raise
+        accepted, refused = self.copies.accept_many(batch)
+        if refused is not None and (stopped is None or len(accepted) < stopped):
+            stopped, error = len(accepted), {"code": refused.code, "message": clip(str(refused))}
+        reqs = [job.req_id for job in accepted]
         reply = {"reqs": reqs, "stopped_at": stopped, "error": error}
         return self.copies.wait_batch(conn, req.seq, reqs, a["timeout_s"], reply)
 

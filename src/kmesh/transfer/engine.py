@@ -133,9 +133,10 @@ class TransferEngine:
             raise SubmitError("submit failed after the copy was accepted (injected fault)", [job.ticket])
         return job.ticket
 
-    def submit_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, owner: str,
-                    after: object | None = None) -> list[Ticket]:
-        """submit() of every (src, dst) pair in order, as one batch; returns their tickets.
+    def submit_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, owner: str | None = None,
+                    owners: Sequence[str] | None = None, after: object | None = None) -> list[Ticket]:
+        """submit() of every (src, dst) pair in order, as one batch; returns their tickets. The pairs' owner:
+        `owner` for all, or `owners`, one per pair.
 
         Each pair gets submit()'s checks, ticket, holds and injected faults. A failure at pair k raises what
         submit() would have raised for it, with `.accepted` set to the tickets of pairs 0..k-1 (accepted and
@@ -145,13 +146,16 @@ class TransferEngine:
         later completes later: no copy is reported finished before it is). Per copy that saves the stream wait,
         the stream switch and an event (~0.1 ms a copy on the H200 in Python; a RAG child copies 15-60 segments).
         An engine whose submit() is overridden (a control's fault) gets every pair through it, one by one."""
+        if (owner is None) == (owners is None) or (owners is not None and len(owners) != len(pairs)):
+            raise TransferArgumentError("submit_many takes `owner`, or `owners` with one owner per pair")
+        names = list(owners) if owners is not None else [owner] * len(pairs)
         if type(self).submit is not TransferEngine.submit:
-            return self._submit_each(pairs, owner, after)
+            return self._submit_each(pairs, names, after)
         producer = self._producer(after)
         jobs: list[_Job] = []
         try:
-            for src, dst in pairs:
-                job = self._accept(src, dst, owner, producer)
+            for (src, dst), name in zip(pairs, names):
+                job = self._accept(src, dst, name, producer)
                 jobs.append(job)
                 producer = None if self.device.type == "cuda" else producer   # the side stream waits once
                 if self.faults.take("fail_after_submit"):
@@ -166,10 +170,10 @@ class TransferEngine:
         self._issue(jobs)
         return [j.ticket for j in jobs]
 
-    def _submit_each(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], owner: str,
+    def _submit_each(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], owners: list[str],
                      after: object | None) -> list[Ticket]:
         tickets: list[Ticket] = []
-        for src, dst in pairs:
+        for (src, dst), owner in zip(pairs, owners):
             try:
                 tickets.append(self.submit(src, dst, owner=owner, after=after))
             except TransferError as e:
