@@ -16,8 +16,8 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 } > "$out/gpu.txt" 2>&1
 python3 -m kmesh run kernels --profile cuda --out "$out/kernels.json" > "$out/stages.log" 2>&1
 if [ "${PYTEST:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --no-header -m gpu -o addopts="" tests/test_model_runner.py \
-    tests/test_group_math.py tests/test_layer_step.py tests/test_transfer.py > "$out/pytest_gpu.txt" 2>&1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider --no-header -m gpu -o addopts="" ${PYTEST_FILES:-tests/test_model_runner.py \
+    tests/test_group_math.py tests/test_layer_step.py tests/test_transfer.py} > "$out/pytest_gpu.txt" 2>&1
   echo "pytest rc=$?" >> "$out/pytest_gpu.txt"
 fi
 timeout 200 python3 -m kmesh run model --profile cuda --out /tmp/model.json >> "$out/stages.log" 2>&1
