@@ -36,7 +36,11 @@ if [ -n "${RAG16K:-}" ]; then    # the 16k RAG variant: 60 chunks, its TTFT at 4
     --set 'equivalence.ttft.prompt_tokens=[4096]') >> "$out/stages.log" 2>&1
 fi
 if [ -n "${SL:-}" ]; then        # the data path's diagnostic at 4k and 16k (py-spy where carried in .whl)
-  export PATH=/tmp/site/bin:$PATH
+  # py-spy apart from /tmp/site: device-env's second install (KMesh, --upgrade) replaces /tmp/site/bin
+  if ls .whl/py_spy-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/pyspy .whl/py_spy-*.whl
+    export PATH=/tmp/pyspy/bin:$PATH
+  fi
   timeout 150 python3 -m kmesh diagnose service_load --out "$out/service_load-4k.json" >> "$out/diag.log" 2>&1
   timeout 200 python3 -m kmesh diagnose service_load --set equivalence.rag.workload.chunks=60 \
     --set equivalence.rag.workload.prompt_tokens=16384 --py-spy "${SL_PYSPY:-0}" --out "$out/service_load-16k.json" \

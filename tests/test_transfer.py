@@ -961,3 +961,53 @@ def test_cuda_submit_many_waits_for_the_producer_once_and_every_ticket_for_its_c
     assert eng.live_holds() == 0
     eng.close()
     torch.cuda.synchronize()
+
+
+def test_coalesced_joins_pairs_that_continue_each_other_in_both_storages_and_nothing_else():
+    from kmesh.transfer.engine import coalesced
+
+    src, dst = pattern(64), torch.zeros(64, dtype=torch.uint8)
+    other = torch.zeros(64, dtype=torch.uint8)
+    adjacent = [(src[0:8], dst[0:8]), (src[8:20], dst[8:20]), (src[20:24], dst[20:24])]
+    (one,) = coalesced(adjacent)
+    assert one[0].data_ptr() == src.data_ptr() and one[0].numel() == 24 and one[1].data_ptr() == dst.data_ptr()
+    gap = [(src[0:8], dst[0:8]), (src[9:12], dst[8:11])]                 # the source skips a byte
+    assert [p[0].numel() for p in coalesced(gap)] == [8, 3]
+    elsewhere = [(src[0:8], dst[0:8]), (src[8:16], other[8:16])]        # another destination storage
+    assert len(coalesced(elsewhere)) == 2
+    backwards = [(src[8:16], dst[8:16]), (src[0:8], dst[0:8])]          # in order, but not continuing
+    assert len(coalesced(backwards)) == 2
+    # a shift by one span inside one buffer: joined, the source would overlap the destination; kept apart
+    buf = pattern(32)
+    shifted = [(buf[0:4], buf[4:8]), (buf[4:8], buf[8:12])]
+    assert len(coalesced(shifted)) == 2
+    assert coalesced([]) == [] and [p[0].numel() for p in coalesced([(src[0:0], dst[0:0]), (src[0:4], dst[0:4])])] == [4]
+    for a, b in coalesced(adjacent):                                      # what the joined copy does is the same
+        b.copy_(a)
+    assert torch.equal(dst[:24], src[:24])
+
+
+def test_drain_asks_a_shared_event_once_and_a_failed_check_keeps_every_hold():
+    eng = TransferEngine("cpu")
+    calls = []
+
+    class FakeEvent:
+        def query(self):
+            calls.append(1)
+            return True
+
+    src, dst, pairs = _pairs(3)
+    for round_ in range(2):
+        tickets = eng.submit_many(pairs, owner="e")
+        shared = FakeEvent()
+        for t in tickets:
+            t._stopped.wait(5)
+            t._event = shared
+        if round_ == 1:
+            eng.faults.fail_completion_check = 1      # the first ticket's check fails: nothing is released
+            with pytest.raises(CompletionCheckError):
+                eng.drain(tickets)
+            assert eng.live_holds() == 6 and len(eng.pending()) == 3
+        eng.drain(tickets)
+        assert len(calls) == round_ + 1 and eng.live_holds() == 0
+    eng.close()
