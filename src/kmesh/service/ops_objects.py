@@ -88,11 +88,13 @@ class ObjectOps:
         job, src, dst, undo = prepared
         return self.copies.accept(job, src=src, dst=dst, writes=True, undo=undo)
 
-    def _checked_load(self, conn: Conn, c: Client, req: Request, batch: list[PreparedLoad] = ()) -> Any:
+    def _checked_load(self, conn: Conn, c: Client, req: Request,
+                      batch: list[tuple[int, int, int, int]] = ()) -> Any:
         """load()'s checks and what its copy needs, nothing started: (job, src, dst, undo), the original pinned
-        (undo releases it), or DEFERRED where the load parked. `batch`: loads of the same load_many prepared
-        before this one and not accepted yet: a destination overlapping one of theirs is refused as if they had
-        been accepted (as load() one after another would), and they count as copies in flight."""
+        (undo releases it), or DEFERRED where the load parked. `batch`: the destinations (reg_id, start, end,
+        req_id) of the loads of the same load_many prepared before this one and not accepted yet: one overlapping
+        this one's is refused as if they had been accepted (as load() one after another would), and they count
+        as copies in flight."""
         st = self.state
         a = req.args
         reg = work_registration(st, c, req)
@@ -103,9 +105,7 @@ class ObjectOps:
             raise LayoutMismatchError(f"object {a['key'][:64]!r} was saved under another KV geometry")
         off, n = a["offset"], obj.nbytes
         check_range(reg, off, n)
-        st.copies.reservations.check(reg.reg_id, off, off + n, writes=True,
-                                     extra=[(j.reg.reg_id, j.offset, j.offset + j.nbytes, j.req_id)
-                                            for j, _, _, _ in batch])
+        st.copies.reservations.check(reg.reg_id, off, off + n, writes=True, extra=batch)
         if not obj.in_ram:
             return self._park_load(conn, c, req, obj)
         obj = st.store.acquire(a["key"])
@@ -127,6 +127,7 @@ class ObjectOps:
         stopped: int | None = None
         error: dict[str, str] | None = None
         batch: list[PreparedLoad] = []
+        ranges: list[tuple[int, int, int, int]] = []     # the batch's destinations, for the next item's check
         try:
             for i, item in enumerate(a["items"]):
                 if self._would_park(item["key"]):
@@ -135,7 +136,7 @@ class ObjectOps:
                 one = Request("load", req.seq, req.token, {"reg": a["reg"], "gen": a["gen"],
                                                             "layout_digest": a["layout_digest"], **item}, [])
                 try:
-                    prepared = self._checked_load(conn, c, one, batch)
+                    prepared = self._checked_load(conn, c, one, ranges)
                 except ServiceError as e:
                     if e.fatal:
                         raise
@@ -144,6 +145,8 @@ class ObjectOps:
                 if prepared is DEFERRED:   # _would_park says when load parks: never here
                     raise InternalError(f"load_many: item {i} parked although its original is in RAM")
                 batch.append(prepared)
+                job = prepared[0]
+                ranges.append((job.reg.reg_id, job.offset, job.offset + job.nbytes, job.req_id))
         except BaseException:
             for _, _, _, undo in batch:    # nothing of the batch was accepted: its originals are unpinned
                 undo()

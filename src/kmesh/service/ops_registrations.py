@@ -160,7 +160,7 @@ class RegistrationOps:
 
 
 def check_range(reg: Registration, offset: int, nbytes: int) -> None:
-    item = descriptor.itemsize(reg.layout)
+    item = reg.itemsize()
     if offset + nbytes > reg.nbytes:
         raise RangeError(f"[{offset}, {offset + nbytes}) outside the {reg.nbytes}-byte registration")
     if offset % item or nbytes % item:

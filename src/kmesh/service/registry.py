@@ -69,6 +69,15 @@ class Registration:
     reason: str | None = None  # why it left active
     in_flight: set[int] = field(default_factory=set)  # accepted copy requests not yet drained
     history: list[tuple[str, str, float]] = field(default_factory=list)
+    _itemsize: int = 0        # the layout's element size, once asked (every load and save checks it)
+
+    def itemsize(self) -> int:
+        """The layout's element size (read from `layout` once: it never changes)."""
+        if not self._itemsize:
+            from kmesh.service import descriptor
+
+            self._itemsize = descriptor.itemsize(self.layout)
+        return self._itemsize
 
     def describe(self) -> dict[str, Any]:
         return {"reg": self.reg_id, "client": self.client_id, "alloc_id": self.alloc_id, "gen": self.generation,
