@@ -108,3 +108,32 @@ def test_start_many_a_refused_item_ends_the_run_and_an_accepted_then_failed_one_
         assert runner.running() == 3 and len(_collect(runner, 3)) == 3
     finally:
         runner.close()
+
+
+def test_put_many_hands_every_item_over_in_order_with_one_wake_up():
+    import os
+
+    from kmesh.service.wake import DoneQueue
+
+    q: DoneQueue[int] = DoneQueue()
+    try:
+        assert q.put_many([3, 1, 2])
+        assert os.read(q.wake_r, 16) == b"\0"            # one wake-up for the three
+        assert q.take_all() == [3, 1, 2] and q.take_all() == []
+    finally:
+        q.close()
+
+
+def test_a_lane_drains_the_jobs_queued_together_and_each_is_collected_once():
+    gate = ChunkGate()
+    runner = CopyRunner(chunk_bytes=4, gate_fd=gate.read_fd)
+    try:
+        jobs = [_start(runner) for _ in range(6)]           # paced: queued behind each other on the lane
+        assert runner.running() == 6
+        gate.open()
+        got = _collect(runner, 6)
+        assert sorted(j.req_id for j in got) == sorted(j.req_id for j in jobs) and len(got) == 6
+        assert all(j.ticket.state == "done" and j.drain_errors == 0 for j in jobs) and runner.running() == 0
+    finally:
+        gate.open()
+        runner.close()

@@ -94,6 +94,9 @@ class Reservations:
         return sum(len(v) for v in self._by_reg.values())
 
 
+WATCH_BATCH = 128   # jobs a lane's watcher drains in one call at most (load_many's MAX_BATCH)
+
+
 class _Lane:
     """One engine and the thread that waits for its tickets in submission order."""
 
@@ -110,14 +113,30 @@ class _Lane:
             job = self.q.get()
             if job is None:
                 return
+            # the jobs queued behind it too (a load_many's copies arrive together): drained in order in one call,
+            # whose shared completion event is asked once, and handed to the loop with one wake-up
+            jobs, stop = [job], False
+            while len(jobs) < WATCH_BATCH:
+                try:
+                    more = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                jobs.append(more)
             while True:
                 try:
-                    self.engine.drain([job.ticket])
+                    self.engine.drain([j.ticket for j in jobs])
                     break
-                except TransferError:  # completion unknown: the copy may still run, so keep waiting
-                    job.drain_errors += 1
+                except TransferError as e:  # completion unknown: the copy may still run, so keep waiting
+                    for j in jobs:
+                        if j.ticket in e.pending:
+                            j.drain_errors += 1
                     time.sleep(0.05)
-            self._done.put(job)
+            self._done.put_many(jobs)
+            if stop:
+                return
 
 
 class CopyRunner:

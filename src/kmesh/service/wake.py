@@ -18,6 +18,9 @@ class DoneQueue(Generic[T]):
     def put(self, item: T) -> bool:
         """Hand item to the loop and wake it; False once the pipe is closed (teardown)."""
         self._q.put(item)
+        return self._wake()
+
+    def _wake(self) -> bool:
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the pipe is full of wake-ups: the loop is woken already
@@ -25,6 +28,12 @@ class DoneQueue(Generic[T]):
         except OSError:
             return False
         return True
+
+    def put_many(self, items: list[T]) -> bool:
+        """put() of every item in order, with one wake-up."""
+        for item in items:
+            self._q.put(item)
+        return self._wake()
 
     def take_all(self) -> list[T]:
         """Everything finished since the last call (the loop thread; the wake-ups are consumed too)."""
