@@ -41,8 +41,10 @@ if [ -n "${SL:-}" ]; then        # the data path's diagnostic at 4k and 16k (py-
     python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/pyspy .whl/py_spy-*.whl
     export PATH=/tmp/pyspy/bin:$PATH
   fi
-  timeout 150 python3 -m kmesh diagnose service_load --out "$out/service_load-4k.json" >> "$out/diag.log" 2>&1
-  timeout 200 python3 -m kmesh diagnose service_load --set equivalence.rag.workload.chunks=60 \
+  if [ "${SL_4K:-1}" = 1 ]; then
+    timeout 150 python3 -m kmesh diagnose service_load --out "$out/service_load-4k.json" >> "$out/diag.log" 2>&1
+  fi
+  timeout "${SL16_TIMEOUT:-200}" python3 -m kmesh diagnose service_load --set equivalence.rag.workload.chunks=60 \
     --set equivalence.rag.workload.prompt_tokens=16384 --py-spy "${SL_PYSPY:-0}" --out "$out/service_load-16k.json" \
     >> "$out/diag.log" 2>&1
 fi

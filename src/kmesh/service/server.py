@@ -392,17 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ServiceError, OSError, ValueError) as e:
         print(f"kmesh service: cannot start: {e}", file=sys.stderr)
         return 2
-    profile_to = os.environ.get("KMESH_SERVICE_PROFILE")
-    if not profile_to:
-        svc.serve()
-        return 0
-    import cProfile   # a diagnostic's profile of the loop (kmesh diagnose service_load --cprofile)
-
-    prof = cProfile.Profile()
-    try:
-        prof.runcall(svc.serve)
-    finally:
-        prof.dump_stats(profile_to)
+    svc.serve()
     return 0
 
 
