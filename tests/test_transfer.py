@@ -981,7 +981,8 @@ def test_coalesced_joins_pairs_that_continue_each_other_in_both_storages_and_not
     buf = pattern(32)
     shifted = [(buf[0:4], buf[4:8]), (buf[4:8], buf[8:12])]
     assert len(coalesced(shifted)) == 2
-    assert coalesced([]) == [] and [p[0].numel() for p in coalesced([(src[0:0], dst[0:0]), (src[0:4], dst[0:4])])] == [4]
+    assert coalesced([]) == []
+    assert [p[0].numel() for p in coalesced([(src[0:0], dst[0:0]), (src[0:4], dst[0:4])])] == [4]
     for a, b in coalesced(adjacent):                                      # what the joined copy does is the same
         b.copy_(a)
     assert torch.equal(dst[:24], src[:24])

@@ -1,7 +1,8 @@
 """The end-to-end arm's data path (service load, private copy) against the same bytes moved without them.
 
-A RAG child's segments loaded through a real cache service, then copied private. Issue 22's H200 run at ddc4636 measured, for the 16k RAG child (60 segments, 189 MB), a service load of 17.6 ms
-(10.7 GB/s) and private copies of 8.0 ms, more than the repair itself. This diagnostic takes the equivalence stage's
+A RAG child's segments loaded through a real cache service, then copied private. Issue 22's H200 run at ddc4636
+measured, for the 16k RAG child (60 segments, 189 MB), a service load of 17.6 ms (10.7 GB/s) and private copies of
+8.0 ms, more than the repair itself. This diagnostic takes the equivalence stage's
 setup (`--profile`, default cuda) and its RAG workload (`equivalence.rag.workload`; the 16k variant with `--set
 equivalence.rag.workload.chunks=60 --set equivalence.rag.workload.prompt_tokens=16384`), exports the leader, saves
 its segments into a real cache service (kmesh.service_side.ServiceSide, its gate opened for good as the end-to-end
