@@ -144,7 +144,8 @@ def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource
     into staging in catalog order (its size checked on arrival), then every loaded segment's digest checked in one
     call (kmesh.segments.first_corrupt: blake3 on the GPU in one launch set for all); then the verified segments
     copied private (kmesh.segments.copy_private_each: one ticket each, submitted as one batch, one drain for all)
-    and restored into `cache` at once (one restore call); then the prefill with repair `arm`. Returns (restored mask, prefill result).
+    and restored into `cache` at once (one restore call); then the prefill with repair `arm`. Returns (restored
+    mask, prefill result).
 
     A load, digest or transfer error at segment k (the first in catalog order) propagates (run_child turns it into a
     recompute) after segments 0..k-1, verified (and copied) before it, were restored: the model state then holds
