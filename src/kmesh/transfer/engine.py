@@ -27,7 +27,7 @@ import torch
 from kmesh.transfer.errors import (BufferHeldError, CompletionCheckError, DrainRefusedError, DrainTimeoutError,
                                    EngineClosedError, SubmitError, TransferArgumentError, TransferError)
 from kmesh.transfer.faults import ChunkGate, FaultPlan
-from kmesh.transfer.holds import Hold, HoldTable, span_of
+from kmesh.transfer.holds import Hold, HoldTable, Span, span_of
 from kmesh.transfer.ledger import SharedLedger
 
 TicketState = Literal["pending", "done", "failed"]
@@ -88,8 +88,8 @@ _ids = itertools.count(1)
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """b's bytes begin where a's end, in the same storage (flat uint8 views)."""
-    return (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() + a.numel() == b.storage_offset())
+    return (a.storage_offset() + a.numel() == b.storage_offset()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.get_device() == b.get_device())
 
 
 def _grown(a: torch.Tensor, n: int) -> torch.Tensor:
@@ -214,16 +214,17 @@ class TransferEngine:
             raise EngineClosedError("engine is closed")
         if not isinstance(owner, str) or not owner:
             raise TransferArgumentError(f"owner must be a non-empty string, got {owner!r}")
-        s, d = self._byte_views(src, dst)
+        s, d, s_span, d_span = self._byte_views(src, dst)
         chunked = self._chunked()
-        chunk = self.faults.chunk_bytes if chunked else max(s.numel(), 1)
+        n = s.numel()
+        chunk = self.faults.chunk_bytes if chunked else max(n, 1)
         if chunk <= 0:
             raise TransferArgumentError(f"chunk_bytes must be > 0, got {chunk}")
-        t = Ticket(id=next(_ids), owner=owner, nbytes=s.numel(), route=f"{src.device}->{dst.device}",
-                   chunks_total=max(1, -(-s.numel() // chunk)))
+        t = Ticket(id=next(_ids), owner=owner, nbytes=n, route=f"{s_span.device}->{d_span.device}",
+                   chunks_total=max(1, -(-n // chunk)))
         try:
-            self._hold(t, src, "src")
-            self._hold(t, dst, "dst")
+            self._hold(t, s_span, "src")
+            self._hold(t, d_span, "dst")
         except Exception:  # e.g. the hold ledger is full: nothing was accepted, so no hold may stay behind
             self._finalize(t)
             raise
@@ -253,23 +254,29 @@ class TransferEngine:
                 self._finalize(job.ticket)
                 raise TransferError(f"submit could not enqueue the copy: {type(e).__name__}: {e}") from e
 
-    def _byte_views(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _byte_views(self, src: torch.Tensor,
+                    dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Span, Span]:
+        """Flat uint8 views of src and dst, and the bytes each covers (computed once: the holds take them too;
+        per copy this bookkeeping is what a batch of small copies costs on the host)."""
+        cuda_index = self.device.index if self.device.type == "cuda" else None
         for name, x in (("src", src), ("dst", dst)):
             if not isinstance(x, torch.Tensor):
                 raise TransferArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if not x.is_contiguous():
                 raise TransferArgumentError(f"{name} must be contiguous (shape {tuple(x.shape)}, "
                                             f"stride {x.stride()})")
-            if x.device.type == "cuda" and (self.device.type != "cuda" or x.device != self.device):
-                raise TransferArgumentError(f"{name} is on {x.device}, this engine copies on {self.device}")
-            if x.device.type not in ("cpu", "cuda"):
+            if x.is_cuda:
+                if cuda_index is None or x.get_device() != cuda_index:
+                    raise TransferArgumentError(f"{name} is on {x.device}, this engine copies on {self.device}")
+            elif not x.is_cpu:
                 raise TransferArgumentError(f"{name} is on unsupported device {x.device}")
         nb_s, nb_d = src.numel() * src.element_size(), dst.numel() * dst.element_size()
         if nb_s != nb_d:
             raise TransferArgumentError(f"src has {nb_s} bytes, dst {nb_d}; a copy moves equal byte counts")
-        if span_of(src).overlaps(span_of(dst)) and nb_s:
+        s_span, d_span = span_of(src), span_of(dst)
+        if nb_s and s_span.overlaps(d_span):
             raise TransferArgumentError("src and dst overlap")
-        return src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        return src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8), s_span, d_span
 
     def _producer(self, after: object | None) -> object | None:
         if self.device.type == "cuda":
@@ -289,10 +296,9 @@ class TransferEngine:
         raise TransferArgumentError(f"after= must be a producer stream/event (cuda) or threading.Event/Ticket "
                                     f"(cpu), got {type(after).__name__}")
 
-    def _hold(self, t: Ticket, x: torch.Tensor, role: str) -> None:
-        span = span_of(x)
+    def _hold(self, t: Ticket, span: Span, role: str) -> None:
         self._holds.add(Hold(t.id, role, span))
-        if self.ledger is not None and x.device.type == "cpu":
+        if self.ledger is not None and span.device == "cpu":
             from kmesh.shm import segment_at
 
             hit = segment_at(span.start, max(span.end - span.start, 1))
@@ -354,23 +360,37 @@ class TransferEngine:
         thread), and keep its CUDA memory from the caching allocator until the side stream passed it."""
         s = self._stream
         assert s is not None
+        self._wait_producer(job)
+        for x in (job.src, job.dst):
+            if x.is_cuda:
+                x.record_stream(s)  # the caching allocator must not reuse the block before the copy ends
+
+    def _wait_producer(self, job: _Job) -> None:
+        s = self._stream
+        assert s is not None
         if isinstance(job.after, torch.cuda.Stream):
             s.wait_stream(job.after)
         elif isinstance(job.after, torch.cuda.Event):
             s.wait_event(job.after)
-        for x in (job.src, job.dst):
-            if x.device.type == "cuda":
-                x.record_stream(s)  # the caching allocator must not reuse the block before the copy ends
         job.after = None
 
     def _submit_cuda(self, jobs: list[_Job]) -> None:
-        """Issue unchunked copies in order on the side stream; one event after the last finishes them all."""
+        """Issue unchunked copies in order on the side stream (adjacent ones as one: coalesced); one event after
+        the last finishes them all. Each CUDA storage involved is recorded on the side stream once."""
         s = self._stream
         assert s is not None
         for job in jobs:
-            self._order_cuda(job)
+            self._wait_producer(job)
+        pairs = coalesced([(job.src, job.dst) for job in jobs])
+        recorded: set[tuple[int, int]] = set()
+        for x in (x for pair in pairs for x in pair):
+            if x.is_cuda:
+                storage = (x.get_device(), x.untyped_storage().data_ptr())
+                if storage not in recorded:   # the allocator must not reuse the block before the copy ends
+                    recorded.add(storage)
+                    x.record_stream(s)
         with torch.cuda.stream(s):
-            for src, dst in coalesced([(job.src, job.dst) for job in jobs]):
+            for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(s)

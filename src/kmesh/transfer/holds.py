@@ -24,13 +24,21 @@ class Span:
         return self.device == other.device and self.start < other.end and other.start < self.end
 
 
+def device_name(t: torch.Tensor) -> str:
+    """str(t.device) ("cpu", "cuda:0", ...) without building a torch.device for the common two."""
+    if t.is_cuda:
+        return f"cuda:{t.get_device()}"
+    return "cpu" if t.is_cpu else str(t.device)
+
+
 def span_of(t: torch.Tensor) -> Span:
     """Bytes from the lowest to one past the highest element of t (the whole extent for strided views)."""
     start = t.data_ptr()
-    if t.numel() == 0:
-        return Span(str(t.device), start, start)
-    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    return Span(str(t.device), start, start + extent * t.element_size())
+    n = t.numel()
+    if n == 0:
+        return Span(device_name(t), start, start)
+    extent = n if t.is_contiguous() else 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return Span(device_name(t), start, start + extent * t.element_size())
 
 
 @dataclass(frozen=True)
