@@ -217,6 +217,20 @@ def test_other_errors_in_the_hook_are_not_swallowed(env):
     assert issubclass(InjectedMemberFault, MemberFailure)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["layer-major", "batched"])
+def test_plans_made_beforehand_give_the_same_group(env, batched):
+    """blend_group(plans=...) (what a CUDA graph capture needs: no planning inside) = planning inside it."""
+    runner = env[0]
+    own = blend_group(runner, _members(env), RepairConfig(), batched=batched)
+    members = _members(env)
+    plans = {m.name: plan(m.arm, m.restored, RepairConfig(), runner.num_layers, runner.device) for m in members}
+    given = blend_group(runner, members, RepairConfig(), batched=batched, plans=plans)
+    for n, a in own.results.items():
+        assert torch.equal(a.logits, given.results[n].logits) and torch.equal(a.masks, given.results[n].masks)
+    with pytest.raises(ModelError, match="plans for"):
+        blend_group(runner, _members(env), RepairConfig(), plans={k: plans[k] for k in list(plans)[:2]})
+
+
 def test_blend_group_argument_errors(env):
     runner = env[0]
     ms = _members(env)[:2]
@@ -262,3 +276,43 @@ def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable
         ch, cache, r, T = _restored(env_)[0]
         g = GraphedBlend(runner, torch.tensor(ch.ids), cache, r, RepairConfig(), arm, chunks=_chunks(ch, T))
         assert all(g.verify_against_eager().values()), arm
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_group_equals_eager_and_the_check_can_fail():
+    """GraphedRun over the batched group with its layer-wise restore (the group stage's graphed arm): replay equals
+    the eager run byte for byte from poisoned caches; a function whose eager run writes other bytes than its
+    capture (a host-side counter baked into the graph) is reported unequal."""
+    from kmesh.model.graphs import GraphedRun
+
+    dev = torch.device("cuda")
+    runner = LayerRunner(tiny_llama().to(dev))
+    w = build(ByteTokenizer(300), 0, SPEC)
+    lc = runner.new_cache(len(w.leader_ids), BS)
+    runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)
+    ex = export_segments(runner, lc, w, b"group-graph-cuda")
+    caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
+    parts, members = [], []
+    for ch, c in zip(w.children, caches):
+        sl = ch.segment_slices()
+        src = torch.cat([ex.catalog.entries[i].slots(dev) for i, _, _ in sl])
+        old = torch.cat([ex.catalog.entries[i].leader_positions(dev) for i, _, _ in sl])
+        new = torch.cat([torch.arange(s, e, device=dev) for _, s, e in sl])
+        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old), new))
+        r = torch.zeros(len(ch.ids), dtype=torch.bool)
+        r[new.cpu()] = True
+        members.append(Member(ch.name, torch.tensor(ch.ids, device=dev), c, r))
+    restore = LayerwiseRestore(runner, parts)
+    plans = {m.name: plan(m.arm, m.restored, RepairConfig(), runner.num_layers, dev) for m in members}
+
+    def fn():
+        out = blend_group(runner, members, RepairConfig(), batched=True, restore=restore, plans=plans)
+        return {n: x.logits for n, x in out.results.items()}
+
+    g = GraphedRun(fn, [c.raw for c in caches])
+    assert g.verify_against_eager()["equal"]
+    counter = iter(range(1, 1000))
+    t = torch.zeros(8, device=dev)
+    bad = GraphedRun(lambda: {"t": t.fill_(float(next(counter)))}, [t])
+    got = bad.verify_against_eager()
+    assert not got["equal"] and got["outputs"] == {"t": False}

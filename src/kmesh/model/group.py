@@ -40,13 +40,13 @@ the caller drains and recomputes it); the others go on, unaffected.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from kmesh.model.blend import BlendResult, BlendState, RepairConfig, deviation, pick, plan
+from kmesh.model.blend import BlendPlan, BlendResult, BlendState, RepairConfig, deviation, pick, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.restore import KVSegment
@@ -124,9 +124,10 @@ class LayerwiseRestore:
         x = self.k[:, layer]                                       # [n, H, D]
         y = apply_rotation(x, self.cos, self.sin, self.rope)[..., :rd]
         keys = x.clone()
-        keys[..., :rd][self.moved] = y[self.moved]
+        # a select, not a boolean index: no host synchronisation (CUDA-graph capturable), the same bytes land
+        keys[..., :rd] = torch.where(self.moved[:, None, None], y, x[..., :rd])
         for (cache, pos), a, b in zip(self.targets, self.bounds, self.bounds[1:]):
-            cache.write(layer, pos, keys[a:b], self.v[a:b, layer])
+            cache.write_distinct(layer, pos, keys[a:b], self.v[a:b, layer])   # a member's placements are disjoint
 
     def all_layers(self) -> None:
         for layer in range(self.k.shape[1]):
@@ -159,8 +160,8 @@ def _batched_attention(runner: LayerRunner, states: Sequence[BlendState], layer:
         k, v = pad_sequence([a for a, _ in kv], batch_first=True), pad_sequence([b for _, b in kv], batch_first=True)
     kpos = torch.arange(Tmax, device=dev)
     allowed = kpos[None, None, :] <= qpos[:, :, None]                            # [N, nmax, Tmax]
-    if not same_T:   # keys past a member's own prompt are padding
-        allowed &= kpos[None, None, :] < torch.tensor(Ts, device=dev)[:, None, None]
+    if not same_T:   # keys past a member's own prompt are padding (compared with scalars: no host copy)
+        allowed &= torch.stack([kpos < t for t in Ts])[:, None, :]
     kk = k.repeat_interleave(runner.groups, dim=2).transpose(1, 2)
     vv = v.repeat_interleave(runner.groups, dim=2).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=allowed[:, None], scale=runner.scale)
@@ -201,10 +202,12 @@ AfterLayer = Callable[[str, int], None]
 @torch.no_grad()
 def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairConfig = RepairConfig(), *,
                 batched: bool = False, restore: LayerwiseRestore | None = None,
-                after_layer: AfterLayer | None = None) -> GroupResult:
+                after_layer: AfterLayer | None = None, plans: Mapping[str, BlendPlan] | None = None) -> GroupResult:
     """Prefill every member layer-major (see module doc). `restore` (batched only) writes each layer's
     restored inputs right before that layer runs; `after_layer(name, layer)` runs after each member's layer
-    (write-back of the finished layer, fault injection) and may raise MemberFailure to drop that member."""
+    (write-back of the finished layer, fault injection) and may raise MemberFailure to drop that member.
+    `plans` (by member name) are the members' blend plans made beforehand: planning reads the host-side
+    restored mask and copies it to the device, which a CUDA graph capture cannot contain."""
     if not members:
         raise ModelError("an empty group")
     names = [m.name for m in members]
@@ -214,8 +217,12 @@ def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairCo
         raise ModelError("batched group math covers the repair and full arms (position masks only)")
     if restore is not None and not batched:
         raise ModelError("a layer-wise group restore belongs to the batched path")
+    if plans is not None and set(plans) != set(names):
+        raise ModelError(f"plans for {sorted(plans)}, members {sorted(names)}")
     states = {m.name: BlendState(runner, m.ids, m.cache,
-                                 plan(m.arm, m.restored, config, runner.num_layers, runner.device, m.chunks)) for m in members}
+                                 plans[m.name] if plans is not None else
+                                 plan(m.arm, m.restored, config, runner.num_layers, runner.device, m.chunks))
+              for m in members}
     out = GroupResult()
     for layer in range(runner.num_layers):
         live = [n for n in names if n not in out.failed]

@@ -34,7 +34,8 @@ import torch
 from kmesh.bench import Intervals, over_children, rotate
 from kmesh.child import new_cache, outcome_of
 from kmesh.errors import StageError
-from kmesh.model.blend import blend
+from kmesh.model.blend import blend, plan
+from kmesh.model.graphs import GraphedRun
 from kmesh.model.group import LayerwiseRestore, Member, RestorePart, blend_group
 from kmesh.model.quality import compare_states
 from kmesh.restore import capture
@@ -105,6 +106,39 @@ class Arms:
         else:
             raise ValueError(f"unknown arm {arm!r}")
         return {n: x.logits for n, x in out.results.items()}
+
+    def graphed(self, arm: str, warmup: int = 2) -> GraphedRun:
+        """The arm as one CUDA graph (group.scaling.graphs): every arm restores with the same math —
+        LayerwiseRestore, kmesh.restore's torch rotation (the batched-agreement case checks it writes restore()'s
+        bytes) — serial and layer-major for all layers before the prefill, batched layer by layer inside it; plans
+        are made before the capture. The caches are the eager arms' (one memory state for every arm)."""
+        setup, runner, repair = self.setup, self.setup.runner, self.setup.ctx.repair
+        plans = {ch.name: plan("repair", self.restored[ch.name], repair, runner.num_layers, setup.device)
+                 for ch in self.children}
+        if arm == "serial":
+            own = {ch.name: LayerwiseRestore(runner, restore_parts(setup, (ch,), self.caches, self.private))
+                   for ch in self.children}
+
+            def fn() -> dict[str, torch.Tensor]:
+                out = {}
+                for ch in self.children:
+                    own[ch.name].all_layers()
+                    out[ch.name] = blend(runner, self.ids[ch.name], self.caches[ch.name], self.restored[ch.name],
+                                         repair, plan_=plans[ch.name]).logits
+                return out
+        elif arm in ("layer_major", "batched"):
+            every = LayerwiseRestore(runner, restore_parts(setup, self.children, self.caches, self.private))
+            batched = arm == "batched"
+
+            def fn() -> dict[str, torch.Tensor]:
+                if not batched:
+                    every.all_layers()
+                out = blend_group(runner, self._members(), repair, batched=batched,
+                                  restore=every if batched else None, plans=plans)
+                return {n: x.logits for n, x in out.results.items()}
+        else:
+            raise ValueError(f"unknown arm {arm!r}")
+        return GraphedRun(fn, [c.raw for c in self.caches.values()], warmup)
 
 
 # -- batched agreement -----------------------------------------------------------------------------------------
@@ -229,10 +263,13 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
     sec, timing_cfg = setup.sec["scaling"], setup.cfg.section("timing")
     pairs, warmup = int(sec.get("pairs", timing_cfg["pairs"])), int(sec.get("warmup", timing_cfg["warmup"]))
     dev = "cuda" if setup.device.type == "cuda" else "cpu"
+    graphs = bool(sec.get("graphs", False))
+    if graphs and dev != "cuda":
+        raise GroupBenchError("group.scaling.graphs needs the group on a CUDA device")
     out: dict[str, Any] = {}
     for size in [int(n) for n in (sizes if sizes is not None else sec["sizes"])]:
         children = setup.workload.children[:size]
-        with res.case(f"{case_prefix}-{size}", {"children": size, "pairs": pairs, "warmup": warmup,
+        with res.case(f"{case_prefix}-{size}", {"children": size, "pairs": pairs, "warmup": warmup, "graphs": graphs,
                                                 "prompt_tokens": setup.workload.spec.prompt_tokens,
                                                 "segments": len(setup.export.catalog.entries),
                                                 "design": "the three arms in every round, order reversed each round"}
@@ -257,11 +294,14 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
             tokens_equal = {n: int(logits["serial"][n].argmax()) == int(logits["batched"][n].argmax())
                             for n in logits["serial"]}
             case.record("batched_first_token_equal_serial", tokens_equal)
+            runs: dict[str, Callable[[], Any]] = {arm: (lambda arm=arm: arms.run(arm)) for arm in ARMS}
+            if graphs:
+                runs = _graph_arms(case, arms, logits)
 
             @torch.no_grad()
             def run_arm(arm: str, _group: Any, intervals: Intervals) -> None:
                 with intervals.part("repair"):
-                    for x in arms.run(arm).values():
+                    for x in runs[arm]().values():
                         int(x.argmax())       # every member's first token on the host ends the interval
 
             group = [tuple(ch.name for ch in children)]
@@ -286,18 +326,38 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
                    "spread": spreads}
             for arm in ARMS:
                 row[f"{arm}_ms_per_child"] = row[f"{arm}_ms"] / size
-            row["peak_memory"] = peaks
+            row["peak_memory"] = peaks      # of each arm's eager untimed run (a graph's pool is allocated at capture)
+            row["graphs"] = graphs
             case.record("row", row)
             case.check("pairs_recorded", layer_major["pairs"] == pairs and batched["pairs"] == pairs
                        and len(rounds.records) == pairs)
             out[str(size)] = row
-            del arms
+            del arms, runs
+            if dev == "cuda":
+                torch.cuda.empty_cache()    # the graphs' memory pools go before the next size's
     if str(goal_at) in out:
         out[f"goal_batched_2x_at_{goal_at}"] = {"goal": 2.0, "measured_speedup": out[str(goal_at)]["speedup_batched"],
                                                 "met": out[str(goal_at)]["speedup_batched"] >= 2.0,
                                                 "serial_iqr_over_median":
                                                     out[str(goal_at)]["spread"]["serial"]["iqr_over_median"]}
     return out
+
+
+def _graph_arms(case: Any, arms: Arms, eager: dict[str, dict[str, torch.Tensor]]
+                ) -> dict[str, Callable[[], Any]]:
+    """Every arm captured as one CUDA graph, each verified equal to its own eager run (poisoned caches, outputs
+    and cache bytes) and its logits compared with the eager arm's of the untimed run (the eager serial and
+    layer-major arms restore with the CUDA kernel, the graphs with the torch rotation: the same bytes)."""
+    graphed = {arm: arms.graphed(arm) for arm in ARMS}
+    verified = {arm: g.verify_against_eager() for arm, g in graphed.items()}
+    case.record("graphs_verified", verified)
+    case.check("graphs_equal_eager", all(v["equal"] for v in verified.values()),
+               value={arm: v["equal"] for arm, v in verified.items()})
+    replay = {arm: {n: x.clone() for n, x in g.replay().items()} for arm, g in graphed.items()}
+    same = {arm: all(torch.equal(replay[arm][n], eager[arm][n]) for n in eager[arm]) for arm in ARMS}
+    case.record("graph_logits_equal_eager_arm", same)
+    case.check("graph_logits_equal_eager_arm", all(same.values()), value=same)
+    return {arm: g.replay for arm, g in graphed.items()}
 
 
 # -- bytes held -----------------------------------------------------------------------------------------------------
