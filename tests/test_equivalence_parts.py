@@ -1152,3 +1152,39 @@ def test_a_private_copy_that_ends_failed_is_not_used(env):
         assert torch.equal(private, staging) and engine.pending() == []
     finally:
         engine.close()
+
+
+def test_a_joined_private_copy_that_ends_failed_names_the_entries_before_its_run(env, monkeypatch):
+    """Adjacent entries are copied as one run with one ticket (join_adjacent); entries 2, 0, 1 make two runs. The
+    second run's copy fails: the error names entry 2 as copied, and none of the run's bytes count as copied."""
+    from kmesh.segments import PrivateCopyError, copy_private_each
+
+    cat = env.export.catalog
+    assert len(cat.entries) >= 3
+    picked = [cat.entries[2], cat.entries[0], cat.entries[1]]
+    staging = env.export.raw.clone()
+    private = torch.full_like(staging, 0x5A)
+    accepted = []
+    original_accept, original_copy = TransferEngine._accept_views, TransferEngine._copy_chunks
+
+    def counting_accept(self, s, d, *rest):
+        accepted.append(s.numel())
+        return original_accept(self, s, d, *rest)
+
+    def failing_second_run(self, job):
+        if job.ticket.nbytes == picked[1].nbytes + picked[2].nbytes:
+            raise RuntimeError("the second run's copy fails")
+        return original_copy(self, job)
+
+    monkeypatch.setattr(TransferEngine, "_accept_views", counting_accept)
+    monkeypatch.setattr(TransferEngine, "_copy_chunks", failing_second_run)
+    engine = TransferEngine("cpu")
+    try:
+        with pytest.raises(PrivateCopyError, match=f"segment {picked[1].index} ended failed") as e:
+            copy_private_each(engine, staging, private, picked, "child-z")
+        assert accepted == [picked[0].nbytes, picked[1].nbytes + picked[2].nbytes]
+        assert e.value.copied == picked[:1] and engine.pending() == [] and engine.live_holds() == 0
+        a = picked[0]
+        assert torch.equal(private[a.offset:a.offset + a.nbytes], staging[a.offset:a.offset + a.nbytes])
+    finally:
+        engine.close()

@@ -925,6 +925,58 @@ def test_submit_many_goes_through_an_overridden_submit_pair_by_pair():
     eng.close()
 
 
+def test_submit_many_joins_adjacent_pairs_into_one_ticket_per_run():
+    eng = TransferEngine("cpu")
+    src, dst, pairs = _pairs(5)
+    tickets = eng.submit_many(pairs, owner="m", join_adjacent=True)
+    assert len(tickets) == 5 and len({id(t) for t in tickets}) == 1 and tickets[0].nbytes == 5 * CHUNK
+    assert eng.live_holds() == 2 and eng.holds(src[4 * CHUNK:]) == 1 and eng.holds(dst[:1]) == 1
+    r = eng.drain(owner="m")
+    assert r.done == tickets[:1] and r.holds_released == 2 and torch.equal(dst, src)
+    # runs end at a gap in the source, a change of owner, and where the joined spans would overlap
+    src, dst, pairs = _pairs(6)
+    pairs[2] = (src[2 * CHUNK + 1:3 * CHUNK + 1], dst[2 * CHUNK:3 * CHUNK])       # the source skips a byte
+    buf = pattern(4 * CHUNK)
+    shifted = [(buf[:CHUNK], buf[CHUNK:2 * CHUNK]), (buf[CHUNK:2 * CHUNK], buf[2 * CHUNK:3 * CHUNK])]
+    owners = ["a", "a", "a", "a", "b", "b", "c", "c"]
+    tickets = eng.submit_many(pairs + shifted, owners=owners, join_adjacent=True)
+    runs = [[i for i, t in enumerate(tickets) if t is u] for u in dict.fromkeys(tickets)]
+    assert runs == [[0, 1], [2], [3], [4, 5], [6], [7]]
+    assert [t.owner for t in dict.fromkeys(tickets)] == ["a", "a", "a", "b", "c", "c"]
+    eng.drain()
+    assert torch.equal(dst[:2 * CHUNK], src[:2 * CHUNK]) and eng.live_holds() == 0
+    eng.close()
+
+
+def test_submit_many_joined_refused_at_pair_k_accepts_the_runs_before_it():
+    eng = TransferEngine("cpu")
+    src, dst, pairs = _pairs(4)
+    pairs[2] = (pairs[2][0], pairs[2][1][:-1])
+    with pytest.raises(TransferArgumentError) as e:
+        eng.submit_many(pairs, owner="m", join_adjacent=True)
+    accepted = e.value.accepted
+    assert len(accepted) == 2 and accepted[0] is accepted[1] and accepted[0].nbytes == 2 * CHUNK
+    assert eng.pending(owner="m") == accepted[:1]
+    eng.drain(owner="m")
+    assert torch.equal(dst[:2 * CHUNK], src[:2 * CHUNK]) and bool((dst[2 * CHUNK:] == POISON).all())
+    with pytest.raises(TransferArgumentError, match="owner"):
+        eng.submit_many(_pairs(2)[2], owners=["m", ""], join_adjacent=True)
+    eng.drain()
+    assert eng.live_holds() == 0
+    eng.close()
+
+
+def test_submit_many_does_not_join_where_a_fault_is_planned_per_copy():
+    eng = TransferEngine("cpu", FaultPlan(fail_after_submit=1), gate=ChunkGate())
+    eng.gate.open()
+    src, dst, pairs = _pairs(3)
+    with pytest.raises(SubmitError) as e:
+        eng.submit_many(pairs, owner="m", join_adjacent=True)
+    assert e.value.accepted == [] and e.value.pending[0].nbytes == CHUNK    # pair 0 alone, as without joining
+    eng.drain()
+    eng.close()
+
+
 def test_hold_table_drops_one_tickets_holds_and_counts_the_rest():
     from kmesh.transfer.holds import Hold, HoldTable, Span
 
@@ -959,6 +1011,15 @@ def test_cuda_submit_many_waits_for_the_producer_once_and_every_ticket_for_its_c
     assert r.done == tickets[:1] and torch.equal(dst, pattern(n * size))
     eng.drain(owner="g")
     assert eng.live_holds() == 0
+    # joined: one ticket for the six, issued after the producer's write as well
+    dst.fill_(POISON)
+    torch.cuda._sleep(500_000_000)
+    src.copy_(want.flip(0))
+    tickets = eng.submit_many([(src[i * size:(i + 1) * size], dst[i * size:(i + 1) * size]) for i in range(n)],
+                              owner="g", join_adjacent=True)
+    assert len({id(t) for t in tickets}) == 1 and tickets[0].nbytes == n * size
+    eng.drain(owner="g")
+    assert torch.equal(dst, pattern(n * size).flip(0)) and eng.live_holds() == 0
     eng.close()
     torch.cuda.synchronize()
 

@@ -516,15 +516,17 @@ class PrivateCopyError(TransferError):
 
 def copy_private_each(engine: TransferEngine, staging: torch.Tensor, private: torch.Tensor,
                       entries: Sequence[CatalogEntry], owner: str) -> list[CatalogEntry]:
-    """Every entry's span of staging copied into the same span of `private`: one ticket per entry, submitted in
-    order as one batch (TransferEngine.submit_many: on CUDA one stream wait and one event for all), then one drain
-    for all of them. Returns the entries copied. A copy that fails — refused or failing after it was accepted
-    (SubmitError), or ending failed — raises PrivateCopyError naming the entries before it, and only once nothing
-    of the owner's is pending, so the caller may use those and reuse the rest of `private`. A drain that cannot
-    finish raises as it is (the caller must not touch the memory)."""
+    """Every entry's span of staging copied into the same span of `private`, submitted in order as one batch
+    (TransferEngine.submit_many: on CUDA one stream wait and one event for all; entries adjacent in staging and in
+    private — a catalog's are — joined into one copy with one ticket, each entry checked first), then one drain for
+    all of them. Returns the entries copied. A copy that fails — refused or failing after it was accepted
+    (SubmitError), or ending failed — raises PrivateCopyError naming the entries before it (before its run, when
+    joined), and only once nothing of the owner's is pending, so the caller may use those and reuse the rest of
+    `private`. A drain that cannot finish raises as it is (the caller must not touch the memory). An engine with a
+    planned fault, a pacing gate or its own submit() takes one ticket per entry (the controls fail entry k)."""
     pairs = [(staging[e.offset:e.offset + e.nbytes], private[e.offset:e.offset + e.nbytes]) for e in entries]
     try:
-        tickets = engine.submit_many(pairs, owner=owner)
+        tickets = engine.submit_many(pairs, owner=owner, join_adjacent=True)
     except TransferError as err:
         engine.drain(owner=owner)          # the failed copy's accepted ticket and every earlier one
         k = len(getattr(err, "accepted", ()))

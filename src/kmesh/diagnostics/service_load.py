@@ -16,8 +16,8 @@ arm's) and registers one child staging buffer. Arms, every round each, the order
                    for the last: `accept_ms` is the first part alone
   host-floor       the same objects' bytes, in pinned host tensors of this process, copied into the staging spans
                    on one side stream, one synchronise (what the copies cost without the service)
-  private-each     kmesh.segments.copy_private_each staging -> private (one submit per segment, one drain): the
-                   end-to-end arm's `private-copy`
+  private-each     kmesh.segments.copy_private_each staging -> private (the segments submitted as one batch, the
+                   adjacent ones joined into one copy and ticket; one drain): the end-to-end arm's `private-copy`
   private-one-by-one  the same copies submitted one by one (engine.submit per segment, one drain): the path
                    before copy_private_each batched its submits (TransferEngine.submit_many)
   private-floor    the catalog's span of staging copied into private in one device copy
