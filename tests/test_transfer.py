@@ -945,6 +945,16 @@ def test_submit_many_joins_adjacent_pairs_into_one_ticket_per_run():
     assert [t.owner for t in dict.fromkeys(tickets)] == ["a", "a", "a", "b", "c", "c"]
     eng.drain()
     assert torch.equal(dst[:2 * CHUNK], src[:2 * CHUNK]) and eng.live_holds() == 0
+    # adjacent addresses in two storages (views of one bytearray): never one view, so never one copy
+    raw = bytearray(pattern(4 * CHUNK).numpy().tobytes())
+    parts = [torch.frombuffer(memoryview(raw)[i * CHUNK:(i + 1) * CHUNK], dtype=torch.uint8) for i in range(4)]
+    assert parts[0].data_ptr() + CHUNK == parts[1].data_ptr()
+    out = torch.zeros(4 * CHUNK, dtype=torch.uint8)
+    tickets = eng.submit_many([(parts[i], out[i * CHUNK:(i + 1) * CHUNK]) for i in range(4)], owner="s",
+                              join_adjacent=True)
+    assert len({id(t) for t in tickets}) == 4
+    eng.drain()
+    assert torch.equal(out, pattern(4 * CHUNK))
     eng.close()
 
 
@@ -989,6 +999,11 @@ def test_hold_table_drops_one_tickets_holds_and_counts_the_rest():
     assert table.drop_ticket(2) == [] and len(table) == 4
     assert [h.ticket_id for h in table.over(Span("cpu", 0, 10_000))] == [1, 1, 3, 3]
     assert table.over(Span("cpu", 200, 250)) == [] and len(table.over(Span("cuda:0", 100, 150))) == 0
+    table.add_pair(Hold(4, "src", Span("cpu", 0, 8)), Hold(4, "dst", Span("cpu", 8, 16)))
+    assert len(table) == 6 and {h.role for h in table.drop_ticket(4)} == {"src", "dst"} and len(table) == 4
+    with pytest.raises(ValueError, match="one ticket"):
+        table.add_pair(Hold(5, "src", Span("cpu", 0, 8)), Hold(6, "dst", Span("cpu", 8, 16)))
+    assert len(table) == 4
 
 
 @pytest.mark.gpu

@@ -96,6 +96,45 @@ def _grown(a: torch.Tensor, n: int) -> torch.Tensor:
     return a.as_strided((a.numel() + n,), (1,), a.storage_offset())
 
 
+def _flat_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view(torch.uint8)
+
+
+def _storage_end(x: torch.Tensor) -> int:
+    st = x.untyped_storage()
+    return st.data_ptr() + st.nbytes()
+
+
+class _Run:
+    """Pairs joined into one copy (submit_many's join_adjacent): spans only, one flat view per side at the end.
+    A pair joins when its source and destination bytes begin where the run's end, inside the run's first
+    tensors' storages (a view may only grow within its storage), and the joined spans do not overlap."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, src_span: Span, dst_span: Span) -> None:
+        self.src, self.dst, self.src_span, self.dst_span, self.pairs = src, dst, src_span, dst_span, 1
+        self._ends: tuple[int, int] | None = None
+
+    def join(self, s: Span, d: Span) -> bool:
+        if s.start == s.end or s.start != self.src_span.end or d.start != self.dst_span.end:
+            return False
+        if s.device != self.src_span.device or d.device != self.dst_span.device:
+            return False
+        if self._ends is None:
+            self._ends = (_storage_end(self.src), _storage_end(self.dst))
+        joined_s, joined_d = Span(s.device, self.src_span.start, s.end), Span(d.device, self.dst_span.start, d.end)
+        if s.end > self._ends[0] or d.end > self._ends[1] or joined_s.overlaps(joined_d):
+            return False
+        self.src_span, self.dst_span, self.pairs = joined_s, joined_d, self.pairs + 1
+        return True
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s, d = _flat_bytes(self.src), _flat_bytes(self.dst)
+        n = self.src_span.end - self.src_span.start
+        if n == s.numel():
+            return s, d
+        return _grown(s, n - s.numel()), _grown(d, n - d.numel())
+
+
 def coalesced(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same copies (flat uint8 (src, dst) views, in order) as fewer: a pair whose source and destination
     both continue the previous pair's, in the same storages, joins it, unless the joined source and destination
@@ -221,30 +260,25 @@ class TransferEngine:
     def _submit_joined(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], owners: list[str],
                        producer: object | None) -> list[Ticket]:
         """submit_many(join_adjacent=True): every pair checked, runs of adjacent pairs accepted as one job each."""
-        runs: list[tuple[int, torch.Tensor, torch.Tensor, Span, Span]] = []   # (pairs in it, src, dst, spans)
+        runs: list[_Run] = []
         failure: Exception | None = None
         for i, ((src, dst), name) in enumerate(zip(pairs, owners)):
             try:
                 self._check_owner(name)
-                s, d, s_span, d_span = self._byte_views(src, dst)
+                s_span, d_span = self._checked_spans(src, dst)
             except TransferError as e:
                 failure = e
                 break
-            if runs and s.numel() and owners[i - 1] == name:
-                n, a, b, a_span, b_span = runs[-1]
-                if a_span.end == s_span.start and b_span.end == d_span.start and _follows(a, s) and _follows(b, d):
-                    joined_s = Span(a_span.device, a_span.start, s_span.end)
-                    joined_d = Span(b_span.device, b_span.start, d_span.end)
-                    if not joined_s.overlaps(joined_d):
-                        runs[-1] = (n + 1, _grown(a, s.numel()), _grown(b, d.numel()), joined_s, joined_d)
-                        continue
-            runs.append((1, s, d, s_span, d_span))
+            if runs and owners[i - 1] == name and runs[-1].join(s_span, d_span):
+                continue
+            runs.append(_Run(src, dst, s_span, d_span))
         jobs: list[_Job] = []
         tickets: list[Ticket] = []
         try:
-            for n, s, d, s_span, d_span in runs:
-                jobs.append(self._accept_views(s, d, s_span, d_span, owners[len(tickets)], producer))
-                tickets.extend([jobs[-1].ticket] * n)
+            for run in runs:
+                s, d = run.views()
+                jobs.append(self._accept_views(s, d, run.src_span, run.dst_span, owners[len(tickets)], producer))
+                tickets.extend([jobs[-1].ticket] * run.pairs)
                 producer = None if self.device.type == "cuda" else producer   # the side stream waits once
         except Exception as e:      # e.g. the hold ledger is full: the runs before it stand, issued
             failure = e             # type: ignore[assignment]
@@ -277,8 +311,7 @@ class TransferEngine:
         t = Ticket(id=next(_ids), owner=owner, nbytes=n, route=f"{s_span.device}->{d_span.device}",
                    chunks_total=max(1, -(-n // chunk)))
         try:
-            self._hold(t, s_span, "src")
-            self._hold(t, d_span, "dst")
+            self._hold(t, s_span, d_span)
         except Exception:  # e.g. the hold ledger is full: nothing was accepted, so no hold may stay behind
             self._finalize(t)
             raise
@@ -312,6 +345,11 @@ class TransferEngine:
                     dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Span, Span]:
         """Flat uint8 views of src and dst, and the bytes each covers (computed once: the holds take them too;
         per copy this bookkeeping is what a batch of small copies costs on the host)."""
+        s_span, d_span = self._checked_spans(src, dst)
+        return _flat_bytes(src), _flat_bytes(dst), s_span, d_span
+
+    def _checked_spans(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[Span, Span]:
+        """submit()'s checks of one pair; the bytes src and dst cover."""
         cuda_index = self.device.index if self.device.type == "cuda" else None
         for name, x in (("src", src), ("dst", dst)):
             if not isinstance(x, torch.Tensor):
@@ -330,7 +368,7 @@ class TransferEngine:
         s_span, d_span = span_of(src), span_of(dst)
         if nb_s and s_span.overlaps(d_span):
             raise TransferArgumentError("src and dst overlap")
-        return src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8), s_span, d_span
+        return s_span, d_span
 
     def _producer(self, after: object | None) -> object | None:
         if self.device.type == "cuda":
@@ -350,15 +388,19 @@ class TransferEngine:
         raise TransferArgumentError(f"after= must be a producer stream/event (cuda) or threading.Event/Ticket "
                                     f"(cpu), got {type(after).__name__}")
 
-    def _hold(self, t: Ticket, span: Span, role: str) -> None:
-        self._holds.add(Hold(t.id, role, span))
-        if self.ledger is not None and span.device == "cpu":
-            from kmesh.shm import segment_at
+    def _hold(self, t: Ticket, src: Span, dst: Span) -> None:
+        """Both holds of a copy, added together (one lock: a service's watcher thread drops holds meanwhile)."""
+        self._holds.add_pair(Hold(t.id, "src", src), Hold(t.id, "dst", dst))
+        if self.ledger is None:
+            return
+        for span, role in ((src, "src"), (dst, "dst")):
+            if span.device == "cpu":
+                from kmesh.shm import segment_at
 
-            hit = segment_at(span.start, max(span.end - span.start, 1))
-            if hit is not None:
-                seg, off = hit
-                t._ledger_slots.append(self.ledger.add(t.id, seg.tag, off, off + span.end - span.start, role))
+                hit = segment_at(span.start, max(span.end - span.start, 1))
+                if hit is not None:
+                    seg, off = hit
+                    t._ledger_slots.append(self.ledger.add(t.id, seg.tag, off, off + span.end - span.start, role))
 
     # -- the copy itself ----------------------------------------------------------------------------
     def _enqueue(self, job: _Job) -> None:

@@ -62,6 +62,14 @@ class HoldTable:
             self._by_ticket.setdefault(hold.ticket_id, []).append(hold)
             self._count += 1
 
+    def add_pair(self, a: Hold, b: Hold) -> None:
+        """Two holds of one ticket (a copy's source and destination) under one acquisition of the lock."""
+        if a.ticket_id != b.ticket_id:
+            raise ValueError(f"add_pair takes one ticket's holds, got tickets {a.ticket_id} and {b.ticket_id}")
+        with self._lock:
+            self._by_ticket.setdefault(a.ticket_id, []).extend((a, b))
+            self._count += 2
+
     def drop_ticket(self, ticket_id: int) -> list[Hold]:
         with self._lock:
             gone = self._by_ticket.pop(ticket_id, [])
