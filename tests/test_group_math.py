@@ -127,12 +127,13 @@ def test_batched_deviation_is_bit_identical_per_row():
         assert torch.equal(deviation(x, c), t)
 
 
+@pytest.mark.parametrize("attention", ["member", "padded"])
 @pytest.mark.parametrize("lengths", [None, (352, 300, 352, 200)], ids=["same-length", "ragged"])
-def test_batched_group_within_bound(env, lengths):
+def test_batched_group_within_bound(env, lengths, attention):
     runner, w, ex = env
     ref = _serial(env, lengths=lengths)
     members = _members(env, lengths=lengths)
-    out = blend_group(runner, members, RepairConfig(), batched=True)
+    out = blend_group(runner, members, RepairConfig(), batched=True, attention=attention)
     worst = 0.0
     for m in members:
         a, b = ref[m.name][0], out.results[m.name]
@@ -245,6 +246,8 @@ def test_blend_group_argument_errors(env):
         blend_group(runner, ms, RepairConfig(), restore=object())   # type: ignore[arg-type]
     with pytest.raises(ModelError, match="at least one member"):
         LayerwiseRestore(runner, [])
+    with pytest.raises(ModelError, match="attention must be"):
+        blend_group(runner, ms, RepairConfig(), batched=True, attention="dense")
 
 
 @pytest.mark.gpu

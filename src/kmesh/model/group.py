@@ -11,9 +11,14 @@ change a request's arithmetic.
 
 Batched, one layer of the whole group is one pass: the rows of every member (ragged: each keeps its own
 recomputed subset) are stacked for the Q/K/V projections, o_proj and the MLP; the check layer's deviation is
-one reduction over the stacked rows; attention is one call over a padded [members, heads, rows, keys] batch
-with each member's own position mask; and (with `restore`) the restored keys of all members' placements are
-moved to their new positions by one rotation per layer. Numerical bound, per piece:
+one reduction over the stacked rows; attention (`attention="member"`, the default) is each member's own
+runner.attend over its own cache — the kernel its serial prefill runs (on CUDA the position-causal Triton kernel) —
+or (`attention="padded"`) one SDPA call over a padded [members, heads, rows, keys] batch with each member's
+position mask as a dense boolean mask. On the H200 at d4a9a14 (graphs for every arm, RAG 4k) the padded call made
+a batched group of one 1.47× slower than its serial run (7.93 vs 5.41 ms), which we read as the attention (not
+profiled kernel by kernel): a dense mask keeps SDPA off its fused kernels and the padding is computed, while the
+attention holds no weights, so batching it saves only launches, which a CUDA graph already removes. And (with `restore`) the restored keys of all members' placements are moved
+to their new positions by one rotation per layer. Numerical bound, per piece:
   rotation, deviation  elementwise / per-row reductions of the same length: bit-identical to unbatched
                        (tests/test_group_math.py asserts it);
   GEMMs, attention     a matrix product over more rows may take another kernel or blocking, so a row's
@@ -168,7 +173,7 @@ def _batched_attention(runner: LayerRunner, states: Sequence[BlendState], layer:
     return [out[i, :, :n].transpose(0, 1).reshape(n, n_h * hd) for i, n in enumerate(sizes)]
 
 
-def _batched_step(runner: LayerRunner, states: Sequence[BlendState]) -> None:
+def _batched_step(runner: LayerRunner, states: Sequence[BlendState], attention: str = "member") -> None:
     """One layer of every member in one pass (see module doc)."""
     layer = states[0].layer
     sizes = [s.active.numel() for s in states]
@@ -188,7 +193,13 @@ def _batched_step(runner: LayerRunner, states: Sequence[BlendState]) -> None:
             qs[j], ks[j], vs[j] = s.keep_rows(rows, qs[j], ks[j], vs[j])
     for s, kj, vj in zip(states, ks, vs):
         s.store(layer, kj, vj)
-    attn = _batched_attention(runner, states, layer, qs)
+    if attention == "padded":
+        attn = _batched_attention(runner, states, layer, qs)
+    else:   # each member's own attention kernel over its own cache, as its serial step
+        attn = []
+        for s, qj in zip(states, qs):
+            kc, vc = s.cache.layer_kv(layer, s.plan.T)
+            attn.append(runner.attend(qj, s.active, kc, vc, mask=s.mask_kind, all_rows=s.all_rows(layer)))
     sizes = [a.shape[0] for a in attn]
     h = runner.finish_layer(layer, torch.cat([s.h for s in states]), torch.cat(attn))
     for s, hj in zip(states, h.split(sizes)):
@@ -202,9 +213,11 @@ AfterLayer = Callable[[str, int], None]
 @torch.no_grad()
 def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairConfig = RepairConfig(), *,
                 batched: bool = False, restore: LayerwiseRestore | None = None,
-                after_layer: AfterLayer | None = None, plans: Mapping[str, BlendPlan] | None = None) -> GroupResult:
+                after_layer: AfterLayer | None = None, plans: Mapping[str, BlendPlan] | None = None,
+                attention: str = "member") -> GroupResult:
     """Prefill every member layer-major (see module doc). `restore` (batched only) writes each layer's
-    restored inputs right before that layer runs; `after_layer(name, layer)` runs after each member's layer
+    restored inputs right before that layer runs; `attention` (batched only): "member" or "padded" (module doc);
+    `after_layer(name, layer)` runs after each member's layer
     (write-back of the finished layer, fault injection) and may raise MemberFailure to drop that member.
     `plans` (by member name) are the members' blend plans made beforehand: planning reads the host-side
     restored mask and copies it to the device, which a CUDA graph capture cannot contain."""
@@ -215,6 +228,8 @@ def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairCo
         raise ModelError(f"group member names must be unique, got {names}")
     if batched and any(m.arm not in ("repair", "full") for m in members):
         raise ModelError("batched group math covers the repair and full arms (position masks only)")
+    if attention not in ("member", "padded"):
+        raise ModelError(f"attention must be 'member' or 'padded', got {attention!r}")
     if restore is not None and not batched:
         raise ModelError("a layer-wise group restore belongs to the batched path")
     if plans is not None and set(plans) != set(names):
@@ -231,7 +246,7 @@ def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairCo
         if restore is not None:
             restore.layer(layer)
         if batched:
-            _batched_step(runner, [states[n] for n in live])
+            _batched_step(runner, [states[n] for n in live], attention)
         else:
             for n in live:
                 states[n].step()

@@ -270,6 +270,7 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
     for size in [int(n) for n in (sizes if sizes is not None else sec["sizes"])]:
         children = setup.workload.children[:size]
         with res.case(f"{case_prefix}-{size}", {"children": size, "pairs": pairs, "warmup": warmup, "graphs": graphs,
+                                                "batched_attention": "member",
                                                 "prompt_tokens": setup.workload.spec.prompt_tokens,
                                                 "segments": len(setup.export.catalog.entries),
                                                 "design": "the three arms in every round, order reversed each round"}
