@@ -216,6 +216,19 @@ def test_service_load_on_the_cpu_profile(tmp_path):
     assert sorted(got["arms"]) == sorted(ARMS)
     assert all(row["median_ms"] > 0 for row in got["arms"].values())
     assert got["arms"]["load-many"]["ratio_to_host-floor_median"] > 0 and got["accept_ms_median"] > 0
+    prov = got["provenance"]       # what ran: the tree and the config it ran on
+    assert len(prov["kmesh"]["tree_sha256"]) == 64 and prov["config"]["equivalence"]["rag"]["workload"]["chunks"] == 4
+    assert prov["seed"] == prov["config"]["seed"] and prov["end"]
+
+
+def test_a_diagnostic_without_a_config_records_code_and_hardware(tmp_path):
+    from kmesh.diagnostics._common import write_json
+
+    write_json(tmp_path / "d.json", {"x": 1.5})
+    import json
+
+    got = json.loads((tmp_path / "d.json").read_text())
+    assert got["x"] == 1.5 and len(got["provenance"]["kmesh"]["tree_sha256"]) == 64 and "torch" in got["provenance"]
 
 
 def test_service_load_summarises_py_spy_raw_stacks_per_thread():

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from kmesh.config import PROFILES, Config, load_config, parse_overrides
+from kmesh import provenance
+from kmesh.config import PROFILES, Config, find_root, load_config, parse_overrides
 from kmesh.diagnostics import DiagnosticError
 from kmesh.modelsetup import ModelSetup
 from kmesh.segments import Export
@@ -74,9 +77,18 @@ def scaled_leaders(setup: ModelSetup, prompt_tokens: Iterable[int], tag: str) ->
         yield ScaledLeader(length, workload, export, workload.children[0])
 
 
-def write_json(path: Path, data: Any) -> None:
-    """The diagnostic's JSON output. NaN and inf are written as such (not refused): a diagnostic records what it
-    saw, and a NaN difference is a finding."""
+def write_json(path: Path, data: dict[str, Any], cfg: Config | None = None) -> None:
+    """The diagnostic's JSON output, with its provenance (`provenance`: kmesh.provenance.collect of the config it
+    ran on — code revision and tree digest, config, seed, pins, hardware; without a config, the code and hardware
+    parts). NaN and inf are written as such (not refused): a diagnostic records what it saw, and a NaN difference
+    is a finding."""
+    if cfg is not None:
+        prov = provenance.collect(cfg)
+    else:
+        prov = {"kmesh": {"version": provenance.dist_version("kmesh"), **provenance.git_revision(find_root())},
+                "cpu": provenance.cpu_model(), "hostname": platform.node(), "argv": sys.argv,
+                **provenance.torch_info()}
+    prov["end"] = provenance.now()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps({**data, "provenance": prov}, indent=1) + "\n")
     print(f"-> {path}", flush=True)

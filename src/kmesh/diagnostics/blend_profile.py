@@ -68,5 +68,5 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     for scaled in scaled_leaders(setup, PROMPT_TOKENS, "bp"):
         out.update(profile_arms(setup, scaled))
-    write_json(args.out, out)
+    write_json(args.out, out, cfg)
     return 0

@@ -86,5 +86,5 @@ def main(argv: list[str] | None = None) -> int:
     runners = {step: LayerRunner(setup.model, setup.runner.attention, step) for step in STEPS}
     out = {"model": setup.what, "attention": setup.runner.attention,
            "lengths": [pair_steps(setup, runners, scaled) for scaled in scaled_leaders(setup, PROMPT_TOKENS, "ls")]}
-    write_json(args.out, out)
+    write_json(args.out, out, cfg)
     return 0

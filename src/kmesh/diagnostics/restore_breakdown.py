@@ -57,10 +57,11 @@ def breakdown(setup: ModelSetup, scaled: ScaledLeader) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parser("restore_breakdown", __doc__, config=True, out=True).parse_args(argv)
     require_cuda("restore_breakdown")
-    setup = equivalence_setup(load(args))
+    cfg = load(args)
+    setup = equivalence_setup(cfg)
     out: dict[str, Any] = {}
     for scaled in scaled_leaders(setup, PROMPT_TOKENS, "rb"):
         out[str(scaled.prompt_tokens)] = breakdown(setup, scaled)
         print(scaled.prompt_tokens, out[str(scaled.prompt_tokens)], flush=True)
-    write_json(args.out, out)
+    write_json(args.out, out, cfg)
     return 0

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": args.rounds, "warmup": args.warmup, "arms": _summary(rounds, nbytes),
            "accept_ms_median": statistics.median(accept_s[args.warmup:]) * 1e3 if accept_s else None,
            "profile": profile}
-    write_json(args.out, out)
+    write_json(args.out, out, cfg)
     return 0
 
 
