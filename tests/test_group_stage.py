@@ -201,6 +201,31 @@ def test_scaling_pairs_both_arms_with_one_serial_baseline(env):
     assert all(c.passed for c in res.cases), [(c.id, c.checks, c.error) for c in res.cases]
 
 
+@pytest.mark.parametrize("attention", ["padded", "member"])
+def test_scaling_takes_the_configured_batched_attention(env, attention, monkeypatch):
+    from kmesh.model import group as group_math
+    from kmesh.result import Result
+
+    seen = []
+    original = group_math._batched_step
+    monkeypatch.setattr(group_math, "_batched_step", lambda r, st, att="padded": (seen.append(att), original(r, st, att)))
+    setup = _scaling_setup(env, pairs=1)
+    setup.sec = {**setup.sec, "batched_attention": attention}
+    res = Result("group", "cpu", {}, [])
+    group_bench.scaling(res, setup)
+    (case,) = res.cases
+    assert case.passed and case.params["batched_attention"] == attention and set(seen) == {attention}
+
+
+def test_scaling_graphs_need_a_cuda_group(env):
+    from kmesh.result import Result
+
+    setup = _scaling_setup(env, pairs=1)
+    setup.sec = {**setup.sec, "scaling": {**setup.sec["scaling"], "graphs": True}}
+    with pytest.raises(group_bench.GroupBenchError, match="CUDA"):
+        group_bench.scaling(Result("group", "cpu", {}, []), setup)
+
+
 def test_scaling_refuses_a_size_the_workload_cannot_fill(env):
     from kmesh.result import Result
 

@@ -54,6 +54,11 @@ class GroupBenchError(StageError):
     """A scaling size the workload cannot fill."""
 
 
+def batched_attention(setup: GroupSetup) -> str:
+    """group.batched_attention: how the batched step attends (kmesh.model.group: "padded" or "member")."""
+    return str(setup.sec.get("batched_attention", "padded"))
+
+
 def _restored_mask(child: Child) -> torch.Tensor:
     mask = torch.zeros(len(child.ids), dtype=torch.bool)
     for _, start, end in child.segment_slices():
@@ -84,6 +89,7 @@ class Arms:
         self.ids = {ch.name: torch.tensor(ch.ids, device=setup.device) for ch in children}
         self.restored = {ch.name: _restored_mask(ch) for ch in children}
         self.private = setup.export.raw
+        self.attention = batched_attention(setup)
 
     def _members(self) -> list[Member]:
         return [Member(ch.name, self.ids[ch.name], self.caches[ch.name], self.restored[ch.name])
@@ -102,7 +108,8 @@ class Arms:
             out = blend_group(runner, self._members(), setup.ctx.repair)
         elif arm == "batched":
             restore = LayerwiseRestore(runner, restore_parts(setup, self.children, self.caches, self.private))
-            out = blend_group(runner, self._members(), setup.ctx.repair, batched=True, restore=restore)
+            out = blend_group(runner, self._members(), setup.ctx.repair, batched=True, restore=restore,
+                              attention=self.attention)
         else:
             raise ValueError(f"unknown arm {arm!r}")
         return {n: x.logits for n, x in out.results.items()}
@@ -133,7 +140,7 @@ class Arms:
             def fn() -> dict[str, torch.Tensor]:
                 if not batched:
                     every.all_layers()
-                out = blend_group(runner, self._members(), repair, batched=batched,
+                out = blend_group(runner, self._members(), repair, batched=batched, attention=self.attention,
                                   restore=every if batched else None, plans=plans)
                 return {n: x.logits for n, x in out.results.items()}
         else:
@@ -166,7 +173,8 @@ def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOut
         members = [Member(ch.name, torch.tensor(ch.ids, device=setup.device), caches[ch.name], _restored_mask(ch))
                    for ch in children]
         restore = LayerwiseRestore(runner, restore_parts(setup, children, caches, setup.export.raw))
-        group_out = blend_group(runner, members, ctx.repair, batched=True, restore=restore)
+        group_out = blend_group(runner, members, ctx.repair, batched=True, restore=restore,
+                                attention=batched_attention(setup))
         got = {}
         for member, child in zip(members, children):
             result = group_out.results[member.name]
@@ -270,7 +278,7 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
     for size in [int(n) for n in (sizes if sizes is not None else sec["sizes"])]:
         children = setup.workload.children[:size]
         with res.case(f"{case_prefix}-{size}", {"children": size, "pairs": pairs, "warmup": warmup, "graphs": graphs,
-                                                "batched_attention": "member",
+                                                "batched_attention": batched_attention(setup),
                                                 "prompt_tokens": setup.workload.spec.prompt_tokens,
                                                 "segments": len(setup.export.catalog.entries),
                                                 "design": "the three arms in every round, order reversed each round"}
