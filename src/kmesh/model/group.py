@@ -11,14 +11,15 @@ change a request's arithmetic.
 
 Batched, one layer of the whole group is one pass: the rows of every member (ragged: each keeps its own
 recomputed subset) are stacked for the Q/K/V projections, o_proj and the MLP; the check layer's deviation is
-one reduction over the stacked rows; attention (`attention="padded"`, the default) is one SDPA call over a padded
-[members, heads, rows, keys] batch with each member's position mask as a dense boolean mask, or
-(`attention="member"`) each member's own runner.attend over its own cache — the kernel its serial prefill runs (on
-CUDA the position-causal Triton kernel). On the H200 at d4a9a14 (graphs for every arm, RAG 4k) the padded call made
-a batched group of one 1.47× slower than its serial run (7.93 vs 5.41 ms), which we read as the attention (not
-profiled kernel by kernel): a dense mask keeps SDPA off its fused kernels and the padding is computed, while the
-attention holds no weights, so batching it saves only launches, which a CUDA graph already removes. And (with
-`restore`) the restored keys of all members' placements are moved to their new positions by one rotation per layer. Numerical bound, per piece:
+one reduction over the stacked rows; attention (`attention="member"`, the default) is each member's own
+runner.attend over its own cache — the kernel its serial prefill runs (on CUDA the position-causal Triton kernel) —
+or (`attention="padded"`) one SDPA call over a padded [members, heads, rows, keys] batch with each member's
+position mask as a dense boolean mask. On the H200, every arm graphed, RAG 4k: with the padded call a batched group
+of one ran 1.47× its serial time (7.93 vs 5.41 ms, d4a9a14) and four children were 0.99× as fast as serial; with
+each member's own kernel a group of one ran 1.07× its serial time (5.95 vs 5.58 ms) and four children 1.24× faster
+than serial (42774b8). A dense mask keeps SDPA off its fused kernels and the padding is computed, while attention
+holds no weights: batching it saves only launches, which a graph removes. And (with `restore`) the restored keys
+of all members' placements are moved to their new positions by one rotation per layer. Numerical bound, per piece:
   rotation, deviation  elementwise / per-row reductions of the same length: bit-identical to unbatched
                        (tests/test_group_math.py asserts it);
   GEMMs, attention     a matrix product over more rows may take another kernel or blocking, so a row's
@@ -173,7 +174,7 @@ def _batched_attention(runner: LayerRunner, states: Sequence[BlendState], layer:
     return [out[i, :, :n].transpose(0, 1).reshape(n, n_h * hd) for i, n in enumerate(sizes)]
 
 
-def _batched_step(runner: LayerRunner, states: Sequence[BlendState], attention: str = "padded") -> None:
+def _batched_step(runner: LayerRunner, states: Sequence[BlendState], attention: str = "member") -> None:
     """One layer of every member in one pass (see module doc)."""
     layer = states[0].layer
     sizes = [s.active.numel() for s in states]
@@ -214,7 +215,7 @@ AfterLayer = Callable[[str, int], None]
 def blend_group(runner: LayerRunner, members: Sequence[Member], config: RepairConfig = RepairConfig(), *,
                 batched: bool = False, restore: LayerwiseRestore | None = None,
                 after_layer: AfterLayer | None = None, plans: Mapping[str, BlendPlan] | None = None,
-                attention: str = "padded") -> GroupResult:
+                attention: str = "member") -> GroupResult:
     """Prefill every member layer-major (see module doc). `restore` (batched only) writes each layer's
     restored inputs right before that layer runs; `attention` (batched only): "member" or "padded" (module doc);
     `after_layer(name, layer)` runs after each member's layer

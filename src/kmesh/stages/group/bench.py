@@ -55,8 +55,8 @@ class GroupBenchError(StageError):
 
 
 def batched_attention(setup: GroupSetup) -> str:
-    """group.batched_attention: how the batched step attends (kmesh.model.group: "padded" or "member")."""
-    return str(setup.sec.get("batched_attention", "padded"))
+    """group.batched_attention: how the batched step attends (kmesh.model.group: "member" or "padded")."""
+    return str(setup.sec.get("batched_attention", "member"))
 
 
 def _restored_mask(child: Child) -> torch.Tensor:
