@@ -28,13 +28,36 @@ BS = 16
 BATCHED_TOL = 1e-5     # relative to max(1, max |logit|)
 
 
-@pytest.fixture(scope="module")
-def env():
-    runner = LayerRunner(tiny_llama())
+def _leader(device: torch.device, key: bytes):
+    """(runner, workload, the leader's export) on `device`."""
+    runner = LayerRunner(tiny_llama().to(device))
     w = build(ByteTokenizer(300), 0, SPEC)
     lc = runner.new_cache(len(w.leader_ids), BS)
-    runner.prefill(torch.tensor(w.leader_ids), lc)
-    return runner, w, export_segments(runner, lc, w, b"group-test")
+    runner.prefill(torch.tensor(w.leader_ids, device=device), lc)
+    return runner, w, export_segments(runner, lc, w, key)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return _leader(torch.device("cpu"), b"group-test")
+
+
+def _layerwise_parts(env, caches):
+    """Per child: its segments captured at their leader positions with their new positions (a RestorePart), and
+    a Member over its cache with its restored mask."""
+    runner, w, ex = env
+    dev = runner.device
+    parts, members = [], []
+    for ch, c in zip(w.children, caches):
+        sl = ch.segment_slices()
+        src = torch.cat([ex.catalog.entries[i].slots(dev) for i, _, _ in sl])
+        old = torch.cat([ex.catalog.entries[i].leader_positions(dev) for i, _, _ in sl])
+        new = torch.cat([torch.arange(a, b, device=dev) for _, a, b in sl])
+        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old), new))
+        r = torch.zeros(len(ch.ids), dtype=torch.bool)
+        r[new.cpu()] = True
+        members.append(Member(ch.name, torch.tensor(ch.ids, device=dev), c, r))
+    return parts, members
 
 
 def _restored(env, lengths=None):
@@ -104,13 +127,7 @@ def test_batched_rotation_is_bit_identical_to_restore(env):
     runner, w, ex = env
     a = _restored(env)
     caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
-    parts = []
-    for ch, c in zip(w.children, caches):
-        sl = ch.segment_slices()
-        src = torch.cat([ex.catalog.entries[i].slots() for i, _, _ in sl])
-        old = torch.cat([ex.catalog.entries[i].leader_positions() for i, _, _ in sl])
-        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old),
-                                 torch.cat([torch.arange(s, e) for _, s, e in sl])))
+    parts, _ = _layerwise_parts(env, caches)
     lr = LayerwiseRestore(runner, parts)
     assert lr.placement_tokens == sum(p.segment.num_tokens for p in parts) and bool(lr.moved.any())
     lr.all_layers()
@@ -153,16 +170,7 @@ def test_batched_with_layerwise_restore_matches_serial(env):
     runner, w, ex = env
     ref = _serial(env)
     caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
-    parts, members = [], []
-    for ch, c in zip(w.children, caches):
-        sl = ch.segment_slices()
-        src = torch.cat([ex.catalog.entries[i].slots() for i, _, _ in sl])
-        old = torch.cat([ex.catalog.entries[i].leader_positions() for i, _, _ in sl])
-        new = torch.cat([torch.arange(s, e) for _, s, e in sl])
-        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old), new))
-        r = torch.zeros(len(ch.ids), dtype=torch.bool)
-        r[new] = True
-        members.append(Member(ch.name, torch.tensor(ch.ids), c, r))
+    parts, members = _layerwise_parts(env, caches)
     out = blend_group(runner, members, RepairConfig(), batched=True, restore=LayerwiseRestore(runner, parts))
     for m in members:
         a, b = ref[m.name][0], out.results[m.name]
@@ -256,13 +264,8 @@ def test_cuda_layer_major_exact_batched_bounded_and_blend_still_graph_capturable
     BlendState steps) still captures as one CUDA graph equal to its eager run."""
     from kmesh.model.graphs import GraphedBlend
 
-    dev = torch.device("cuda")
-    runner = LayerRunner(tiny_llama().to(dev))
-    w = build(ByteTokenizer(300), 0, SPEC)
-    lc = runner.new_cache(len(w.leader_ids), BS)
-    runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)
-    ex = export_segments(runner, lc, w, b"group-test-cuda")
-    env_ = (runner, w, ex)
+    env_ = _leader(torch.device("cuda"), b"group-test-cuda")
+    runner = env_[0]
     ref = _serial(env_)
     members = _members(env_)
     out = blend_group(runner, members, RepairConfig())
@@ -289,22 +292,10 @@ def test_cuda_graphed_group_equals_eager_and_the_check_can_fail():
     from kmesh.model.graphs import GraphedRun
 
     dev = torch.device("cuda")
-    runner = LayerRunner(tiny_llama().to(dev))
-    w = build(ByteTokenizer(300), 0, SPEC)
-    lc = runner.new_cache(len(w.leader_ids), BS)
-    runner.prefill(torch.tensor(w.leader_ids, device=dev), lc)
-    ex = export_segments(runner, lc, w, b"group-graph-cuda")
+    env_ = _leader(dev, b"group-graph-cuda")
+    runner, w, _ = env_
     caches = [runner.new_cache(len(ch.ids) + BS, BS, fill=float("nan")) for ch in w.children]
-    parts, members = [], []
-    for ch, c in zip(w.children, caches):
-        sl = ch.segment_slices()
-        src = torch.cat([ex.catalog.entries[i].slots(dev) for i, _, _ in sl])
-        old = torch.cat([ex.catalog.entries[i].leader_positions(dev) for i, _, _ in sl])
-        new = torch.cat([torch.arange(s, e, device=dev) for _, s, e in sl])
-        parts.append(RestorePart(c, capture(ex.raw, ex.catalog.layout, src, old), new))
-        r = torch.zeros(len(ch.ids), dtype=torch.bool)
-        r[new.cpu()] = True
-        members.append(Member(ch.name, torch.tensor(ch.ids, device=dev), c, r))
+    parts, members = _layerwise_parts(env_, caches)
     restore = LayerwiseRestore(runner, parts)
     plans = {m.name: plan(m.arm, m.restored, RepairConfig(), runner.num_layers, dev) for m in members}
 
