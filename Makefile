@@ -40,17 +40,17 @@ MUTATION_SET ?=
 mutation: env  ## mutation testing of layout, rope, restore, service registry, transfer engine (pyproject [tool.mutmut]); MUTATION_SET=trust: another set
 	$(VENV)/bin/python -m pip install --quiet --require-hashes --no-deps -r requirements/mutation.lock
 ifneq ($(MUTATION_SET),)
-	$(VENV)/bin/python -m kmesh.tools.mutation_set $(MUTATION_SET) --jobs $(MUTATION_JOBS) $(MUTATION_REPORT_ARGS)
+	$(VENV)/bin/python -m kmesh.devtools.mutation_set $(MUTATION_SET) --jobs $(MUTATION_JOBS) $(MUTATION_REPORT_ARGS)
 else
 	# mutants/src must exist before Python starts: a PYTHONPATH entry that is missing at start-up is cached as
 	# "nothing here", and the tests (and the service processes they start) would then import the unmutated code.
 	mkdir -p results/mutation mutants/src
 	PYTHONPATH=$(CURDIR)/mutants/src mutmut run --max-children $(MUTATION_JOBS) > results/mutation/mutmut.log 2>&1; \
 	  rc=$$?; tr '\r' '\n' < results/mutation/mutmut.log | grep -a -E "mutations/second|Stopping|failed to" | tail -3; \
-	  python -m kmesh.tools.mutation_report $(MUTATION_REPORT_ARGS) && exit $$rc
+	  python -m kmesh.devtools.mutation_report $(MUTATION_REPORT_ARGS) && exit $$rc
 endif
 
 # src on the path: the lock is made before (and without) the editable install of setup-env.sh
 lock:  ## regenerate requirements/cpu.lock and mutation.lock from their .in files
-	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.tools.lock cpu
-	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.tools.lock mutation
+	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.devtools.lock cpu
+	PYTHONPATH=$(CURDIR)/src $(VENV)/bin/python -m kmesh.devtools.lock mutation

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for issue 23 (data path): the one-launch, host-planned restore (kmesh.restore_gather).
-# Builds the kernels; GPU tests of kmesh.restore and kmesh.restore_gather (kernel == torch path byte for byte, zero
+# One device call for issue 23 (data path): the one-launch, host-planned restore (kmesh.kv.gather).
+# Builds the kernels; GPU tests of kmesh.kv.restore and kmesh.kv.gather (kernel == torch path byte for byte, zero
 # host syncs); the cuda synthetic stage (the kernel against the independent references); the cuda restore_bench
 # stage (shapes + the child-restore case; tunable variants timed beside the default); then the stages whose child
 # path restores through it ($STAGES, default equivalence storage; model first, each with a time limit).

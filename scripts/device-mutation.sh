@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A mutation set too slow for 2 cores (make mutation MUTATION_SET=NAME), run with every core of the GPU host.
-# Here:   python -m kmesh.tools.mutation_set NAME --copy-only      (results/mutation/NAME/tree, no mutmut run)
+# Here:   python -m kmesh.devtools.mutation_set NAME --copy-only      (results/mutation/NAME/tree, no mutmut run)
 # Device: bash scripts/device-mutation.sh NAME [SECONDS [MUTANT-GLOB...]]   carry .whl and results/mutation/NAME
 # mutmut runs in that tree on the CPU (CUDA hidden, as on CI; one thread per worker, a worker per core) until done or
 # SECONDS (default 400), then gets SIGINT (SIGKILL 30 s later): it stops its workers and keeps every finished verdict.
@@ -10,7 +10,7 @@
 # call (within the machine's 30 s warm time, carrying nothing, so the running tree stays) only watches it. Every call
 # ends with a snapshot of the verdicts (each .meta copied until it parses: mutmut may be writing it).
 # The state (mutmut's per-file verdicts, its test statistics, the logs) comes back as $OUT/NAME-state.tgz: unpack it
-# over results/mutation/ here, where `mutmut run` (kmesh.tools.mutation_set) goes on with what has no verdict yet and
+# over results/mutation/ here, where `mutmut run` (kmesh.devtools.mutation_set) goes on with what has no verdict yet and
 # the report is written (its survivors' diffs take one mutmut process each: too slow for a device call).
 source scripts/device-env.sh
 set -o pipefail
@@ -20,7 +20,7 @@ globs=("${@:3}")
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 root=$PWD
 tree=$root/results/mutation/$name/tree
-[ -d "$tree" ] || { echo "no $tree: prepare it with kmesh.tools.mutation_set $name --copy-only and carry it"; exit 2; }
+[ -d "$tree" ] || { echo "no $tree: prepare it with kmesh.devtools.mutation_set $name --copy-only and carry it"; exit 2; }
 cd "$tree"
 jobs=${JOBS:-$(nproc --all)}        # before OMP_NUM_THREADS: nproc honours it
 export PYTHONPATH=$tree/mutants/src:/tmp/site CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -43,7 +43,7 @@ else
     >> ../mutmut.log 2>&1
   echo "mutmut rc=$?" >> ../runs.log
 fi
-timeout 40 python3 -m kmesh.tools.mutation_report --out .. >> ../runs.log 2>&1
+timeout 40 python3 -m kmesh.devtools.mutation_report --out .. >> ../runs.log 2>&1
 tr '\r' '\n' < ../mutmut.log | grep -a -E "mutations/second|Stopping|Failed|^real|mutmut-session" | tail -n 4 \
   >> ../runs.log
 cd "$root"

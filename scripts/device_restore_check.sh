@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for §21 (issue 3): build kernels, run the cuda-profile synthetic stage, the GPU tests of
-# kmesh.restore, and the restore benchmark (stage restore_bench). Everything it keeps goes to $OUT (6 files).
+# kmesh.kv.restore, and the restore benchmark (stage restore_bench). Everything it keeps goes to $OUT (6 files).
 #   run: bash scripts/device_restore_check.sh          (carry .whl, and .whl-test for pytest)
 #   VARIANTS=",-DRESTORE_ROT_CHUNK=16" bash scripts/device_restore_check.sh   # first entry = default build
 # Tuning variants are compiled on the fly (or taken from a carried results/.kernel-cache); each must pass

@@ -1,5 +1,5 @@
 """Issue 21 item 6: no stage records a check that cannot fail. A literal `True` looks like a computed one once it is
-in a result file, so the guard is kmesh.tools.constant_checks, a static scan of the stage code: it must find
+in a result file, so the guard is kmesh.devtools.constant_checks, a static scan of the stage code: it must find
 nothing in today's stages, find each shape in small synthetic sources (and leave the honest look-alikes alone),
 and find the three checks the review named in the code as it was (kept verbatim below, from a95ebef)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kmesh.tools.constant_checks import main, scan_paths, scan_source, stage_sources
+from kmesh.devtools.constant_checks import main, scan_paths, scan_source, stage_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -147,7 +147,7 @@ def _named_commands() -> list[tuple[str, str]]:
 
 def test_every_command_the_makefile_and_scripts_name_exists():
     named = _named_commands()
-    assert ("Makefile", "kmesh.tools.lock") in named and ("Makefile", "kmesh.tools.mutation_report") in named
+    assert ("Makefile", "kmesh.devtools.lock") in named and ("Makefile", "kmesh.devtools.mutation_report") in named
     assert ("device-issue9.sh", "diagnose decode_isolation") in named
     for where, command in named:
         if command.startswith("diagnose "):
@@ -177,7 +177,7 @@ def test_decode_isolation_finds_the_first_differing_op_on_cpu(tmp_path):
 
     from kmesh.config import load_config
     from kmesh.diagnostics import decode_isolation
-    from kmesh.modelsetup import equivalence_setup
+    from kmesh.harness.modelsetup import equivalence_setup
 
     cfg = load_config(profile="cpu", overrides={
         "results_dir": str(tmp_path), "model": {"qwen2_random": yaml.safe_load(TINY_QWEN2)},

@@ -1,6 +1,6 @@
 """The equivalence stage's parts on a tiny CPU model: segment export, staging checks, the drained private copy,
 a child's run with its full-recompute fallback, the cache service path, quality helpers and the failure
-controls (kmesh.segments, kmesh.child, kmesh.model.quality, kmesh.stages.equivalence).
+controls (kmesh.kv, kmesh.harness.child, kmesh.model.quality, kmesh.stages.equivalence).
 
 Model: a tiny random float32 LlamaForCausalLM (4 layers, 2 KV heads of 16 channels), built as in
 tests/test_model_runner.py. Workload: ByteTokenizer(300), seed 0, 3 segments of 80 tokens (one fact sentence
@@ -28,25 +28,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
+from kmesh.harness.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import (arm_quality, compare_states, first_divergence, flip_bit, identical, kl_divergence,
                                  max_abs_diff, summarize, teacher_forced_logits, until_end_of_turn)
 from kmesh.model.runner import LayerRunner
-from kmesh.restore import capture
+from kmesh.kv.restore import capture
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_tensor
-from kmesh.segments import (EXPORT_ORDER, InProcessSegments, SegmentCorruptError, SegmentLayoutError,
-                            SegmentMissingError, SegmentOversizeError, SegmentTruncatedError, ServiceSegments,
-                            copy_private, export_segments, stage_entry, stage_segments)
+from kmesh.harness.leader import EXPORT_ORDER, export_segments
+from kmesh.kv.errors import SegmentCorruptError, SegmentLayoutError, SegmentMissingError, SegmentOversizeError, SegmentTruncatedError
+from kmesh.kv.load import copy_private, stage_entry, stage_segments
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.stages.equivalence import controls
 from kmesh.stages.equivalence import stage as eq_stage
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey
-from kmesh.modelsetup import leader_prefill
+from kmesh.harness.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import ChunkGate, FaultPlan
-from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from tiny_llama import tiny_llama
 
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=2, block_size=16)
@@ -84,7 +85,7 @@ def env():
     inproc = InProcessSegments(export)
     for child in workload.children:
         refs[RefKey(REPAIR, child.name)] = run_child(ctx, child, inproc, staging, private)
-    # what kmesh.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
+    # what kmesh.harness.modelsetup.ModelSetup offers the controls (no config, model files or transformers check)
     s = SimpleNamespace(model=model, runner=runner, workload=workload, export=export, ctx=ctx,
                         device=torch.device("cpu"), tok=ByteTokenizer(300), decode=ByteTokenizer(300).decode)
     yield SimpleNamespace(model=model, runner=runner, workload=workload, leader_cache=leader_cache, export=export,
@@ -299,7 +300,7 @@ def test_every_digest_is_checked_in_one_call_and_the_first_bad_segment_decides(e
     """The child path loads every segment, then checks all their digests in one arrival_digests call (on the GPU:
     one launch set, not one per segment); a corrupt segment 1 and a missing segment 2 fail at 1 (the corrupt one:
     the first in catalog order), a missing 1 and a corrupt 2 at 1 (the missing one); segment 0 restored either way."""
-    from kmesh import segments as segments_mod
+    from kmesh.kv import load as segments_mod
 
     ex, child = env.export, env.workload.children[0]
     n = len(ex.catalog.entries)
@@ -389,13 +390,13 @@ def testcheck_canaries_catches_leftover_poison_and_overwritten_canary(env):
 # --- 5. the cache service ---------------------------------------------------------------------------------------
 
 def _service(chunk_bytes: int = CHUNK):
-    from kmesh.service.harness import Harness
+    from kmesh.harness.service import Harness
 
     return Harness(device="cpu", heartbeat_timeout_s=30, chunk_bytes=chunk_bytes)
 
 
 def test_service_children_bit_identical_to_in_process(env):
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     ex, cat = env.export, env.export.catalog
     private = torch.empty(cat.nbytes, dtype=torch.uint8)
@@ -722,7 +723,7 @@ def test_failure_controls_refuse_a_catalog_of_one_segment():
 # --- 7. the seven failure controls against a real service --------------------------------------------------------
 
 def test_failure_controls_all_seven_pass(env):
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     res = Result("equivalence", "test", provenance={})
     with _service(CONTROL_CHUNK) as h, ServiceSide(h, env.export, torch.device("cpu")) as svc:
@@ -766,7 +767,7 @@ def test_fallback_recomputes_over_the_partial_state(env, monkeypatch):
     """Regression: run_child re-poisoned the model state before its fallback recompute, so a failure control
     compared a recompute in fresh memory with a recompute — it never showed a recompute overwriting partial
     data. Now the recompute starts in the state the failure left: segment 0 restored."""
-    import kmesh.child as child_mod
+    import kmesh.harness.child as child_mod
 
     seen = []
     real = child_mod.prefill_and_decode
@@ -875,7 +876,7 @@ def test_failure_controls_catch_a_late_reference_and_a_leaked_staging_mapping(en
     service's control asserted no leak check of its own: here our mapping of its staging memfd is left in
     place (HostBuffer.close skipped once the service is dead) and the control must fail on it."""
     from kmesh.service.handles import HostBuffer
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     refs = dict(env.refs)
     ref_b = refs[RefKey(FULL, "B")]
@@ -911,7 +912,7 @@ def test_failure_controls_catch_a_late_reference_and_a_leaked_staging_mapping(en
 
 
 def test_service_segments_after_accept_reports_the_accepted_copy_size(env):
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     cat = env.export.catalog
     e0, e1 = cat.entries[0], cat.entries[1]
@@ -964,7 +965,7 @@ def _counting_calls(client):
 def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_the_wait(env):
     """Without after_accept (no gate: a deployed service, the TTFT's end-to-end arm) a load is `load` then `wait`
     (no poll), the staged bytes are the export's, and a short object is still refused: on the wait's reply."""
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     cat = env.export.catalog
     e0 = cat.entries[0]
@@ -989,12 +990,12 @@ def test_service_segments_unpaced_two_calls_per_segment_and_the_size_checked_on_
 
 @pytest.mark.parametrize("batched", [True, False], ids=["load_many", "load-each"])
 def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial_path_fails(env, batched):
-    """Unpaced, kmesh.child's path requests every segment's load first and waits in order: the same state as the
+    """Unpaced, kmesh.harness.child's path requests every segment's load first and waits in order: the same state as the
     paced path; a refused load (missing object) or a bad one (corrupt) at segment 1 fails the child at segment 1
     with segment 0 restored, as without prefetch, and the loads requested ahead are drained (nothing leaked).
     With load_many (batched) that is one request for every segment, its reply after every copy ended; without
     (a service from before it, or an original being read back), one load each, then one wait each."""
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     ex, cat = env.export, env.export.catalog
     child = env.workload.children[0]
@@ -1134,7 +1135,8 @@ def test_a_private_copy_failing_at_segment_k_leaves_exactly_the_segments_before_
 def test_a_private_copy_that_ends_failed_is_not_used(env):
     """A copy accepted whole but failing part-way (its ticket ends failed) names the segments before it: none of
     its bytes reach the model state, and the child recomputes."""
-    from kmesh.segments import PrivateCopyError, copy_private_each
+    from kmesh.kv.errors import PrivateCopyError
+    from kmesh.kv.load import copy_private_each
 
     cat = env.export.catalog
     staging = env.export.raw.clone()
@@ -1157,7 +1159,8 @@ def test_a_private_copy_that_ends_failed_is_not_used(env):
 def test_a_joined_private_copy_that_ends_failed_names_the_entries_before_its_run(env, monkeypatch):
     """Adjacent entries are copied as one run with one ticket (join_adjacent); entries 2, 0, 1 make two runs. The
     second run's copy fails: the error names entry 2 as copied, and none of the run's bytes count as copied."""
-    from kmesh.segments import PrivateCopyError, copy_private_each
+    from kmesh.kv.errors import PrivateCopyError
+    from kmesh.kv.load import copy_private_each
 
     cat = env.export.catalog
     assert len(cat.entries) >= 3

@@ -18,9 +18,10 @@ from kmesh.model.errors import ModelError
 from kmesh.model.group import (InjectedMemberFault, LayerwiseRestore, Member, MemberFailure, RestorePart,
                                blend_group)
 from kmesh.model.runner import LayerRunner
-from kmesh.restore import capture
-from kmesh.segments import export_segments, restore_child
-from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.kv.restore import capture
+from kmesh.harness.child import restore_child
+from kmesh.harness.leader import export_segments
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from tiny_llama import tiny_llama
 
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=4, block_size=16)

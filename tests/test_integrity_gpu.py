@@ -213,11 +213,11 @@ def test_set_request_hashes_the_bytes_there_now(torch, algorithm, kw):
 
 
 def test_a_childs_arrival_digests_in_one_call_equal_each_segments_own():
-    """kmesh.segments.arrival_digests: the child path's one blake3 call for every segment of a child (CUDA views
+    """kmesh.kv.digests.arrival_digest: the child path's one blake3 call for every segment of a child (CUDA views
     of one staging buffer, unaligned lengths and offsets) gives each segment's own digest, host and GPU alike."""
     import torch
 
-    from kmesh.segments import arrival_digest, arrival_digests
+    from kmesh.kv.digests import arrival_digest, arrival_digests
 
     staging = torch.randint(0, 256, (3 * 65536 + 123,), dtype=torch.uint8, device="cuda")
     cuts = [0, 65536, 2 * 65536 + 7, staging.numel()]

@@ -1,11 +1,11 @@
-"""kmesh.layout: addressing of every arrangement (both access paths agree, addresses tile the buffer exactly),
+"""kmesh.kv.layout: addressing of every arrangement (both access paths agree, addresses tile the buffer exactly),
 the CPU backend's transposed K plane, layouts derived from live views, fp8 helpers and bad layouts."""
 import itertools
 
 import pytest
 import torch
 
-from kmesh.layout import ORDERS, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize, storage_bytes
+from kmesh.kv.layout import ORDERS, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize, storage_bytes
 
 SMALL = dict(num_layers=3, num_blocks=4, block_size=16)
 

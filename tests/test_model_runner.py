@@ -23,7 +23,7 @@ import torch
 from kmesh.model.blend import ARMS, RepairConfig, RepairConfigError, blend, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import LayerRunner
-from kmesh.restore import capture, restore
+from kmesh.kv.restore import capture, restore
 from smollm2_model import converted
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -637,8 +637,8 @@ def test_smollm2_repair_beats_naive(smol):
 def test_end_of_turn_ids(smol):
     """SmolLM2-Instruct ends a turn with <|im_end|> (its eos, and what transformers' generate stops on); the
     byte tokenizer of random weights has no end-of-turn token."""
-    from kmesh.modelsetup import end_of_turn_ids
-    from kmesh.workload import ByteTokenizer, HFTokenizer
+    from kmesh.harness.modelsetup import end_of_turn_ids
+    from kmesh.harness.workload import ByteTokenizer, HFTokenizer
 
     im_end = smol.tok.convert_tokens_to_ids("<|im_end|>")
     assert end_of_turn_ids(smol.model, HFTokenizer(smol.tok)) == (im_end,)

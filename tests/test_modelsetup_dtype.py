@@ -11,7 +11,7 @@ from smollm2_model import converted
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_runs_in_the_configured_dtype(dtype: str) -> None:
     from kmesh.config import load_config, parse_overrides
-    from kmesh.modelsetup import load_model
+    from kmesh.harness.modelsetup import load_model
 
     converted()
     cfg = load_config(profile="cpu", overrides=parse_overrides([f"model.smollm2.run_dtype={dtype}"]))

@@ -1,10 +1,10 @@
-"""kmesh.tools.mutation_report's survivor diffs, read from mutmut's generated module in-process (no mutmut run:
+"""kmesh.devtools.mutation_report's survivor diffs, read from mutmut's generated module in-process (no mutmut run:
 a hand-written module of the shape mutmut generates, an original and two mutants of a function and of a method)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from kmesh.tools.mutation_report import mutant_diff, split
+from kmesh.devtools.mutation_report import mutant_diff, split
 
 GENERATED = '''
 def x_total__mutmut_orig(a, b):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kmesh.result import Result
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 from kmesh.stages import ownership
 
 EXPECTED = {f"{c}/memfd" for c, _, per_mem in ownership.CASES if per_mem} | \
@@ -127,7 +127,7 @@ def test_wrongly_accepted_copy_is_accounted_so_later_cases_do_not_time_out(tmp_p
     """If the service wrongly accepts a copy that a case expects refused, the case must fail on that check and
     the gate's token accounting must still cover the copy: the next case must pass, not time out. Emulated
     here by turning the foreign client's load into a load into its own registration (which is accepted)."""
-    from kmesh.service.worker import Worker
+    from kmesh.harness.worker import Worker
 
     orig = Worker.call
 
@@ -156,7 +156,7 @@ def test_wrongly_accepted_copy_is_accounted_so_later_cases_do_not_time_out(tmp_p
 def test_pidfd_case_kills_its_socket_holder_when_it_fails_early(tmp_path, monkeypatch):
     """case_death_seen_by_pidfd forks a process that holds the client's socket; a failure anywhere after the
     fork (here: load_mid raises) must still kill it."""
-    from kmesh.service.worker import Worker
+    from kmesh.harness.worker import Worker
 
     holders: list[int] = []
     orig = Worker.call

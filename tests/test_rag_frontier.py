@@ -2,7 +2,7 @@
 child measured against full recompute, each arm's recomputed positions checked against its rule as the workload's
 placements give it (a child path that hands the epic arm fewer chunks fails that check), stock-matched at the
 matched repair arm's count, timed rounds with an end-to-end arm through a real service, the frontier and its goals,
-the report's table and plot. kmesh.frontier's dominance rules on their own. ~15 s."""
+the report's table and plot. kmesh.model.frontier's dominance rules on their own. ~15 s."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 
-from kmesh.child import ChildContext, full_reference
-from kmesh.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
+from kmesh.harness.child import ChildContext, full_reference
+from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
 from kmesh.model.blend import RepairConfig
 from kmesh.model.runner import LayerRunner
-from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.harness.modelsetup import ModelSetup, leader_prefill
 from kmesh.result import Result
 from kmesh.stages.equivalence import endtoend, rag
 from kmesh.transfer.engine import TransferEngine
-from kmesh.workload import ByteTokenizer, RagSpec, build_rag
+from kmesh.harness.workload import ByteTokenizer, RagSpec, build_rag
 from prefill_spy import PrefillLog
 from tiny_llama import tiny_llama
 
@@ -138,10 +138,10 @@ def _one_child(ttft: dict) -> dict:
 
 def test_epic_handed_fewer_chunks_fails_the_rule_check(setup, monkeypatch):
     """The arms' recomputed counts are checked against the workload's placements, not the arm's own inputs."""
-    import kmesh.child
+    import kmesh.harness.child
 
-    real = kmesh.child.restored_chunks
-    monkeypatch.setattr(kmesh.child, "restored_chunks", lambda child, restored: real(child, restored)[1:])
+    real = kmesh.harness.child.restored_chunks
+    monkeypatch.setattr(kmesh.harness.child, "restored_chunks", lambda child, restored: real(child, restored)[1:])
     res = Result("equivalence", "test", provenance={})
     monkeypatch.setitem(setup.sec, "rag", _one_child({"children": 1, "pairs": 1, "warmup": 0}))
     rag.rag_cases(res, setup)

@@ -1,11 +1,11 @@
 """kmesh.reference.addressing against byte offsets worked out by hand, so the reference the synthetic stage
-trusts is itself checked without kmesh.layout; then (only as a cross-check) against kmesh.layout's views."""
+trusts is itself checked without kmesh.kv.layout; then (only as a cross-check) against kmesh.kv.layout's views."""
 import itertools
 
 import pytest
 import torch
 
-from kmesh.layout import KVLayout
+from kmesh.kv.layout import KVLayout
 from kmesh.reference import addressing as ref
 
 # paged, float32 (4 bytes), L=2 B=3 H=2 N=4, K and V 2 channels each: a cell is 4 channels = 16 bytes.
@@ -122,7 +122,7 @@ def test_every_byte_of_every_cell_is_addressed_exactly_once(lay):
 
 @pytest.mark.parametrize("lay", list(_small_layouts()), ids=lambda l: f"{l.packing}-{l.order}-{l.dtype}")
 def test_read_and_mask_agree_with_vllm_style_layer_views(lay):
-    # Cross-check only: kmesh.layout's per-layer views (vLLM's split) and the reference name the same bytes.
+    # Cross-check only: kmesh.kv.layout's per-layer views (vLLM's split) and the reference name the same bytes.
     g = torch.Generator().manual_seed(1)
     raw = torch.randint(0, 256, (lay.nbytes + 8,), dtype=torch.uint8, generator=g)
     slots = torch.randperm(lay.num_slots, generator=g)[:11]

@@ -1,5 +1,5 @@
 """kmesh.reference.rotary on its own terms (hand-worked rotations, the published band edges and factors,
-correctly rounded float32 steps), then against transformers' rope init functions and kmesh.rope."""
+correctly rounded float32 steps), then against transformers' rope init functions and kmesh.kv.rope."""
 import math
 from decimal import Decimal, getcontext
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kmesh.reference import rotary as ref
-from kmesh.rope import RopeConfig, rotate
+from kmesh.kv.rope import RopeConfig, rotate
 from kmesh.stages.synthetic import ACCURACY_ROPES, ROPES, rope_for
 
 
@@ -141,7 +141,7 @@ def test_ulp_distance():
 
 
 def test_measure_accuracy_takes_its_ground_truth_from_the_reference():
-    from kmesh.rope import measure_accuracy
+    from kmesh.kv.rope import measure_accuracy
 
     rope = RopeConfig(64, 64, 1e6, "neox", None, 32768)
     honest = measure_accuracy(rope, torch.float32, 32768, 64, seed=0,

@@ -12,9 +12,9 @@ import pytest
 
 from kmesh.service import descriptor
 from kmesh.service.errors import ObjectMissingError, RemoteReadError
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 from kmesh.service.remotetier import RemoteRejectedError, verify_image
-from kmesh.service.worker import pattern, sha
+from kmesh.harness.worker import pattern, sha
 from kmesh.storage import objfile, remote
 
 pytestmark = pytest.mark.remote

@@ -1,15 +1,15 @@
-"""kmesh.restore: round trips against float64 references, every bad-input error (and that it writes nothing),
+"""kmesh.kv.restore: round trips against float64 references, every bad-input error (and that it writes nothing),
 and — on a GPU — the restore_rope kernel against the torch path, byte for byte."""
 import numpy as np
 import pytest
 import torch
 
-from kmesh.layout import KVLayout, quantize
-from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
+from kmesh.kv.layout import KVLayout, quantize
+from kmesh.kv.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
                            HeadCountError, HeadDimError, KVSegment, LayerRangeError, MisalignedDestinationError,
                            NonContiguousDestinationError, PositionError, RestoreError, ScaleMismatchError,
                            SegmentError, SlotError, SlotRangeError, capture, plan_restore, restore)
-from kmesh.rope import RopeConfig, RopeRangeError, rotate
+from kmesh.kv.rope import RopeConfig, RopeRangeError, rotate
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)
 

@@ -1,18 +1,18 @@
-"""kmesh.restore_gather: a restore planned on the host equals capture + kmesh.restore byte for byte, refuses
+"""kmesh.kv.gather: a restore planned on the host equals capture + kmesh.kv.restore byte for byte, refuses
 exactly what they refuse (same exception types, nothing written), and — on a GPU — runs as one launch that reads
 the rows in place, without a single host synchronisation."""
 import numpy as np
 import pytest
 import torch
 
-from kmesh.layout import KVLayout
-from kmesh.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
+from kmesh.kv.layout import KVLayout
+from kmesh.kv.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
                            HeadCountError, HeadDimError, LayerRangeError, NonContiguousDestinationError,
                            PositionError, RestoreError, ScaleMismatchError, SegmentError, SlotError, SlotRangeError,
                            capture, plan_restore)
-from kmesh.restore_gather import clear_plan_cache, gather_supported, plan_gather
-import kmesh.restore_gather as rg
-from kmesh.rope import RopeConfig, RopeRangeError
+from kmesh.kv.gather import clear_plan_cache, gather_supported, plan_gather
+import kmesh.kv.gather as rg
+from kmesh.kv.rope import RopeConfig, RopeRangeError
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)
 SRC = KVLayout.paged("BLNHC", 2, 6, 16, 2, 64, "bfloat16")     # an export buffer's order

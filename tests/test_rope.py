@@ -1,4 +1,4 @@
-"""kmesh.rope: shifting cached keys equals fresh rotation at the new position.
+"""kmesh.kv.rope: shifting cached keys equals fresh rotation at the new position.
 
 References are independent of the code under test: a float64 complex-number rotation written here
 (pairs as complex numbers times e^{i·p·ω}), and, under the `vllm` marker, vLLM 0.32's own get_rope
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kmesh.errors import KMeshError
-from kmesh.rope import (
+from kmesh.kv.rope import (
     RopeConfig,
     RopeError,
     RopeRangeError,
@@ -48,7 +48,7 @@ CONFIGS = {
 
 
 def ref_rotate(x: torch.Tensor, pos: torch.Tensor, rope: RopeConfig, mscale: float = 1.0) -> torch.Tensor:
-    """float64 rotation through complex numbers: a second code path, not kmesh.rope's."""
+    """float64 rotation through complex numbers: a second code path, not kmesh.kv.rope's."""
     x = x.to(torch.float64)
     rd, half = rope.rotary_dim, rope.rotary_dim // 2
     xr = x[..., :rd]
@@ -511,7 +511,7 @@ def test_tables_match_vllm(name, vllm_get_rope):
         angle32 = rows.float()[:, None] * w.float()[None, :]
     slack = torch.zeros_like(angle32, dtype=torch.float64)
     if rope.scaling_type in ("llama3", "yarn"):
-        # Not bit for bit here, by design: kmesh.rope forms the llama3/yarn blend in float64 from the published
+        # Not bit for bit here, by design: kmesh.kv.rope forms the llama3/yarn blend in float64 from the published
         # formulas and rounds once; vLLM's float32 chain (its own operation order, which we do not copy) can
         # land one float32 ulp away on blended channels. Allowed: <= 1 ulp per channel, and in the table
         # exactly the angle difference that ulp makes through vLLM's float32 angle formation.

@@ -1,4 +1,4 @@
-"""What a child checks each segment with on arrival (kmesh.segments.arrival_digest): the catalog names the algorithm,
+"""What a child checks each segment with on arrival (kmesh.kv.digests.arrival_digest): the catalog names the algorithm,
 the leader records the digest, stage_entry recomputes it where the staged bytes lie and refuses a changed byte.
 blake3 is the `blake3` package's digest on the host (and kmesh.integrity.gpu's, equal to it, on a GPU)."""
 from __future__ import annotations
@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from kmesh.model.runner import LayerRunner
-from kmesh.segments import (InProcessSegments, SegmentCorruptError, SegmentExportError, arrival_digest,
-                            export_segments, stage_segments)
+from kmesh.harness.leader import export_segments
+from kmesh.kv.digests import arrival_digest
+from kmesh.kv.errors import SegmentCorruptError, SegmentExportError
+from kmesh.kv.load import stage_segments
+from kmesh.kv.sources import InProcessSegments
 from test_segments_unaligned import BS, PREFIX, unaligned_workload
 from tiny_llama import tiny_llama
 
@@ -73,7 +76,7 @@ def test_blake3_on_the_gpu_equals_the_package(leader):
 def test_every_export_of_a_setup_uses_its_arrival_digest(leader):
     """The TTFT cases export a leader per prompt length: each must record the stage's arrival digest (on the H200
     run they recorded sha256 while the stage's own export recorded blake3, and every child hashed on the host)."""
-    from kmesh.modelsetup import ModelSetup
+    from kmesh.harness.modelsetup import ModelSetup
 
     runner, cache, workload = leader
     setup = ModelSetup(None, {}, torch.device("cpu"), None, "tiny", None, runner, workload,

@@ -19,16 +19,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.child import ChildContext, full_reference, run_child
+from kmesh.harness.child import ChildContext, full_reference, run_child
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import LayerRunner
-from kmesh.restore import capture, restore
-from kmesh.segments import (InProcessSegments, SegmentCatalogError, SegmentOversizeError, SegmentSizeError,
-                            SegmentTruncatedError, ServiceSegments, copy_private, export_segments, restore_child,
-                            segment_nbytes, stage_segments)
+from kmesh.kv.restore import capture, restore
+from kmesh.harness.child import restore_child
+from kmesh.harness.leader import export_segments
+from kmesh.kv.catalog import segment_nbytes
+from kmesh.kv.errors import SegmentCatalogError, SegmentOversizeError, SegmentSizeError, SegmentTruncatedError
+from kmesh.kv.load import copy_private, stage_segments
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.transfer.engine import TransferEngine
-from kmesh.workload import Child, Placement, Segment, Workload, WorkloadSpec
+from kmesh.harness.workload import Child, Placement, Segment, Workload, WorkloadSpec
 from tiny_llama import tiny_llama
 
 BS = 16
@@ -208,13 +211,13 @@ def test_in_process_object_of_the_wrong_size_refused_before_a_byte_lands(env, de
 # --- through a real cache service ------------------------------------------------------------------------------
 
 def _service():
-    from kmesh.service.harness import Harness
+    from kmesh.harness.service import Harness
 
     return Harness(device="cpu", heartbeat_timeout_s=30, chunk_bytes=65536)
 
 
 def test_service_unaligned_segments_and_wrong_size_objects(env):
-    from kmesh.service_side import ServiceSide
+    from kmesh.harness.service_side import ServiceSide
 
     ex, cat = env.export, env.export.catalog
     e0, e1 = cat.entries
@@ -277,7 +280,7 @@ def test_service_unaligned_segments_and_wrong_size_objects(env):
 # --- the workload builder's (block-multiple) segments: unchanged ------------------------------------------------
 
 def test_builder_workload_exports_as_before_and_runs(env):
-    from kmesh.workload import ByteTokenizer, build
+    from kmesh.harness.workload import ByteTokenizer, build
 
     w = build(ByteTokenizer(vocab_size=300), 0, WorkloadSpec(prompt_tokens=400, segment_tokens=(80, 96, 112),
                                                             children=1, block_size=BS))

@@ -9,9 +9,9 @@ import pytest
 
 from kmesh.service import descriptor
 from kmesh.service.errors import NotAuthorizedError
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 from kmesh.service.process import ADMIN_TOKEN_NAME
-from kmesh.service.worker import pattern, sha
+from kmesh.harness.worker import pattern, sha
 
 LAYOUT = descriptor.example(num_blocks=4)
 N = descriptor.nbytes(LAYOUT)

@@ -21,8 +21,8 @@ import pytest
 
 from kmesh.service import descriptor
 from kmesh.service.errors import ServiceError
-from kmesh.service.harness import Harness
-from kmesh.service.worker import Worker, pattern, sha
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import Worker, pattern, sha
 
 SEED = 7
 CYCLES = 500   # ~19 s on the 2-core machine; the reliability stage carries the long runs

@@ -14,8 +14,8 @@ import torch
 
 from kmesh.service import descriptor
 from kmesh.service.errors import DiskReadError, ShuttingDownError
-from kmesh.service.harness import Harness
-from kmesh.service.worker import pattern, sha
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import pattern, sha
 from kmesh.storage import objfile
 
 LAYOUT = descriptor.example(num_blocks=4)

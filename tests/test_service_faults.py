@@ -14,8 +14,8 @@ import pytest
 
 from kmesh.service import descriptor
 from kmesh.service.errors import ObjectMissingError, WaitTimeoutError
-from kmesh.service.harness import Harness
-from kmesh.service.worker import pattern, sha
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import pattern, sha
 
 LAYOUT = descriptor.example(num_blocks=2)
 N = descriptor.nbytes(LAYOUT)

@@ -23,9 +23,9 @@ import pytest
 from kmesh.service import descriptor
 from kmesh.service.errors import ERRORS_BY_CODE
 from kmesh.service.handles import HostBuffer, send_frame
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 from kmesh.service.protocol import HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, OPS
-from kmesh.service.worker import pattern, sha
+from kmesh.harness.worker import pattern, sha
 
 SEED = 20261130
 LAYOUT = descriptor.example(num_blocks=4)

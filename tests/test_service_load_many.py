@@ -1,6 +1,6 @@
 """load_many (kmesh.service.protocol): a child's segment loads in one request whose reply waits for the copies,
 against a real cache service process; what it stops at (a refusal, an original being read back) and how
-kmesh.segments.ServiceSegments goes on from there."""
+kmesh.kv.sources.ServiceSegments goes on from there."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from kmesh.model.runner import LayerRunner
-from kmesh.segments import ServiceSegments, export_segments, prepare_staging, stage_entry
-from kmesh.service.harness import Harness
-from kmesh.service_side import ServiceSide
-from kmesh.workload import ByteTokenizer, RagSpec, build_rag
+from kmesh.harness.leader import export_segments
+from kmesh.kv.load import prepare_staging, stage_entry
+from kmesh.kv.sources import ServiceSegments
+from kmesh.harness.service import Harness
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import ByteTokenizer, RagSpec, build_rag
 from tiny_llama import tiny_llama
 
 SPEC = RagSpec(chunks=4, chunk_tokens=96, prompt_tokens=512, children=1, block_size=16, leader_preamble_tokens=16,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kmesh.service import descriptor
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 
 LAYOUT = descriptor.example(num_blocks=4096)
 N = descriptor.nbytes(LAYOUT)

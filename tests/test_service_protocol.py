@@ -209,7 +209,7 @@ def test_descriptor_refuses_bad_fields(change: dict, field: str) -> None:
 
 
 def test_descriptor_is_a_kvlayout() -> None:
-    from kmesh.layout import KVLayout
+    from kmesh.kv.layout import KVLayout
 
     d = descriptor.validate(descriptor.example(num_blocks=3))
     assert d == KVLayout.paged("LBHNC", 2, 3, 16, 2, 64, "bfloat16").to_dict()

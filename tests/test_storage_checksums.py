@@ -149,8 +149,8 @@ def _cuda_setup(tmp_path):
 def test_gpu_arms_exact_bytes_and_refuse_corrupt(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    from kmesh.child import run_child
-    from kmesh.segments import InProcessSegments
+    from kmesh.harness.child import run_child
+    from kmesh.kv.sources import InProcessSegments
 
     s = _cuda_setup(tmp_path)
     sets = sc.save_sets(s.export, tmp_path / "sets", ["sha256", "sha256-tree", "blake3"], 1 << 20, 65536)

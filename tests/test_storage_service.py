@@ -10,7 +10,7 @@ from kmesh.service import descriptor
 from kmesh.service.client import ServiceClient
 from kmesh.service.errors import ObjectMissingError
 from kmesh.service.handles import HostBuffer
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 from kmesh.storage import objfile
 
 LAYOUT = descriptor.example(num_blocks=4)

@@ -1,5 +1,5 @@
 """The storage stage's parts, and the whole stage, on a tiny seeded Qwen2 (CPU): object files as a segment source
-for kmesh.child.run_child, the timed route flow against the in-process reference, bad files → recompute, the
+for kmesh.harness.child.run_child, the timed route flow against the in-process reference, bad files → recompute, the
 arrival check's complemented objects, read-once vs forced eviction read counts.
 
 Model: model.qwen2_random shrunk to 2 layers, hidden 64, 2 KV heads of 16 channels, vocab 300 (ByteTokenizer);
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.child import full_reference, run_child
+from kmesh.harness.child import full_reference, run_child
 from kmesh.config import load_config
 from kmesh.model.quality import compare_states, identical
-from kmesh.segments import InProcessSegments
+from kmesh.kv.sources import InProcessSegments
 from kmesh.stages import storage
 from kmesh.stages.storage import controls, readonce, stage
 from kmesh.stages.storage.child import route_restore, timed_child
@@ -161,8 +161,8 @@ def test_whole_stage_tiny(tmp_path):
 
 
 def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
-    from kmesh.child import new_cache
-    from kmesh.segments import restore_child
+    from kmesh.harness.child import new_cache
+    from kmesh.harness.child import restore_child
     from kmesh.stages.storage.pipeline import pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 
@@ -191,8 +191,8 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
 def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant):
     """Every check placement writes exactly what restore_child writes from the export; a flipped payload byte is
     refused before use (ObjectCorruptError), with nothing pending and no hold left, however many hashers run."""
-    from kmesh.child import new_cache
-    from kmesh.segments import restore_child
+    from kmesh.harness.child import new_cache
+    from kmesh.harness.child import restore_child
     from kmesh.stages.storage.pipeline import parse_variant, pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 
@@ -242,7 +242,7 @@ def test_pipeline_variant_names_and_misuse():
 
 
 def test_pipeline_refuses_objects_of_another_algorithm_and_a_missing_device_landing(setup):
-    from kmesh.child import new_cache
+    from kmesh.harness.child import new_cache
     from kmesh.stages.storage.pipeline import PipelineVariantError, parse_variant, pipelined_restore
     from kmesh.storage.errors import ObjectAlgorithmError
 

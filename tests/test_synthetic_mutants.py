@@ -26,8 +26,8 @@ import sys
 sys.modules['vllm'] = None   # vLLM absent: the stage's own references must catch the bug
 import torch
 import kmesh.cli
-import kmesh.layout
-import kmesh.rope
+import kmesh.kv.layout
+import kmesh.kv.rope
 """
 
 # Slot-addressing bugs that stay in bounds (so nothing crashes; on the code before issue 8 the stage passed
@@ -37,29 +37,29 @@ SLOT_MUTATIONS = {
 def split_slots(self, slots):
     # bug: the offset one further on, wrapping inside its block
     return torch.div(slots, self.block_size, rounding_mode='floor'), torch.remainder(slots + 1, self.block_size)
-kmesh.layout.KVLayout.split_slots = split_slots
+kmesh.kv.layout.KVLayout.split_slots = split_slots
 """,
     "next_slot_wrapping": """
 def split_slots(self, slots):
     # bug: slot + 1 (mod the cache's slots)
     s = (slots + 1) % (self.num_blocks * self.block_size)
     return torch.div(s, self.block_size, rounding_mode='floor'), torch.remainder(s, self.block_size)
-kmesh.layout.KVLayout.split_slots = split_slots
+kmesh.kv.layout.KVLayout.split_slots = split_slots
 """,
 }
 
-# RoPE direction: sin -> -sin inside kmesh.rope.apply_rotation, planted in the function's own code object so
+# RoPE direction: sin -> -sin inside kmesh.kv.rope.apply_rotation, planted in the function's own code object so
 # every caller (rope.rotate, rope.shift, restore's torch path) runs it. Before issue 8 the stage passed all
 # 47 cases with it: the cached keys and the float64 reference were made by the same reversed rotation.
 ROTATION_MUTATION = """
 import inspect, textwrap
-src = textwrap.dedent(inspect.getsource(kmesh.rope.apply_rotation))
+src = textwrap.dedent(inspect.getsource(kmesh.kv.rope.apply_rotation))
 line = 's = sin.to(math_dtype).reshape(view)'
 assert src.count(line) == 1, 'mutation target not found in apply_rotation'
 ns = {}
-exec(compile(src.replace(line, 's = -sin.to(math_dtype).reshape(view)'), kmesh.rope.__file__, 'exec'),
-     kmesh.rope.__dict__, ns)
-kmesh.rope.apply_rotation.__code__ = ns['apply_rotation'].__code__
+exec(compile(src.replace(line, 's = -sin.to(math_dtype).reshape(view)'), kmesh.kv.rope.__file__, 'exec'),
+     kmesh.kv.rope.__dict__, ns)
+kmesh.kv.rope.apply_rotation.__code__ = ns['apply_rotation'].__code__
 """
 
 

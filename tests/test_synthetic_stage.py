@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kmesh.config import load_config
-from kmesh.restore import plan_restore, restore
+from kmesh.kv.restore import plan_restore, restore
 from kmesh.result import Result
 from kmesh.stages import synthetic as syn
 
@@ -158,19 +158,19 @@ def test_slot_addressing_bug_in_the_layout_itself_is_caught(monkeypatch, arrange
 
 
 def _reversed_apply_rotation_code():
-    # kmesh.rope.apply_rotation with sin -> -sin, as a code object (so restore's imported name runs it too)
+    # kmesh.kv.rope.apply_rotation with sin -> -sin, as a code object (so restore's imported name runs it too)
     import inspect
     import textwrap
 
-    import kmesh.rope
+    import kmesh.kv.rope
 
-    src = textwrap.dedent(inspect.getsource(kmesh.rope.apply_rotation))
+    src = textwrap.dedent(inspect.getsource(kmesh.kv.rope.apply_rotation))
     line = "s = sin.to(math_dtype).reshape(view)"
     assert src.count(line) == 1
     ns = {}
-    exec(compile(src.replace(line, "s = -sin.to(math_dtype).reshape(view)"), kmesh.rope.__file__, "exec"),
-         kmesh.rope.__dict__, ns)
-    return kmesh.rope.apply_rotation, ns["apply_rotation"].__code__
+    exec(compile(src.replace(line, "s = -sin.to(math_dtype).reshape(view)"), kmesh.kv.rope.__file__, "exec"),
+         kmesh.kv.rope.__dict__, ns)
+    return kmesh.kv.rope.apply_rotation, ns["apply_rotation"].__code__
 
 
 @pytest.mark.parametrize("rope", ["neox", "gptj", "yarn"])

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from kmesh import shm
+from kmesh.transfer import shm
 from kmesh.transfer import (BufferHeldError, ChunkGate, CompletionCheckError, DrainRefusedError,
                             DrainTimeoutError, EngineClosedError, FaultPlan, HolderAliveError, SharedLedger,
                             SubmitError, TransferArgumentError, TransferEngine, TransferError)
@@ -278,7 +278,7 @@ def test_segment_views_pin_the_mapping_and_leaks_are_counted():
 
 _CHILD = textwrap.dedent("""
     import sys, torch
-    from kmesh import shm
+    from kmesh.transfer import shm
     from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, TransferEngine
     ledger = SharedLedger.attach(sys.argv[1])
     seg = shm.Segment.attach(sys.argv[2])

@@ -2,7 +2,7 @@
 ttft-<T> case pairs the full arm with the child's real path — a real cache service process, each object's digest
 checked on arrival, private copy, restore, repair — whose state equals the repair-only arm's bit for bit and whose
 parts are present and nested; the checks can fail (a service holding other bytes is refused by the digest check,
-a repair-only state that differs is caught). run_child's own path is the same function (kmesh.child).
+a repair-only state that differs is caught). run_child's own path is the same function (kmesh.harness.child).
 
 Model and workload as tests/test_equivalence_parts.py (tiny random Llama, 2 children of 352 tokens, 3 segments of
 80). ~20 s on CPU (two real services, one per prompt length).
@@ -16,16 +16,19 @@ import pytest
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.child import ChildContext, prefill_from_segments, run_child
+from kmesh.harness.child import ChildContext, prefill_from_segments, run_child
 from kmesh.model.blend import RepairConfig, blend
 from kmesh.model.runner import LayerRunner
-from kmesh.modelsetup import ModelSetup, leader_prefill
+from kmesh.harness.modelsetup import ModelSetup, leader_prefill
 from kmesh.result import Result
-from kmesh.segments import Export, InProcessSegments, SegmentCorruptError, restore_child
+from kmesh.harness.child import restore_child
+from kmesh.harness.leader import Export
+from kmesh.kv.errors import SegmentCorruptError
+from kmesh.kv.sources import InProcessSegments
 from kmesh.stages.equivalence import endtoend
 from kmesh.stages.equivalence.ttft import ttft_cases
 from kmesh.transfer.engine import TransferEngine
-from kmesh.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from prefill_spy import PrefillLog
 from tiny_llama import tiny_llama
 

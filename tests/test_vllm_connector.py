@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, Record, RecordError, namespace, parse_spans, prefix_keys,
-                                segment_key, token_digest)
+from kmesh.kv.keys import namespace, prefix_keys, segment_key, token_digest
+from kmesh.kv.record import KIND_PREFIX, KIND_SEGMENT, Record, RecordError
+from kmesh.vllm.plans import parse_spans
 
 MAX_NEW = 8
 
@@ -153,7 +154,7 @@ def test_scheduler_saved_keys_bounded_and_no_resave_of_a_recent_prefix():
     supplied, saved = _step(conn, store, {"t1": twin, "t2": twin})
     assert supplied == {"t1": 0, "t2": 0} and len(saved) == 2 == len(set(saved))
     # the service evicted block 1 of a recently saved prefix: the lookup misses it, so it is saved again
-    from kmesh.vllm.objects import prefix_keys
+    from kmesh.kv.keys import prefix_keys
 
     k0, k1 = prefix_keys(conn.ns, prompts[-1], BS_SCHED, 2)
     assert k1 in conn._saved_keys
@@ -237,17 +238,22 @@ def test_negative_control_scheduler_saves_nothing_and_names_the_fault():
     assert report["kmesh"]["negative_control"] == "skip_write" and report["kmesh"]["req_id"] == "c2"
 
 
-def _worker(extra: dict):
-    """The connector's worker side over a small paged engine cache (random contents) and a load window holding
-    the payload of one verified block (no service)."""
+def _worker(extra: dict, monkeypatch):
+    """The connector's worker side over a small paged engine cache (random contents), a load window, and a source
+    standing in for the service that holds one stored block whose record vouches for it (no service)."""
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kmesh.layout import KVLayout
-    from kmesh.rope import RopeConfig
+    from kmesh.kv.keys import token_digest
+    from kmesh.kv.layout import KVLayout
+    from kmesh.kv.record import KIND_PREFIX, Record
+    from kmesh.kv.rope import RopeConfig
+    from kmesh.kv.sources import InProcessSegments
+    from kmesh.sources.digest import sha256_tensor
+    from kmesh.vllm import loads
     from kmesh.vllm.arrangement import EngineCache, staging_layout
     from kmesh.vllm.connector import KMeshConnector
 
@@ -256,29 +262,32 @@ def _worker(extra: dict):
     raw = torch.randn(layout.nbytes // 4, generator=torch.Generator().manual_seed(0)).view(torch.uint8)
     conn.engine = EngineCache(raw, layout, ("l.0.a", "l.1.a"), "TEST")
     conn.rope = RopeConfig(8, 8, 10000.0, "neox", None, 4096)
-    window = SimpleNamespace(layout=staging_layout(layout, conn.staging_blocks))
-    window.tensor = torch.randn(window.layout.nbytes // 4, generator=torch.Generator().manual_seed(1)).view(
-        torch.uint8)
+    window = SimpleNamespace(layout=staging_layout(layout, conn.staging_blocks), ref=None)
+    window.tensor = torch.zeros(window.layout.nbytes, dtype=torch.uint8)
+    block = window.layout.byte_strides["B"]
+    payload = torch.randn(block // 4, generator=torch.Generator().manual_seed(1)).view(torch.uint8)
+    tokens = tuple(range(BS_SCHED))
+    record = Record(KIND_PREFIX, BS_SCHED, 0, block, bytes.fromhex(sha256_tensor(payload)), token_digest(tokens))
     conn._window = lambda name: window
-    conn._fetch = lambda item, offset_blocks=0: window.tensor           # every block verified
-    return conn, raw
+    monkeypatch.setattr(loads, "ServiceSegments",
+                        lambda link, reg, timeout_s=0: InProcessSegments(None, {b"k": payload}))
+    return conn, raw, record, tokens
 
 
-def test_negative_control_skip_write_leaves_the_engine_blocks_untouched():
+def test_negative_control_skip_write_leaves_the_engine_blocks_untouched(monkeypatch):
     """The honest worker writes a loaded prefix block into the request's engine block; the control's does
     everything else but not that write (so the engine reads whatever its blocks held)."""
-    pytest.importorskip("vllm")                     # kmesh.vllm.plans builds on vLLM's connector metadata
     from kmesh.vllm.plans import Item, LoadPlan
 
     def load(extra):
-        conn, raw = _worker(extra)
+        conn, raw, record, tokens = _worker(extra, monkeypatch)
         before = raw.clone()
-        plan = LoadPlan("r", "prefix", BS_SCHED, 0, [Item(b"k", None, 0, tuple(range(BS_SCHED)))], block_ids=[3, 1])
+        plan = LoadPlan("r", "prefix", BS_SCHED, 0, [Item(b"k", record, 0, tokens)], block_ids=[3, 1])
         conn._load_prefix(plan)
         return conn, before, raw
 
     honest, before, raw = load({})
-    assert not raw.equal(before) and honest.stats["loaded_blocks"] == 1
+    assert not raw.equal(before) and honest.stats["loaded_blocks"] == 1 and honest.stats["load_errors"] == 0
     liar, before, raw = load({"negative_control": "skip_write"})
     assert raw.equal(before) and liar.stats["loaded_blocks"] == 1 and liar.stats["writes_skipped"] == 1
     assert liar.describe()["negative_control"] == "skip_write" and honest.describe()["negative_control"] is None
@@ -681,8 +690,8 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.model.blend import RepairConfig
     from kmesh.stages.vllm import prompts as vp
     from kmesh.vllm import outputs as vo
-    from kmesh.vllm.repair import load_runner
-    from kmesh.workload import HFTokenizer, WorkloadSpec, build
+    from kmesh.vllm.repair_model import load_runner
+    from kmesh.harness.workload import HFTokenizer, WorkloadSpec, build
 
     wl = build(HFTokenizer(rig["tok"]), 0, WorkloadSpec(prompt_tokens=320, segment_tokens=(96, 64), children=1))
     lead = rig["kmesh"].generate([list(wl.leader_ids)], 1, params=[{"kmesh_save_segments": vo.save_spans(wl)}])[0]
@@ -702,8 +711,9 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.stages.vllm.stored import stored_segments
 
     st = rig["kmesh"].stats()
-    placed = stored_segments(str(rig["sp"].socket_path), st, ch.ids, vo.child_spans(ch), end)
-    ours = vp.runner_repair(load_runner(model_dir), ch.ids, placed, end, RepairConfig(), MAX_NEW)
+    runner = load_runner(model_dir)
+    span = stored_segments(str(rig["sp"].socket_path), st, ch.ids, vo.child_spans(ch), end, runner.rope)
+    ours = vp.runner_repair(runner, ch.ids, span, end, RepairConfig(), MAX_NEW)
     agree = vo.agreement(got, ours)
     assert agree.tokens_equal and agree.steps_compared == len(got["tokens"]), (got["tokens"], ours.tokens)
     assert agree.within(1e-3), agree          # measured ~2e-5; KV not written (skip_write) gives > 1 nat

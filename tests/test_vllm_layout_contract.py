@@ -3,7 +3,7 @@
 For every arrangement the cache is built the way vLLM builds it (VllmConfig with the resolved layout,
 get_kv_cache_config_from_groups, allocate_kv_cache — the helpers the CPU engine's model runner calls),
 then, bit for bit:
-  forward  KMesh writes known tokens (kmesh.restore, no shift: bytes are copied) -> read back through
+  forward  KMesh writes known tokens (kmesh.kv.restore, no shift: bytes are copied) -> read back through
            vLLM's own interpretation (the K/V split its attention backends apply to the layer view);
   reverse  vLLM writes the tokens (its cache writer where one runs on CPU: the CPU attention backend's
            do_kv_cache_update, the CPU MLA writer; else through its split views) -> KMesh reads (capture).
@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.layout import ORDERS, KVLayout, dequantize, quantize, storage_bytes
-from kmesh.restore import KVSegment, capture, restore
-from kmesh.rope import RopeConfig
+from kmesh.kv.layout import ORDERS, KVLayout, dequantize, quantize, storage_bytes
+from kmesh.kv.restore import KVSegment, capture, restore
+from kmesh.kv.rope import RopeConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -299,7 +299,7 @@ def test_cpu_attention_kernel_reads_what_kmesh_wrote(dtype):
     refuses the ISA vLLM picks (bfloat16 on AMX), the refusal is what is checked."""
     from vllm import _custom_ops as ops
 
-    from kmesh.rope import rotate
+    from kmesh.kv.rope import rotate
 
     v, cpu = _vllm(), _cpu_backend()
     H, Hq, D, N, S = 2, 4, 64, 32, 75

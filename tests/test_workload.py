@@ -3,7 +3,7 @@
 import pytest
 
 from kmesh.errors import KMeshError
-from kmesh.workload import (ByteTokenizer, HFTokenizer, RagSpec, Workload, WorkloadError, WorkloadSpec,
+from kmesh.harness.workload import (ByteTokenizer, HFTokenizer, RagSpec, Workload, WorkloadError, WorkloadSpec,
                             answer_matches, build, build_rag)
 from smollm2_model import converted
 

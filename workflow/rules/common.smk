@@ -28,31 +28,29 @@ STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equ
 # (and what depends on it) and nothing else. A stage's own module or folder is always one (stage_code).
 # The cache service: its modules and the remote tier's store client it loads (kmesh.service.remotetier).
 SERVICE_CODE = ["service/*.py", "zygote.py", "storage/errors.py", "storage/remote.py", "storage/remote_agent.py",
-                "storage/objfile.py", "integrity/*.py"]
-# What a child request runs on (kmesh.child and below, the cache service it loads from): the model stages share it.
-CHILD_CODE = ["model/*.py", "workload.py", "segments.py", "child.py", "layout.py", "rope.py", "restore.py",
-              "restore_gather.py", "restore_errors.py", "cuda/*.py", *SERVICE_CODE, "transfer/*.py", "shm.py",
-              "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
+                "storage/objfile.py", "integrity/*.py", "transfer/*.py"]
+# A saved segment's round trip (kmesh.kv: layouts, restore, records, the service link, the load step, the repair entry).
+KV_CODE = ["kv/*.py", "cuda/*.py", "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
+# What a child request runs on (the harness's children, the model, the kv package, the cache service they load from):
+# the model stages share it.
+CHILD_CODE = ["model/*.py", "harness/*.py", *KV_CODE, *SERVICE_CODE]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],
     "model": ["model/*.py", "sources/__init__.py", "sources/digest.py"],
-    "synthetic": ["layout.py", "rope.py", "restore.py", "restore_errors.py", "reference/*.py", "cuda/*.py",
-                  "vllm/*.py"],
-    "drain": ["transfer/*.py", "shm.py"],
-    "ownership": [*SERVICE_CODE, "transfer/*.py", "shm.py", "layout.py"],
-    "equivalence": [*CHILD_CODE, "modelsetup.py", "service_side.py", "frontier.py"],
+    "synthetic": [*KV_CODE, "reference/*.py", "vllm/*.py"],
+    "drain": ["transfer/*.py"],
+    "ownership": [*SERVICE_CODE, "harness/service.py", "harness/worker.py", "kv/layout.py"],
+    "equivalence": [*CHILD_CODE, "vllm/*.py"],
     "integrity": ["integrity/*.py", "cuda/*.py"],
-    "group": [*CHILD_CODE, "modelsetup.py", "service_side.py"],
-    "storage": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
-    "remote": [*CHILD_CODE, "storage/*.py", "modelsetup.py", "service_side.py"],
-    "restore_bench": ["layout.py", "rope.py", "restore.py", "restore_gather.py", "restore_errors.py", "cuda/*.py"],
-    "vllm": [*CHILD_CODE, "modelsetup.py", "vllm/*.py"],
-    "peers": ["vllm/*.py", *SERVICE_CODE, "transfer/*.py", "shm.py", "workload.py", "model/*.py", "layout.py",
-              "rope.py", "restore.py", "restore_errors.py", "segments.py", "integrity/*.py", "cuda/*.py",
-              "sources/__init__.py", "sources/digest.py"],
-    "reliability": ["reliability/*.py", *SERVICE_CODE, "storage/*.py", "vllm/*.py", "model/*.py", "shm.py",
-                    "transfer/*.py", "integrity/*.py", "layout.py", "sources/__init__.py", "sources/digest.py"],
+    "group": CHILD_CODE,
+    "storage": [*CHILD_CODE, "storage/*.py"],
+    "remote": [*CHILD_CODE, "storage/*.py"],
+    "restore_bench": KV_CODE,
+    "vllm": [*CHILD_CODE, "vllm/*.py"],
+    "peers": [*CHILD_CODE, "vllm/*.py"],
+    "reliability": ["reliability/*.py", *SERVICE_CODE, "harness/*.py", "storage/*.py", "vllm/*.py", "model/*.py",
+                    *KV_CODE],
     "report": ["report/*.py"],
 }
 

@@ -1,4 +1,4 @@
-"""Launch kernels/restore_rope.cu for a validated `kmesh.restore.RestorePlan` (same semantics as its torch path).
+"""Launch kernels/restore_rope.cu for a validated `kmesh.kv.restore.RestorePlan` (same semantics as its torch path).
 
 The plan has already checked shapes, slots, positions and dtypes; this checks what only the kernel needs
 (CUDA tensors on one device, int32-sized grids) and picks the 16-byte vector path (entry restore_rope_<type>,
@@ -18,14 +18,14 @@ import torch
 from kmesh.cuda.loader import KernelLoadError, extra_flags, get_function
 
 if TYPE_CHECKING:
-    from kmesh.layout import KVLayout
-    from kmesh.restore import RestorePlan
+    from kmesh.kv.layout import KVLayout
+    from kmesh.kv.restore import RestorePlan
 
 KERNEL = "restore_rope"
 ENTRY = {"float32": "restore_rope_f32", "float16": "restore_rope_f16", "bfloat16": "restore_rope_bf16",
          "fp8_e4m3": "restore_rope_e4m3", "fp8_e5m2": "restore_rope_e5m2"}
 ELEMENT_SUFFIX = "_elem"
-GATHER_SUFFIX = "_gather"   # the vector path reading a paged source in place (kmesh.restore_gather)
+GATHER_SUFFIX = "_gather"   # the vector path reading a paged source in place (kmesh.kv.gather)
 ELEMENT_THREADS = 256
 CHUNK_BYTES = 16   # copy chunk of the vector path (rotary chunks: RESTORE_ROT_CHUNK / RESTORE_FP8_ROT_CHUNK)
 DEFAULT_TUNABLES = {"RESTORE_THREADS": 256, "RESTORE_G": 1, "RESTORE_ROT_CHUNK": 8, "RESTORE_FP8_ROT_CHUNK": 8,
@@ -176,7 +176,7 @@ def _stream(device: torch.device) -> Any:
 def token_ranges(plan: "RestorePlan", fast: bool) -> list[tuple[int, int, tuple[int, int, int]]]:
     """(first token, tokens, grid) of each launch. The vector path numbers its units with 32-bit ints, so a
     restore of >= 2^31 units runs as several launches over token ranges; the element path is one launch."""
-    from kmesh.restore_errors import RestoreError
+    from kmesh.kv.errors import RestoreError
 
     grid, _, items = launch_shape(plan, fast)
     T, L, H = source_of(plan).rows
@@ -231,7 +231,7 @@ def kernel_args(plan: "RestorePlan", src: Source, slots: torch.Tensor, moved: to
 
 def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, Any]:
     """Run the kernel for `plan`; returns the launch it made (entry point, path, grid, block)."""
-    from kmesh.restore_errors import DeviceMismatchError, RestoreError
+    from kmesh.kv.errors import DeviceMismatchError, RestoreError
 
     dev = plan.flat.device
     if dev.type != "cuda":
@@ -249,7 +249,7 @@ def launch_restore(plan: "RestorePlan", force_slow: bool = False) -> dict[str, A
         tensors = [k, plan.slots, plan.cos, plan.sin] + ([v] if v is not None else [])
     if any(t.device != dev for t in tensors):
         raise DeviceMismatchError(f"every restore input must be on {dev}")
-    # A GatherPlan's tables are kept per geometry (kmesh.restore_gather): so is its launch, per buffer pair
+    # A GatherPlan's tables are kept per geometry (kmesh.kv.gather): so is its launch, per buffer pair
     memo = getattr(plan, "launch_memo", None)
     mkey = (plan.flat.data_ptr(), plan.src_flat.data_ptr(), force_slow, tuple(extra_flags())) \
         if memo is not None else None
@@ -282,7 +282,7 @@ _NOTHING = object()   # a restore of no rows: nothing to launch
 
 def _make_launch(plan: Any, k: torch.Tensor | None, v: torch.Tensor | None, force_slow: bool) -> Any:
     """(entry point, block, [(grid, kernel args)] per token range, launch info) for a checked plan."""
-    from kmesh.restore_errors import RestoreError
+    from kmesh.kv.errors import RestoreError
 
     lay = plan.layout
     src = source_of(plan, k, v)

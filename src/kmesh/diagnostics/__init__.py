@@ -1,7 +1,7 @@
 """Measurement diagnostics: one module per question a stage's numbers raised, run as
 `python -m kmesh diagnose <name> [args]` (`python -m kmesh diagnose` lists them, `... <name> --help` shows a
 diagnostic's options). Each module's docstring says what it measures and how to read its output; each has
-`main(argv) -> int`. They measure on the package's own setups (kmesh.modelsetup), never on a stage module, and
+`main(argv) -> int`. They measure on the package's own setups (kmesh.harness.modelsetup), never on a stage module, and
 most need a CUDA GPU: without one they stop with a DiagnosticError saying so.
 
 The list is read from this package's files (a module whose name starts with `_` is a helper, not a diagnostic),

@@ -14,9 +14,9 @@ import torch
 from kmesh import provenance
 from kmesh.config import PROFILES, Config, find_root, load_config, parse_overrides
 from kmesh.diagnostics import DiagnosticError
-from kmesh.modelsetup import ModelSetup
-from kmesh.segments import Export
-from kmesh.workload import Child, Workload, build
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.leader import Export
+from kmesh.harness.workload import Child, Workload, build
 
 
 def require_cuda(diagnostic: str) -> None:

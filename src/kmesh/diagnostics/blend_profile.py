@@ -1,7 +1,7 @@
 """Where the time of one child's prefill goes, per arm (full / repair), at 4k and 16k tokens (GPU).
 
 For each prompt length the equivalence workload is scaled to it, the leader prefilled and child A restored
-(kmesh.segments.restore_child, cuda backend). Per arm: 2 eager warm-up blends, then torch.profiler (CUDA activity)
+(kmesh.harness.child.restore_child, cuda backend). Per arm: 2 eager warm-up blends, then torch.profiler (CUDA activity)
 over 3 eager blends, then the same blend as one CUDA graph (kmesh.model.graphs) replayed 10 times.
 
 Output (JSON, --out; printed as well), one entry `<T>_<arm>`: kernel_ms_sum (all CUDA kernel time per blend, ms),
@@ -20,8 +20,8 @@ from kmesh.diagnostics._common import (ScaledLeader, load, parser, require_cuda,
                                       write_json)
 from kmesh.model.blend import blend
 from kmesh.model.graphs import GraphedBlend
-from kmesh.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
-from kmesh.segments import restore_child
+from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
+from kmesh.harness.child import restore_child
 
 PROMPT_TOKENS = (4096, 16384)
 PROFILED = 3       # eager blends inside the profiler, per arm

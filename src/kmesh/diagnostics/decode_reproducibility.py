@@ -3,7 +3,7 @@
 Seven full recomputes of one child (default C) through the layer-wise runner, each followed by `--steps` greedy
 decode steps: runs 0-1 on a quiet device, runs 2-4 while a service process runs (started as the equivalence
 stage starts it: on a GPU, another process's CUDA context), runs 5-6 after it stopped. Kernels are made
-deterministic first (kmesh.modelsetup.deterministic_kernels), as the equivalence stage makes them.
+deterministic first (kmesh.harness.modelsetup.deterministic_kernels), as the equivalence stage makes them.
 
 Output, one line per run: `<run> token_div <i> first_logits_neq_step <j> [top3 ...]`. token_div is the first
 generated token that differs from run 0's (None: every token equal); first_logits_neq_step the first step whose
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from kmesh.child import new_cache
+from kmesh.harness.child import new_cache
 from kmesh.diagnostics import DiagnosticError
 from kmesh.diagnostics._common import load, parser, require_cuda
 from kmesh.model.blend import blend
-from kmesh.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
-from kmesh.service.harness import Harness
-from kmesh.workload import Child
+from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
+from kmesh.harness.service import Harness
+from kmesh.harness.workload import Child
 
 
 def recompute_and_decode(setup: ModelSetup, child: Child, steps: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -3,7 +3,7 @@
     git show fbfb82f:kernels/restore_rope.cu > scratch/restore_rope_old.cu        # here; scratch/ travels untracked
     python -m kmesh diagnose kernel_pair --old-source scratch/restore_rope_old.cu --out $OUT/kernel_pair.json
 
-Both sources are compiled for sm_90 and launched on the same validated plan (kmesh.restore), bf16, the qwen05b and
+Both sources are compiled for sm_90 and launched on the same validated plan (kmesh.kv.restore), bf16, the qwen05b and
 mha-large shapes of restore_bench (24 × 8192 × 2 × 64 and 32 × 4096 × 8 × 128: a segment saved at 0..T-1, restored at
 +1000 into blocks scattered by a seeded block table); the outputs are compared byte for byte first. Then 2 warm-up
 and 15 kept pairs, order alternating, each interval 20 launches timed by CUDA events after a queued GPU sleep (the
@@ -27,9 +27,9 @@ SHIFT, REPS, PAIRS, WARMUP, SLEEP_CYCLES = 1000, 20, 15, 2, 20_000_000
 
 
 def _plan(layers: int, tokens: int, heads: int, dim: int, seed: int):
-    from kmesh.layout import KVLayout
-    from kmesh.restore import KVSegment, plan_restore
-    from kmesh.rope import RopeConfig
+    from kmesh.kv.layout import KVLayout
+    from kmesh.kv.restore import KVSegment, plan_restore
+    from kmesh.kv.rope import RopeConfig
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks = (tokens + SHIFT + 15) // 16 + 8

@@ -2,8 +2,8 @@
 
 The equivalence workload (cuda profile model) scaled to each prompt length, the leader prefilled; for child A,
 each part timed alone with CUDA events (median of 15 after 3 warm-ups): capture (the gather of the child's
-segments out of the private copy, kmesh.restore.capture), plan (plan_restore: validation, shift tables), the
-write of a made plan per backend (torch, cuda), and kmesh.segments.restore_child end to end per backend.
+segments out of the private copy, kmesh.kv.restore.capture), plan (plan_restore: validation, shift tables), the
+write of a made plan per backend (torch, cuda), and kmesh.harness.child.restore_child end to end per backend.
 
 Output (JSON, --out; printed as well), per prompt length: tokens_restored, segment_bytes, capture_ms, plan_ms,
 write_torch_ms, write_cuda_ms, restore_child_torch_ms, restore_child_cuda_ms, and backends_bytes_equal (the two
@@ -19,9 +19,9 @@ import torch
 
 from kmesh.diagnostics._common import (ScaledLeader, load, parser, require_cuda, scaled_leaders, timed,
                                       write_json)
-from kmesh.modelsetup import ModelSetup, equivalence_setup
-from kmesh.restore import capture, plan_restore
-from kmesh.segments import restore_child
+from kmesh.harness.modelsetup import ModelSetup, equivalence_setup
+from kmesh.kv.restore import capture, plan_restore
+from kmesh.harness.child import restore_child
 
 PROMPT_TOKENS = (4096, 16384)
 timed15 = functools.partial(timed, reps=15)

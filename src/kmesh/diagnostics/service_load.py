@@ -5,7 +5,7 @@ measured, for the 16k RAG child (60 segments, 189 MB), a service load of 17.6 ms
 8.0 ms, more than the repair itself. This diagnostic takes the equivalence stage's
 setup (`--profile`, default cuda) and its RAG workload (`equivalence.rag.workload`; the 16k variant with `--set
 equivalence.rag.workload.chunks=60 --set equivalence.rag.workload.prompt_tokens=16384`), exports the leader, saves
-its segments into a real cache service (kmesh.service_side.ServiceSide, its gate opened for good as the end-to-end
+its segments into a real cache service (kmesh.harness.service_side.ServiceSide, its gate opened for good as the end-to-end
 arm's) and registers one child staging buffer. Arms, every round each, the order reversed from round to round
 (kmesh.bench.rotate), warm-up rounds discarded; host wall-clock from a synchronised start to the end of the call
 (a child waits on the host for these anyway):
@@ -16,7 +16,7 @@ arm's) and registers one child staging buffer. Arms, every round each, the order
                    for the last: `accept_ms` is the first part alone
   host-floor       the same objects' bytes, in pinned host tensors of this process, copied into the staging spans
                    on one side stream, one synchronise (what the copies cost without the service)
-  private-each     kmesh.segments.copy_private_each staging -> private (the segments submitted as one batch, the
+  private-each     kmesh.kv.load.copy_private_each staging -> private (the segments submitted as one batch, the
                    adjacent ones joined into one copy and ticket; one drain): the end-to-end arm's `private-copy`
   private-one-by-one  the same copies submitted one by one (engine.submit per segment, one drain): the path
                    before copy_private_each batched its submits (TransferEngine.submit_many)
@@ -46,11 +46,13 @@ import torch
 from kmesh.bench import rotate
 from kmesh.diagnostics import DiagnosticError
 from kmesh.diagnostics._common import load, parser, write_json
-from kmesh.modelsetup import equivalence_setup
-from kmesh.segments import Export, ServiceSegments, copy_private_each, load_entry
-from kmesh.service_side import ServiceSide
+from kmesh.harness.modelsetup import equivalence_setup
+from kmesh.harness.leader import Export
+from kmesh.kv.load import copy_private_each, load_entry
+from kmesh.kv.sources import ServiceSegments
+from kmesh.harness.service_side import ServiceSide
 from kmesh.transfer import TransferEngine
-from kmesh.workload import RagSpec, build_rag
+from kmesh.harness.workload import RagSpec, build_rag
 
 ARMS = ("load-many", "load-accept", "host-floor", "private-each", "private-one-by-one", "private-floor")
 FLOOR_OF = {"load-many": "host-floor", "load-accept": "host-floor", "private-each": "private-floor",

@@ -1,7 +1,7 @@
 """KMesh repair: our own implementation of CacheBlend's selective recomputation, plus the controls it is
 compared with, all through one layer-wise runner (kmesh.model.runner).
 
-A request's cache holds restored K/V (already moved to the new positions by kmesh.restore) at the positions
+A request's cache holds restored K/V (already moved to the new positions by kmesh.kv.restore) at the positions
 `restored` marks; every other position has no data. `blend()` prefills the request layer by layer:
 
 repair  layers before the first check layer: every position recomputed (their inputs differ from the

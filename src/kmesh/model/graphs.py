@@ -2,7 +2,7 @@
 
 GraphedBlend: one request's whole prefill (blend). blend() has no host synchronisation inside its layer loop
 (kmesh.model.blend), so with its plan made beforehand the whole loop is capturable. The graph reads the cache
-and ids it was captured with: a caller writes new restored state into that same cache (kmesh.restore) and
+and ids it was captured with: a caller writes new restored state into that same cache (kmesh.kv.restore) and
 replays. GraphedRun: any such callable (the group stage's arms: restore + prefill of every member).
 `verify_against_eager` runs the eager path on the same inputs and compares bit for bit — a graph is only timed
 after it matched.

@@ -55,8 +55,8 @@ from torch.nn.utils.rnn import pad_sequence
 from kmesh.model.blend import BlendPlan, BlendResult, BlendState, RepairConfig, deviation, pick, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.restore import KVSegment
-from kmesh.rope import apply_rotation, shift_tables
+from kmesh.kv.restore import KVSegment
+from kmesh.kv.rope import apply_rotation, shift_tables
 
 
 class MemberFailure(ModelError):
@@ -98,7 +98,7 @@ class LayerwiseRestore:
     """Every member's restored inputs, moved to the member's positions one layer at a time, all members'
     placements in one rotation per layer (the batched RoPE adjustment of the shared segments).
 
-    Same math as kmesh.restore's torch path: one rotation by (new − old)·ω from tables computed in float64
+    Same math as kmesh.kv.restore's torch path: one rotation by (new − old)·ω from tables computed in float64
     from the original positions, elementwise in float32; tokens that do not move and values are copied.
     Memory: it holds one copy of every member's restored inputs (all layers) until the group is done — the
     price of writing them layer by layer (a serial restore writes all layers up front and frees its copy)."""

@@ -6,7 +6,7 @@ runner calls the checkpoint's own modules (projections, norms, MLP, rotary table
 does the rest itself:
 
     runner = LayerRunner(model)
-    cache = runner.new_cache(capacity)                 # a paged LBNHC KV cache (kmesh.layout), slot = position
+    cache = runner.new_cache(capacity)                 # a paged LBNHC KV cache (kmesh.kv.layout), slot = position
     h = runner.embed(ids)                              # [n, hidden]
     q, k, v = runner.qkv(layer, h, positions)          # post-RoPE, [n, heads, D]
     cache.write(layer, positions, k, v)
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kmesh.layout import KVLayout
+from kmesh.kv.layout import KVLayout
 from kmesh.model.errors import ModelError
 from kmesh.model.layer_step import LAYER_STEPS, CompiledSteps, rope
-from kmesh.rope import RopeConfig
+from kmesh.kv.rope import RopeConfig
 
 MaskKind = Literal["position", "bottom_right"]
 AttentionKind = Literal["auto", "sdpa", "triton"]
@@ -45,7 +45,7 @@ _TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 class KVCache:
     """One request's private K/V: a paged LBNHC cache (K|V packed per token) with slot = position.
 
-    `raw` is the byte buffer kmesh.restore writes into; `k[l]` / `v[l]` are [slots, heads, D] views of it,
+    `raw` is the byte buffer kmesh.kv.restore writes into; `k[l]` / `v[l]` are [slots, heads, D] views of it,
     so what restore wrote is exactly what attention reads.
     """
 
@@ -65,7 +65,7 @@ class KVCache:
     def write_distinct(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """write() for slots the caller knows are distinct (a blend's active positions, by construction): each
         slot is written once, so the plain scatter is exact whatever its order, and it runs without the
-        deterministic mode's index sort (kmesh.modelsetup.deterministic_kernels turns that mode on; on the H200 the
+        deterministic mode's index sort (kmesh.harness.modelsetup.deterministic_kernels turns that mode on; on the H200 the
         sort, its fills and bound checks were ~0.6 ms of a 4k repair's 8 ms, two calls a layer)."""
         with _plain_scatter():
             self.k[layer][slots] = k
@@ -212,7 +212,7 @@ class LayerRunner:
     # -- state -------------------------------------------------------------------------------------------
     @property
     def dtype_name(self) -> str:
-        """The model dtype as a kmesh.layout dtype name (what its caches hold)."""
+        """The model dtype as a kmesh.kv.layout dtype name (what its caches hold)."""
         return _TORCH_DTYPE[self.dtype]
 
     def cache_layout(self, capacity: int, block_size: int = 16) -> KVLayout:

@@ -1,6 +1,6 @@
 """Where a K/V element of a paged KV cache lives, computed from first principles.
 
-An independent check of `kmesh.layout`: it reads only a layout's data fields (packing, order, sizes,
+An independent check of `kmesh.kv.layout`: it reads only a layout's data fields (packing, order, sizes,
 dtype name, offset, layer_stride / block_stride overrides) and never calls its methods, so a bug in
 `KVLayout.split_slots`, its strides or its vLLM-style views cannot hide here too.
 

@@ -1,8 +1,8 @@
 """Rotary position embedding from the published formulas, as complex numbers in float64.
 
-An independent reference for kmesh.rope: it reads only a rope's data fields (rotary_dim, theta, style,
+An independent reference for kmesh.kv.rope: it reads only a rope's data fields (rotary_dim, theta, style,
 scaling, max_position) and computes its own frequencies and yarn attention factor, so a bug in
-kmesh.rope (a reversed angle, a wrong pairing, a wrong blend) cannot also be in the reference.
+kmesh.kv.rope (a reversed angle, a wrong pairing, a wrong blend) cannot also be in the reference.
 
 Rotation (Su et al., RoFormer 2021): channel pair i of a key is the complex number z_i = x_a + i·x_b,
 with pairs (i, i + d/2) ("neox", GPT-NeoX / Llama) or (2i, 2i + 1) ("gptj"); at position p it becomes
@@ -180,7 +180,7 @@ def rotate_complex(x: torch.Tensor, positions: torch.Tensor, omega: torch.Tensor
 
 def fresh_rotation(x: torch.Tensor, positions: torch.Tensor, rope: Any) -> torch.Tensor:
     """How the engine rotates a new key at `positions` (attention factor included), in float64, for a rope
-    described by the fields of a kmesh.rope.RopeConfig (rotary_dim, theta, style, scaling, max_position)."""
+    described by the fields of a kmesh.kv.rope.RopeConfig (rotary_dim, theta, style, scaling, max_position)."""
     omega = frequencies(rope.rotary_dim, rope.theta, rope.scaling, rope.max_position)
     return rotate_complex(x, positions, omega, rope.style, attention_factor(rope.scaling))
 

@@ -31,7 +31,7 @@ from kmesh.service import descriptor
 from kmesh.service.errors import (NotOwnerError, ObjectExistsError, ObjectMissingError, RegistrationClosedError,
                                   ServiceError, StaleGenerationError)
 from kmesh.service.handles import HostBuffer
-from kmesh.service.worker import pattern
+from kmesh.harness.worker import pattern
 
 
 class FuzzDivergence(KMeshError, AssertionError):

@@ -197,10 +197,10 @@ def draw_dag(path: Path, rules_dir: Path = RULES_DIR) -> Path:
 
 # The data path of one shared segment, left to right (what docs/data-path.svg shows; README links it).
 _PATH_BOXES = (
-    ("leader", "leader (model process)\nprefill, then export:\none object per shared segment\nkmesh.segments"),
+    ("leader", "leader (model process)\nprefill, then export:\none object per shared segment\nkmesh.harness.leader"),
     ("service", "cache service (own process)\nshared originals:\nRAM tier over disk tier\nkmesh.service"),
     ("child", "child request\nload into its staging memory,\nverify digest, private copy,\n"
-              "restore + RoPE shift, repair\nkmesh.child, kmesh.restore"),
+              "restore + RoPE shift, repair\nkmesh.child, kmesh.kv.restore"),
     ("engine", "engine: vLLM 0.32\nKMeshConnector writes\nthe K/V into vLLM's\npaged cache; vLLM decodes\n"
                "kmesh.vllm.connector"),
 )

@@ -13,7 +13,7 @@ Admin ops (shutdown, evict, retain/unretain, status("all"), listing all clients'
 `admin_token=` (read from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every reply fits in
 one frame: status() assembles its lists from pages (`list` op), so it works however large the store grows.
 Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
-the service validates them (kmesh.service.descriptor), so a client need not import kmesh.layout.
+the service validates them (kmesh.service.descriptor), so a client need not import kmesh.kv.layout.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The layout a client registers with its memory: a kmesh.layout.KVLayout, carried as its to_dict() form.
+"""The layout a client registers with its memory: a kmesh.kv.layout.KVLayout, carried as its to_dict() form.
 
 The service needs four things from a layout, all answered by KVLayout behind these functions:
   - `validate(d)`  -> the canonical dict (every field type-checked here, then KVLayout's own checks; unknown
@@ -9,7 +9,7 @@ The service needs four things from a layout, all answered by KVLayout behind the
     re-created with another layout cannot use the old registration);
   - `geometry_digest(d)` -> identity of the per-block geometry (everything but the number of blocks and the
     strides that follow from it): an original saved under one layout loads only into the same geometry.
-kmesh.layout (and so torch) is imported lazily: clients build and send the dict without importing either.
+kmesh.kv.layout (and so torch) is imported lazily: clients build and send the dict without importing either.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _typed(name: str, kind: str, v: Any) -> None:
 
 
 def _layout(d: dict[str, Any]) -> Any:
-    from kmesh.layout import KVLayout, LayoutError
+    from kmesh.kv.layout import KVLayout, LayoutError
 
     try:
         return KVLayout.from_dict(d)

@@ -2,7 +2,7 @@
 
 CPU: a memfd, sealed against shrink/grow, passed with SCM_RIGHTS. The seal is what makes mapping a client's
 memory safe for the service: an unsealed file could be truncated under the service's mapping (SIGBUS).
-The service maps it with kmesh.shm.Segment; `HostBuffer` is the client's side of the same memfd and is
+The service maps it with kmesh.transfer.shm.Segment; `HostBuffer` is the client's side of the same memfd and is
 torch-free on purpose (a worker that only holds host memory need not pay torch's 2 s import).
 
 GPU: a CUDA IPC handle (cuIpcGetMemHandle) of the allocation that contains the client's tensor, plus the
@@ -310,10 +310,10 @@ class CudaIpcTable:
 
 
 class MappedMemfd:
-    """Service side: a checked memfd mapped through kmesh.shm.Segment; `tensor` covers [0, nbytes)."""
+    """Service side: a checked memfd mapped through kmesh.transfer.shm.Segment; `tensor` covers [0, nbytes)."""
 
     def __init__(self, fd: int, nbytes: int) -> None:
-        from kmesh.shm import Segment
+        from kmesh.transfer.shm import Segment
 
         try:
             self.tag = check_memfd(fd, nbytes)
@@ -324,6 +324,6 @@ class MappedMemfd:
         self.tensor: Any = self.segment.tensor()[:nbytes]
 
     def close(self) -> None:
-        """Unmap; raises kmesh.shm.SegmentBusyError (and keeps the mapping) while any view is alive."""
+        """Unmap; raises kmesh.transfer.shm.SegmentBusyError (and keeps the mapping) while any view is alive."""
         self.tensor = None
         self.segment.close()

@@ -104,7 +104,7 @@ class AdminOps:
         return {"items": page, "next": nxt, "version": st.version}
 
     def health(self) -> dict[str, Any]:
-        from kmesh.shm import mapped_shm
+        from kmesh.transfer.shm import mapped_shm
 
         st = self.state
         violations = st.registry.violations()

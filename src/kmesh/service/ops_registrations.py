@@ -20,7 +20,7 @@ from kmesh.service.jobs import CopyRunner
 from kmesh.service.protocol import VERSION, Request
 from kmesh.service.registry import Client, Registration, State
 from kmesh.service.state import FAULT_TICK_CLIENT, Conn, Replies, ServiceState
-from kmesh.shm import SegmentBusyError
+from kmesh.transfer.shm import SegmentBusyError
 
 log = logging.getLogger("kmesh.service")
 

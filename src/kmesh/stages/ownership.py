@@ -1,7 +1,7 @@
 """Stage `ownership` (write-up §22): cross-process ownership of shared state by the cache service.
 
-Every case runs against a real service process and real client processes (kmesh.service.worker), steered
-through kmesh.service.harness: copies are paced chunk by chunk through a gate the stage controls, so "a copy
+Every case runs against a real service process and real client processes (kmesh.harness.worker), steered
+through kmesh.harness.service: copies are paced chunk by chunk through a gate the stage controls, so "a copy
 is in flight" is arranged, then checked, never assumed. Contents are deterministic patterns the stage
 computes itself (`pattern(seed, n)`), so every data check compares against an independent reference.
 
@@ -38,8 +38,8 @@ from kmesh.result import Case, Result
 from kmesh.service import descriptor
 from kmesh.service.errors import ServiceError
 from kmesh.service.handles import HostBuffer
-from kmesh.service.harness import Harness
-from kmesh.service.worker import Worker, pattern, sha
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import Worker, pattern, sha
 
 BLOCKS = 8  # registration = one object: 2 layers x 8 blocks x 2 heads x 16 tokens x 128 ch x bf16 = 128 KiB
 LAYOUT = descriptor.example(num_blocks=BLOCKS)

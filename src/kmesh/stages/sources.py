@@ -16,7 +16,7 @@ For each distribution in `sources.distributions`:
                     afresh: the lock re-read from disk, the sha256 of each file recomputed, the installed
                     version from importlib.metadata, the unpacked sources counted (pins_disagreements)
 
-Which file: the lock (kmesh.tools.lock) pins the file pip resolves for the wheel target, i.e. a wheel.
+Which file: the lock (kmesh.devtools.lock) pins the file pip resolves for the wheel target, i.e. a wheel.
 No sdist of either pin downloads without a build (checked 2026-11-30, see SDIST_CHECKED), and a wheel
 carries the Python sources anyway.
 """

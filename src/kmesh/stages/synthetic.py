@@ -11,7 +11,7 @@ positions (float64, then rounded to the cache dtype), and checks:
                                 padding, guard bytes before/after the layout) equals the poison
   (d) unrotated_channels_identical  key channels outside the rotary range are the segment's bytes
 The cached keys and k_ref both come from kmesh.reference.rotary (complex-number rotation, frequencies
-from the published formulas), never from kmesh.rope, so only the restore under test uses kmesh.rope's
+from the published formulas), never from kmesh.kv.rope, so only the restore under test uses kmesh.kv.rope's
 shift; case rope-reference-frequencies proves the reference's ω equal kmesh's bit for bit for every
 rope variant used (else a float32 case could not be judged: 1 ulp of ω × 300 positions exceeds its bound).
 Read-back, the canary mask and the expected destination byte count go through kmesh.reference.addressing
@@ -33,12 +33,12 @@ import torch
 
 from kmesh.config import Config
 from kmesh.errors import StageError
-from kmesh.layout import KVLayout, dequantize, quantize
+from kmesh.kv.layout import KVLayout, dequantize, quantize
 from kmesh.reference import addressing
 from kmesh.reference import rotary as rotary_ref
-from kmesh.restore import KVSegment, plan_restore, restore
+from kmesh.kv.restore import KVSegment, plan_restore, restore
 from kmesh.result import Case, Result
-from kmesh.rope import RopeConfig
+from kmesh.kv.rope import RopeConfig
 
 ARRANGEMENTS = ("paged:LBHNC", "paged:LBNHC", "paged:LHBNC", "paged:BLHNC", "paged:BLNHC", "paged:BHLNC",
                 "cpu:LBHNC", "mla:LBNHC", "mla:BLHNC")
@@ -268,7 +268,7 @@ ACCURACY_MAX_POS = 32768
 
 
 def frequency_case(res: Result) -> None:
-    """The reference's ω and attention factor equal kmesh.rope's, bit for bit, for every rope the stage uses
+    """The reference's ω and attention factor equal kmesh.kv.rope's, bit for bit, for every rope the stage uses
     (the restore cases judge kmesh's float32 shift against the reference: an ω off by one float32 ulp times a
     shift of ~300 positions would already exceed their bound)."""
     used = {f"{name}-d{dim}": rope_for(name, dim) for name in ROPES for dim in sorted({HEAD_DIM, ROPE_DIM})}
@@ -296,8 +296,8 @@ def _accuracy_rope(theta: float) -> RopeConfig:
 def rope_accuracy_cases(res: Result, seed: int, device: str) -> None:
     """Shift accuracy against float64 (issue §21, recorded): fp32 ≤ 1e-5 relative up to 32k; bf16 no worse than
     a fresh bf16 rotation (vLLM's own where vLLM is installed, else KMesh's) + one bf16 rounding. The float64
-    ground truth is kmesh.reference.rotary, never kmesh.rope."""
-    from kmesh.rope import measure_accuracy
+    ground truth is kmesh.reference.rotary, never kmesh.kv.rope."""
+    from kmesh.kv.rope import measure_accuracy
     from kmesh.vllm import available as vllm_available
 
     for index, (name, theta) in enumerate(ACCURACY_ROPES.items()):

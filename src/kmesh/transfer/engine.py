@@ -395,7 +395,7 @@ class TransferEngine:
             return
         for span, role in ((src, "src"), (dst, "dst")):
             if span.device == "cpu":
-                from kmesh.shm import segment_at
+                from kmesh.transfer.shm import segment_at
 
                 hit = segment_at(span.start, max(span.end - span.start, 1))
                 if hit is not None:

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from kmesh.shm import Segment
+from kmesh.transfer.shm import Segment
 from kmesh.transfer.errors import HolderAliveError, TransferArgumentError
 
 MAGIC = 0x4B4D4C4544474552  # "KMLEDGER"

@@ -3,7 +3,7 @@
 vLLM gives `register_kv_caches` one tensor per attention layer. Which packing those bytes follow depends on the
 attention backend that reads them (the CPU backend keeps a K plane then a V plane per (block, head); the GPU
 backends pack [K|V] per token), so the packing comes from the layer's backend and the order, strides and
-offsets from the tensors (kmesh.layout.KVLayout.from_layer_views). Anything else — a backend we have not
+offsets from the tensors (kmesh.kv.layout.KVLayout.from_layer_views). Anything else — a backend we have not
 checked, MLA latents, fp8 caches, views that disagree with the model's heads or head size — is refused here,
 at registration, with the reason: loading into an arrangement we only think we understand would be silent
 garbage.
@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from kmesh.errors import KMeshError
-from kmesh.layout import KVLayout, LayoutError, storage_bytes
+from kmesh.kv.layout import KVLayout, LayoutError, storage_bytes
 
 # Backends whose reading of the layer view tests/test_vllm_layout_contract.py checks against vLLM's sources.
 BACKEND_PACKING = {"CPU_ATTN": "cpu", "FLASH_ATTN": "paged", "TRITON_ATTN": "paged", "FLEX_ATTENTION": "paged"}

@@ -6,20 +6,21 @@
         "kv_connector_extra_config": {"socket": "/run/user/1000/kmesh/kmesh.sock"}})
 
 Scheduler side (engine-core process): for each new request, how many leading prompt tokens KMesh supplies.
-  prefix    full blocks whose chain key has a committed record (kmesh.vllm.objects) — exact reuse;
+  prefix    full blocks whose chain key has a committed record (kmesh.kv.keys, kmesh.kv.record) — exact reuse;
   interior  the request names shared segments (kv_transfer_params {"kmesh_segments": [[a, b], ...]}); the span
-            up to the end of the last one found is claimed and repaired (kmesh.vllm.repair).
+            up to the end of the last one found is claimed and repaired (kmesh.kv.repair).
   Lookups read only the 256-byte records. The count and what was loaded come back to the caller in the
   request output's kv_transfer_params["kmesh"], with the engine's request id (req_id: what the worker's repair
   records carry, so a caller matches them to its outputs). Prefix blocks already stored or planned are not saved again
   (kmesh.vllm.recent: an LRU of `saved_keys` keys, default 16384; a key whose record a lookup misses is
   forgotten, so an evicted block is saved again).
 Worker side: detects the engine's arrangement from the caches vLLM registers (kmesh.vllm.arrangement; a clear
-  ArrangementError for one it does not understand), registers windows in that geometry with the service,
-  loads payloads, checks size and sha256 against the record, and writes them into the request's blocks with
-  kmesh.restore (a failed block is reported through get_block_ids_with_load_errors: vLLM recomputes from it,
-  with kv_load_failure_policy="recompute"). save_kv_layer copies each layer of the blocks to save into the
-  save window; wait_for_save stores payload, then record. shutdown closes every registration.
+  ArrangementError for one it does not understand), registers windows in that geometry with the service
+  (kmesh.kv.link, the one link every KMesh process uses), and loads payloads with kmesh.kv's load step — the
+  harness's children run the same one (kmesh.vllm.loads): each payload's size and digest checked against its
+  record, the verified ones restored into the request's blocks (a failed block is reported through
+  get_block_ids_with_load_errors: vLLM recomputes from it, with kv_load_failure_policy="recompute").
+  save_kv_layer copies each layer of the blocks to save into the save window; wait_for_save stores payload, then record. shutdown closes every registration.
 Service down: no crash, one warning, the engine computes everything.
 CPU ISA refused: where vLLM's CPU attention backend packs the caches for an ISA KMesh does not address ("amx":
   a bfloat16 model on a CPU with AMX tiles; kmesh.vllm.arrangement), both sides know it from the start (vLLM's
@@ -41,6 +42,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,15 +50,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from kmesh.errors import ConfigError
-from kmesh.restore import capture, restore
-from kmesh.rope import RopeConfig
+from kmesh.kv.errors import LinkUnavailable, SegmentSaveError
+from kmesh.kv.keys import is_segment_key, namespace, prefix_keys, record_key, segment_key, token_digest
+from kmesh.kv.link import ServiceLink, shared_link
+from kmesh.kv.load import Destination
+from kmesh.kv.record import KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record
+from kmesh.kv.restore import capture, restore
+from kmesh.kv.rope import RopeConfig
 from kmesh.sources.digest import sha256_tensor
 from kmesh.vllm import arrangement as arr
+from kmesh.vllm import loads
 from kmesh.vllm.controls import NEGATIVE_CONTROL, NEGATIVE_CONTROL_FAULTS
-from kmesh.vllm.link import LinkUnavailable, LoadFailed, ObjectMissing, ServiceLink, shared_link
-from kmesh.vllm.objects import (KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record, RecordError, namespace,
-                                prefix_keys, record_key, segment_key)
-from kmesh.vllm.plans import Item, KMeshMetadata, LoadPlan, SavePlan, parse_spans, slots_of
+from kmesh.vllm.plans import Item, LoadPlan, SavePlan, parse_spans, slots_of
 from kmesh.vllm.recent import RecentKeys
 
 if TYPE_CHECKING:
@@ -68,6 +73,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kmesh.vllm")
+
+
+@dataclass
+class KMeshMetadata(KVConnectorMetadata):
+    """One step's plans, handed from the scheduler side to the worker side."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
 
 
 
@@ -145,13 +158,11 @@ class KMeshConnector(KVConnectorBase_V1):
                 _warn_refused(self.refused)
         socket = extra.get("socket")
         if self.refused is not None:
-            self.link = ServiceLink("", "kmesh-vllm")
-            self.link.closed = True
+            self.link = ServiceLink.off()
         elif socket:
             self.link = shared_link(str(socket), float(extra.get("timeout_s", 30.0)), float(extra.get("retry_s", 5.0)))
         else:
-            self.link = ServiceLink("", "kmesh-vllm")
-            self.link.closed = True
+            self.link = ServiceLink.off()
             log.warning("kmesh: kv_connector_extra_config has no 'socket'; KMesh supplies nothing")
         self.stats: dict[str, Any] = {"pid": os.getpid(), "loaded_blocks": 0, "load_errors": 0, "saved": 0,
                                       "save_skipped": 0, "repairs": [], "seconds": {}}
@@ -193,16 +204,11 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def _read_record(self, key: bytes) -> Record | None:
         """The committed record of payload `key`, or None (missing / not ours)."""
-        w = self._window("records")
-        w.tensor[:RECORD_BYTES].zero_()            # a load that wrote nothing cannot pass as a record
-        try:
-            n = self.link.load(w, record_key(key), 0)
-            return Record.unpack(bytes(w.tensor[:n].numpy()))
-        except ObjectMissing:
-            return None
-        except (LoadFailed, RecordError) as e:
-            log.warning("kmesh: record of %r unusable: %s", key, e)
-            return None
+        return loads.read_record(self.link, self._window("records"), key)
+
+    def _part(self, name: str) -> Any:
+        """The load step's parts under the connector's names (stage = fetch + verify; fetch = the service's copies)."""
+        return self._timed({"load": "fetch"}.get(name, name))
 
     def describe(self) -> dict[str, Any]:
         """Counters + the link's state (for the stage and tests, through the engine process)."""
@@ -420,82 +426,44 @@ class KMeshConnector(KVConnectorBase_V1):
         self._load_errors.update(ids)
         self.stats["load_errors"] += len(ids)
 
-    def _fetch(self, item: Item, offset_blocks: int = 0) -> torch.Tensor | None:
-        """Load one payload into the load window and check it against its record; its bytes, or None."""
-        w = self._window("load")
-        rec = item.record
-        nblocks = math.ceil(rec.tokens / self.block_size)
-        off, n = offset_blocks * self._block_bytes, nblocks * self._block_bytes
-        if off + n > w.layout.nbytes:
-            log.warning("kmesh: payload %r (%d blocks) exceeds the %d-block staging window", item.key, nblocks,
-                        self.staging_blocks)
-            return None
-        region = w.tensor[off:off + n]
-        region.fill_(0xA5)                          # poison: a copy that wrote nothing fails the digest
-        try:
-            with self._timed("fetch"):
-                got = self.link.load(w, item.key, off)
-        except (ObjectMissing, LoadFailed) as e:
-            log.warning("kmesh: payload %r not loaded: %s", item.key, e)
-            return None
-        with self._timed("verify"):
-            ok = got == rec.nbytes == n and bytes.fromhex(sha256_tensor(region)) == rec.sha256
-        if not ok:
-            log.warning("kmesh: payload %r is corrupt (size %d, record says %d / sha256 differs); not used",
-                        item.key, got, rec.nbytes)
-            return None
-        return region
+    def _scratch(self, num_tokens: int) -> Destination:
+        """Where the negative control "skip_write" restores instead of the engine's blocks (slot = position)."""
+        span = loads.new_span(self.engine.layout, num_tokens)
+        return Destination(span.raw, span.layout, self.rope)
 
     def _load_prefix(self, plan: LoadPlan) -> None:
-        """Blocks in window-sized chunks: fetch + verify each, then ONE capture + restore per chunk. A block that
-        fails ends the plan there: the verified blocks before it are restored, the rest reported."""
-        bs, W = self.block_size, self.staging_blocks
-        for c0 in range(0, len(plan.items), W):
-            chunk = plan.items[c0:c0 + W]
-            good = 0
-            for j, it in enumerate(chunk):
-                if self._fetch(it, offset_blocks=j) is None:
-                    break
-                good += 1
-            if good:
-                w = self._window("load")
-                # the claimed positions only: a partly supplied last block leaves the engine's own slots to it
-                n = min(good * bs, plan.num_tokens - chunk[0].start)
-                pos = torch.arange(chunk[0].start, chunk[0].start + n)
-                with self._timed("restore"):
-                    seg = capture(w.tensor, w.layout, torch.arange(n), pos)
-                    if self._writes_engine():
-                        restore(self.engine.raw, self.engine.layout, seg, slots_of(plan.block_ids, pos, bs), pos,
-                                self.rope)
-                self.stats["loaded_blocks"] += good
-            if good < len(chunk):
-                self._fail_blocks(plan, chunk[good].start)
-                return
+        """Blocks in window-sized chunks, each one load step (kmesh.vllm.loads.load_prefix). A block that fails ends
+        the plan there: the verified blocks before it are restored, the rest reported."""
+        if not plan.items:
+            return
+        dest = (loads.engine_destination(self.engine.raw, self.engine.layout, self.rope, plan.block_ids)
+                if self._writes_engine() else self._scratch(plan.num_tokens))
+        bad = loads.load_prefix(self.link, self._window("load"), plan.items, plan.num_tokens, dest, self._part)
+        end = plan.items[-1].start + self.block_size if bad is None else bad
+        self.stats["loaded_blocks"] += (end - plan.items[0].start) // self.block_size
+        if bad is not None:
+            self._fail_blocks(plan, bad)
 
     def _load_interior(self, plan: LoadPlan) -> None:
-        from kmesh.vllm.repair import kv_digest, placed_segment, repair_span, write_span
+        from kmesh.kv.repair import kv_digest, repair_span, write_span
 
-        placed, missing = [], []
-        for it in plan.items:
-            if self._fetch(it) is None:
-                missing.append(it.start)         # not restored: the repair computes these positions
-                continue
-            with self._timed("place"):
-                seg = placed_segment(self._window("load"), it.record, it.start, plan.num_tokens)
-            if seg is not None:
-                placed.append(seg)
+        span = loads.load_span(self.link, self._window("load"), plan.items, plan.num_tokens, self.engine.layout,
+                               self.rope, self._part)
+        if not self.link.up:      # the service went away during the loads: vLLM computes the request itself
+            raise LinkUnavailable(self.link.down_reason or "cache service lost")
         runner = self._repair_runner()
         with self._timed("repair"):
-            rep = repair_span(runner, plan.span, placed, self._repair_config())
+            rep = repair_span(runner, plan.span, span.raw, span.layout, span.restored, self._repair_config())
         pos = torch.arange(plan.num_tokens)
         if self._writes_engine():
             with self._timed("write"):
                 write_span(self.engine.raw, self.engine.layout, rep.segment,
                            slots_of(plan.block_ids, pos, self.block_size), self.rope)
         with self._timed("record"):
-            self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens, "segments": len(placed),
-                                          "segments_not_loaded": len(missing), "recomputed": rep.recomputed,
-                                          "kv_sha256": kv_digest(rep.segment), "logits": rep.logits.float().clone()})
+            self.stats["repairs"].append({"req_id": plan.req_id, "span": plan.num_tokens,
+                                          "segments": span.loaded, "segments_not_loaded": len(span.missing),
+                                          "recomputed": rep.recomputed, "kv_sha256": kv_digest(rep.segment),
+                                          "logits": rep.logits.float().clone()})
 
     def _writes_engine(self) -> bool:
         """False only in the negative control "skip_write": the engine's blocks keep whatever they held."""
@@ -506,7 +474,7 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def _repair_runner(self) -> Any:
         if self._runner is None:
-            from kmesh.vllm.repair import load_runner
+            from kmesh.vllm.repair_model import load_runner
 
             self._runner = load_runner(self.extra.get("repair_model") or self._vllm_config.model_config.model)
         return self._runner
@@ -583,21 +551,16 @@ class KMeshConnector(KVConnectorBase_V1):
         for it, _slots, at, _pos in self._save_slots:
             nblocks = math.ceil(len(it.tokens) / self.block_size)
             off, n = at * self._block_bytes, nblocks * self._block_bytes
-            rec = Record(KIND_SEGMENT if it.key.split(b"/")[2] == b"s" else KIND_PREFIX, len(it.tokens), it.start,
-                         n, bytes.fromhex(sha256_tensor(w.tensor[off:off + n])), _digest(it.tokens))
+            rec = Record(KIND_SEGMENT if is_segment_key(it.key) else KIND_PREFIX, len(it.tokens), it.start,
+                         n, bytes.fromhex(sha256_tensor(w.tensor[off:off + n])), token_digest(it.tokens))
             try:
-                if not self.link.save(w, it.key, off, n):
+                if not self.link.save(w.ref, it.key, off, n):
                     continue                          # already stored by someone: their record follows theirs
                 rw = self._window("records")
                 rw.tensor[:RECORD_BYTES].copy_(torch.frombuffer(bytearray(rec.pack()), dtype=torch.uint8))
-                self.link.save(rw, record_key(it.key), 0, RECORD_BYTES)
+                self.link.save(rw.ref, record_key(it.key), 0, RECORD_BYTES)
                 self.stats["saved"] += 1
-            except (LinkUnavailable, LoadFailed) as e:
+            except (LinkUnavailable, SegmentSaveError) as e:
                 log.warning("kmesh: saving %r failed: %s", it.key, e)
                 return
 
-
-def _digest(tokens: Any) -> bytes:
-    from kmesh.vllm.objects import token_digest
-
-    return token_digest(tokens)

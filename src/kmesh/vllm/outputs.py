@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import torch
 
 from kmesh.model.quality import first_divergence
-from kmesh.vllm.repair import Repaired
-from kmesh.workload import Child, Workload
+from kmesh.kv.repair import Repaired
+from kmesh.harness.workload import Child, Workload
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from kmesh.rope import RopeConfig
+from kmesh.kv.rope import RopeConfig
 
 Fresh = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kmesh import shm
+from kmesh.transfer import shm
 from kmesh.stages.drain.protocol import CANARY, POISON
 from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, Ticket, TransferEngine, TransferError
 

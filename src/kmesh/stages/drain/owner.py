@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from kmesh import shm
+from kmesh.transfer import shm
 from kmesh.errors import StageError
 from kmesh.stages.drain.protocol import CANARY
 from kmesh.transfer import SharedLedger

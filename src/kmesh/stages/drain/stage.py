@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from kmesh import shm
+from kmesh.transfer import shm
 from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.result import Result

@@ -4,7 +4,7 @@ Negative controls: the comparisons can fail — one flipped bit in K, V, logits,
 token, or one flipped byte of a staged segment is caught.
 
 Failure controls (seven): each child run is made to fail at its second segment (FAIL_AT) and must end safely.
-kmesh.child copies and restores the segments verified before a failure before the failure propagates (a private
+kmesh.harness.child copies and restores the segments verified before a failure before the failure propagates (a private
 copy failing at segment k: the k copies before it), so when the failure comes the child's model state (poisoned
 beforehand) already holds the first segment, restored: the fallback recomputes in that partially
 written state, not in fresh memory. Each control checks that the failure is the expected
@@ -28,20 +28,20 @@ from typing import Any, Callable
 
 import torch
 
-from kmesh.child import ChildContext, ChildOutcome, full_reference, run_child
+from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.model.quality import compare_states, flip_bit, identical
-from kmesh.modelsetup import ModelSetup
+from kmesh.harness.modelsetup import ModelSetup
 from kmesh.result import Case, Result
-from kmesh.segments import (InProcessSegments, PrivateCopyError, SegmentCancelledError, SegmentCorruptError,
-                            SegmentLayoutError, SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError,
-                            ServiceSegments, stage_segments)
+from kmesh.kv.errors import PrivateCopyError, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError, SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError
+from kmesh.kv.load import stage_segments
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.service.handles import references_in_self
-from kmesh.service_side import ServiceSide, Staging
+from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import FaultPlan
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 
 def _wait_gpu_context_gone(pid: int, timeout_s: float = 20.0) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def negative_controls(res: Result, setup: ModelSetup, refs: Refs) -> None:
 
 
 FAIL_AT = 1          # the catalog entry each control fails at: entry 0 is restored in the model state by then
-STAGING_FILL = 0xA5  # kmesh.segments.stage_segments fills staging with it before the loads
+STAGING_FILL = 0xA5  # kmesh.kv.load.stage_segments fills staging with it before the loads
 
 
 class ControlSetupError(ValueError):

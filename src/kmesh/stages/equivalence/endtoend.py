@@ -4,7 +4,7 @@ path, beside the repair-only pairs of kmesh.stages.equivalence.ttft.
     end-to-end   the child's segments loaded from a real cache service process (started for this prompt length,
                  the leader's segments saved into it first), each object's size and sha256 digest checked on
                  arrival, the private copy, the restore, the repair prefill, the first token id on the host:
-                 kmesh.child.prefill_from_segments, run_child's own steps up to the first token (not a copy)
+                 kmesh.harness.child.prefill_from_segments, run_child's own steps up to the first token (not a copy)
 
 Timed in the same rounds as the full-recompute and repair-only arms (kmesh.bench.rotate: every round runs the
 three, the order reversed from round to round, warm-up rounds discarded; per round the median over the children),
@@ -37,16 +37,17 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kmesh.bench import Intervals, PairedTiming
-from kmesh.child import prefill_from_segments
+from kmesh.harness.child import prefill_from_segments
 from kmesh.errors import StageError
 from kmesh.model.blend import BlendResult
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import KVCache
-from kmesh.modelsetup import ModelSetup
+from kmesh.harness.modelsetup import ModelSetup
 from kmesh.result import Case
-from kmesh.segments import Export, ServiceSegments
-from kmesh.service_side import ServiceSide
-from kmesh.workload import Child
+from kmesh.harness.leader import Export
+from kmesh.kv.sources import ServiceSegments
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import Child
 
 class EndToEndError(StageError):
     """The end-to-end arm could not be run as built (a graph asked to replay another cache or restored mask,

@@ -1,6 +1,6 @@
 """The RAG-shaped workload and the repair strategies' quality/speed frontier (issue 22): cases rag-*.
 
-Workload (kmesh.workload.build_rag, config `equivalence.rag.workload`): N retrieved chunks, each saved once by a
+Workload (kmesh.harness.workload.build_rag, config `equivalence.rag.workload`): N retrieved chunks, each saved once by a
 leader, every child holding all of them in an order of its own (no chunk where the leader saved it) and a short
 private question about one chunk's fact; >= 90 % of every prompt restorable.
 
@@ -45,18 +45,20 @@ from typing import Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
-from kmesh.child import ChildContext, ChildOutcome, full_reference, restored_chunks, run_child
+from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, restored_chunks, run_child
 from kmesh.errors import ConfigError
-from kmesh.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
+from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
 from kmesh.model.blend import RepairConfig, blend, matched_stock
 from kmesh.model.quality import (arm_quality, compare_states, decode_batch, identical, reproduces_greedy,
                                  summarize, teacher_forced_logits_batch)
-from kmesh.modelsetup import ModelSetup
+from kmesh.harness.modelsetup import ModelSetup
 from kmesh.result import Case, Result
-from kmesh.segments import Export, InProcessSegments, restore_child
+from kmesh.harness.child import restore_child
+from kmesh.harness.leader import Export
+from kmesh.kv.sources import InProcessSegments
 from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, RepairOnlyArm, end_to_end_arm
 from kmesh.stages.equivalence.ttft import graph_prefill, speedup_row
-from kmesh.workload import Child, RagSpec, Workload, answer_matches, build_rag
+from kmesh.harness.workload import Child, RagSpec, Workload, answer_matches, build_rag
 
 TTFT_GOAL = 3.0          # end-to-end repair-<matched_ratio> vs full (issue 22)
 IDEAL_GOAL = 1.25        # end-to-end within this multiple of the ideal

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kmesh.child import ChildOutcome
+from kmesh.harness.child import ChildOutcome
 
-FULL = "full"      # the full recompute of the child's prompt, no segments (kmesh.child.full_reference)
+FULL = "full"      # the full recompute of the child's prompt, no segments (kmesh.harness.child.full_reference)
 REPAIR = "repair"  # the child repaired from segments staged in-process (its child-<name> case's first run)
 
 

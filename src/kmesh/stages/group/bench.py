@@ -9,7 +9,7 @@ scaling-<N>        matched rounds (kmesh.bench.rotate: the three arms in every r
                    one "child" of the harness: serial vs layer-major and serial vs batched, paired over the
                    same serial runs, each arm's spread over the rounds recorded beside the ratios.
 rag-scaling-<N>    the same over the RAG-shaped workload (`group.rag`: many retrieved chunks every child holds
-                   in an order of its own, a short private question; kmesh.workload.build_rag).
+                   in an order of its own, a short private question; kmesh.harness.workload.build_rag).
                    Timed (both) = the repair of the whole group: each member's restore (RoPE shift into its
                    cache) + prefill, ending with every member's first token on the host; loading
                    from the service is not in it (the storage stage times reads). Peak memory of one untimed
@@ -32,19 +32,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
-from kmesh.child import new_cache, outcome_of
+from kmesh.harness.child import new_cache, outcome_of
 from kmesh.errors import StageError
 from kmesh.model.blend import blend, plan
 from kmesh.model.graphs import GraphedRun
 from kmesh.model.group import LayerwiseRestore, Member, RestorePart, blend_group
 from kmesh.model.quality import compare_states
-from kmesh.restore import capture
+from kmesh.kv.restore import capture
 from kmesh.result import Result
-from kmesh.segments import restore_child
-from kmesh.workload import Child
+from kmesh.harness.child import restore_child
+from kmesh.harness.workload import Child
 
 if TYPE_CHECKING:
-    from kmesh.child import ChildOutcome
+    from kmesh.harness.child import ChildOutcome
     from kmesh.stages.group.stage import GroupSetup
 
 ARMS = ("serial", "layer_major", "batched")
@@ -116,7 +116,7 @@ class Arms:
 
     def graphed(self, arm: str, warmup: int = 2) -> GraphedRun:
         """The arm as one CUDA graph (group.scaling.graphs): every arm restores with the same math —
-        LayerwiseRestore, kmesh.restore's torch rotation (the batched-agreement case checks it writes restore()'s
+        LayerwiseRestore, kmesh.kv.restore's torch rotation (the batched-agreement case checks it writes restore()'s
         bytes) — serial and layer-major for all layers before the prefill, batched layer by layer inside it; plans
         are made before the capture. The caches are the eager arms' (one memory state for every arm)."""
         setup, runner, repair = self.setup, self.setup.runner, self.setup.ctx.repair
@@ -165,7 +165,7 @@ def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOut
         LayerwiseRestore(runner, restore_parts(setup, children, layerwise, setup.export.raw)).all_layers()
         rot = {n: int((per_member[n].raw != layerwise[n].raw).sum()) for n in per_member}
         case.record("rotation_bytes_differing", rot)
-        # Asserted on every backend: the layer-wise restore is kmesh.restore's torch math, and the CUDA kernel
+        # Asserted on every backend: the layer-wise restore is kmesh.kv.restore's torch math, and the CUDA kernel
         # writes the torch path's bytes exactly (synthetic stage, check_kernel; 0 bytes differed on the H200)
         rot_equal = case.check("rotation_bit_identical", all(v == 0 for v in rot.values()), value=rot)
         del per_member, layerwise

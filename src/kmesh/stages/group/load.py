@@ -12,7 +12,7 @@ every member's registration is active, mapped, of the expected handle kind and s
 member registered, with no copy in flight; the layout digest the service computed at registration equals
 the catalog layout's digest (the service refuses a load under another layout, so every accepted load used
 it); every original's committed sha256 in the store equals the leader's catalog; and every staged segment
-hashes to it on our side too (kmesh.segments.stage_segments). Only then are private copies made.
+hashes to it on our side too (kmesh.kv.load.stage_segments). Only then are private copies made.
 """
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kmesh.errors import KMeshError
-from kmesh.segments import Catalog, ServiceSegments, copy_private, stage_segments
+from kmesh.kv.catalog import Catalog
+from kmesh.kv.load import copy_private, stage_segments
+from kmesh.kv.sources import ServiceSegments
 from kmesh.service import descriptor
 from kmesh.service.errors import RegistrationClosedError
-from kmesh.service_side import ServiceSide, Staging
+from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.transfer.engine import TransferEngine
 
 

@@ -4,7 +4,7 @@ finished layer written back to the member's private destination blocks by an asy
 
 A member that fails (an injected fault after a chosen layer) drains what is still pending on its memory and
 recomputes fully without reuse, in its working cache as the failure left it (restored segments and the layers it
-repaired, which the recompute overwrites: kmesh.child); the other members go on unaffected.
+repaired, which the recompute overwrites: kmesh.harness.child); the other members go on unaffected.
 """
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from kmesh.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, written_slots
+from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, written_slots
 from kmesh.model.group import InjectedMemberFault, Member, blend_group
 from kmesh.model.runner import KVCache
-from kmesh.modelsetup import ModelSetup
-from kmesh.segments import restore_child
-from kmesh.service_side import ServiceSide
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.child import restore_child
+from kmesh.harness.service_side import ServiceSide
 from kmesh.stages.group.load import GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.faults import ChunkGate, FaultPlan
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 
 class Writeback:
@@ -97,7 +97,7 @@ def run_group(setup: ModelSetup, svc: ServiceSide, children: tuple[Child, ...], 
                     gate.open()          # the held copy may finish now; the member waits for it
                 engines[name].drain(pending, timeout=60.0)
                 events.append(f"pending-before-recompute:{len(engines[name].pending(owner))}")
-                # as kmesh.child.run_child: the member recomputes in its working cache as the failure left it
+                # as kmesh.harness.child.run_child: the member recomputes in its working cache as the failure left it
                 # (restored segments, the layers it repaired), which the full prefill must overwrite; its
                 # write-back destination is not the recompute's and is invalidated
                 cache = caches[name]

@@ -4,7 +4,7 @@ isolation, batched group math, scaling pairs and the bytes a group holds.
 Cases:
   setup                 model + workload (the equivalence stage's: same leader, 4 shared segments), leader saved
                         through a real cache service (the shared originals in its host-RAM tier)
-  serial-in-process     each child alone (kmesh.child.run_child), segments from inside the model process
+  serial-in-process     each child alone (kmesh.harness.child.run_child), segments from inside the model process
   serial-service        each child alone, segments through the service (cross-process: memfd / CUDA IPC)
   group-layer-major     all children as one group: members × segments loads from the shared originals (16 for
                         4 × 4), every member checked by the group barrier (kmesh.stages.group.load) before any
@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-from kmesh.child import ChildOutcome, full_reference, run_child
+from kmesh.harness.child import ChildOutcome, full_reference, run_child
 from kmesh.config import Config
 from kmesh.errors import KMeshError
 from kmesh.model.quality import compare_states, flip_bit, identical
-from kmesh.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
+from kmesh.harness.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.result import Case, Result
-from kmesh.segments import InProcessSegments, ServiceSegments
-from kmesh.service_side import ServiceSide
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.harness.service_side import ServiceSide
 from kmesh.stages.group import bench
 from kmesh.stages.group.path import GroupRun, run_group
-from kmesh.workload import Child, RagSpec, build_rag
+from kmesh.harness.workload import Child, RagSpec, build_rag
 
 
 class GroupConfigError(KMeshError):

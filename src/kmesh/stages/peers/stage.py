@@ -43,7 +43,7 @@ from kmesh.result import Result
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.vllm.outputs import agreement, child_spans, repairs_by_request, save_spans
-from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
+from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 ARMS = ("vllm", "lmcache", "kmesh")
 PEERS = ("lmcache", "kmesh")

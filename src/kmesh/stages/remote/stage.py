@@ -9,7 +9,7 @@ not hold once, checks it and installs it.
 
 Cases:
   setup                 model, workload and leader export as the equivalence stage builds them
-  reference             every child through kmesh.child.run_child from the in-process source
+  reference             every child through kmesh.harness.child.run_child from the in-process source
   hosts                 the master and both hosts up; A's leader saved; every object published once, none failed
   fetch-once            B's children load at once (threads released together): one fetch per object across the
                         group, every child's private copy = A's leader bytes, every child repaired = reference
@@ -39,16 +39,17 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, PairedTiming, rotate
-from kmesh.child import (ChildOutcome, full_reference, new_cache, outcome_of, prefill, prefill_and_decode,
+from kmesh.harness.child import (ChildOutcome, full_reference, new_cache, outcome_of, prefill, prefill_and_decode,
                          prefill_from_segments, run_child)
 from kmesh.config import Config
 from kmesh.model.quality import compare_states, identical
-from kmesh.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
+from kmesh.harness.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.result import Result
-from kmesh.segments import InProcessSegments, restore_child
+from kmesh.harness.child import restore_child
+from kmesh.kv.sources import InProcessSegments
 from kmesh.stages.remote.hosts import TwoHosts
 from kmesh.storage.remote import RemoteStoreError, unavailable_reason
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 ARMS = ("remote", "disk", "ram", "full")
 CASES = ("reference", "hosts", "fetch-once", "pairs", "fail-tampered", "fail-evicted", "fail-hung-store",
@@ -61,7 +62,7 @@ def _same(ref: ChildOutcome, out: ChildOutcome) -> bool:
 
 def _references(res: Result, setup: ModelSetup) -> tuple[dict[str, ChildOutcome], dict[str, ChildOutcome]]:
     refs, fulls = {}, {}
-    with res.case("reference", {"source": "in-process", "runner": "kmesh.child.run_child"}) as case:
+    with res.case("reference", {"source": "in-process", "runner": "kmesh.harness.child.run_child"}) as case:
         src = InProcessSegments(setup.export)
         staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
         private = torch.empty_like(staging)

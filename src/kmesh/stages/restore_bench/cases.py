@@ -11,9 +11,9 @@ from typing import Any, Callable
 import torch
 
 from kmesh.errors import StageError
-from kmesh.layout import KVLayout
-from kmesh.restore import KVSegment, RestorePlan, capture, plan_restore
-from kmesh.rope import RopeConfig
+from kmesh.kv.layout import KVLayout
+from kmesh.kv.restore import KVSegment, RestorePlan, capture, plan_restore
+from kmesh.kv.rope import RopeConfig
 
 SHIFT = 1000          # every token moves by this many positions (all of them rotate)
 SLEEP_CYCLES = 20_000_000   # ~10 ms GPU sleep queued before each CUDA interval: the events then time the GPU only

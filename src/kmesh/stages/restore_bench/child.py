@@ -1,11 +1,11 @@
 """Case `child-restore` (cuda): what restoring one child costs from the call to restored bytes, host work included.
 
 A child of the equivalence workload's shape: `segments` shared segments saved by a leader in an export buffer
-(BLNHC, each from a block start, as kmesh.segments exports them) and restored into a paged cache (LBNHC, child
+(BLNHC, each from a block start, as kmesh.harness.leader exports them) and restored into a paged cache (LBNHC, child
 slot = position) in the reverse order, `private_tokens` of private text before each: every token moves.
 Arms, in the same rounds (kmesh.bench.rotate), each execution followed by a device synchronisation, wall clock:
   copy     one device-to-device copy of the restored bytes (the floor: read + write of every byte once);
-  gather   restore_child's cuda path: kmesh.restore_gather's host plan + one launch reading the rows in place, the
+  gather   restore_child's cuda path: kmesh.kv.gather's host plan + one launch reading the rows in place, the
            plan's checked tables kept from an earlier restore of the same arrangement (its plan cache);
   gather-cold  the same with the plan cache emptied first: every check, the tables built and uploaded;
   capture  the path it replaced: index tensors on the device, capture (a gather copy), plan_restore (checked on
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from kmesh.bench import over_children, rotate
-from kmesh.layout import KVLayout
-from kmesh.restore import capture, plan_restore
-from kmesh.restore_gather import clear_plan_cache, plan_gather
+from kmesh.kv.layout import KVLayout
+from kmesh.kv.restore import capture, plan_restore
+from kmesh.kv.gather import clear_plan_cache, plan_gather
 from kmesh.result import Case, Result
-from kmesh.rope import RopeConfig
+from kmesh.kv.rope import RopeConfig
 from kmesh.stages.restore_bench.cases import SLEEP_CYCLES
 
 GOAL_CHILD_S = 0.3e-3      # issue 23: a 5 MiB child restored in <= 0.3 ms

@@ -5,10 +5,10 @@ alternating, warm-up pairs excluded; each timed interval holds `reps` back-to-ba
 = interval / reps; ratios are medians of the per-pair ratios.
   cuda: copy vs kernel  — torch's device-to-device copy of exactly the segment's bytes (the bandwidth ceiling:
                           it reads and writes every byte once, as a restore must) against the restore_rope kernel;
-        torch vs kernel — kmesh.restore's torch path against the kernel, same validated plan.
+        torch vs kernel — kmesh.kv.restore's torch path against the kernel, same validated plan.
         Intervals are CUDA events, preceded (outside the interval) by a GPU sleep so that host-side launch work
         is queued ahead and the events time the GPU only.
-  cpu:  copy vs torch   — a plain CPU copy of the same bytes against kmesh.restore's torch path.
+  cpu:  copy vs torch   — a plain CPU copy of the same bytes against kmesh.kv.restore's torch path.
 Bandwidth = bytes counted / time: for a restore, segment read + cells written + shift tables + slots
 (RestorePlan.bytes_moved); for the copy, read + write of the segment's bytes.
 Correctness, after timing, each path into a freshly poisoned cache: restored values equal the segment's byte for

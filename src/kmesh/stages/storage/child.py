@@ -2,7 +2,7 @@
 
     outer    new model state, restore, repair (prefill + decode), outcome checks, cleanup
     restore  per object: check, then the device copy submitted (kmesh.transfer ticket, holds on both buffers);
-             all copies drained; kmesh.restore into the child's cache (keys rotated to the child's positions)
+             all copies drained; kmesh.kv.restore into the child's cache (keys rotated to the child's positions)
     check    open (header checked), read, integrity digest over the whole padded object, file-unchanged check
     read     the route's read calls alone (summed over the four objects)
 
@@ -20,12 +20,12 @@ from typing import Any, ContextManager
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.child import ChildContext, ChildOutcome, ChildStateError, new_cache, outcome_of, prefill_and_decode
+from kmesh.harness.child import ChildContext, ChildOutcome, ChildStateError, new_cache, outcome_of, prefill_and_decode
 from kmesh.model.runner import KVCache
-from kmesh.segments import restore_child
+from kmesh.harness.child import restore_child
 from kmesh.stages.storage.objects import ObjectSet, read_verified
 from kmesh.storage.routes import Route
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 
 def _part(iv: Intervals | None, name: str) -> ContextManager[Any]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from kmesh.child import full_reference, run_child
+from kmesh.harness.child import full_reference, run_child
 from kmesh.result import Result
 from kmesh.stages.storage.child import release_checked, route_restore
 from kmesh.stages.storage.objects import StorageSegments, save_objects

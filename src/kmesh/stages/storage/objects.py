@@ -1,7 +1,7 @@
 """The storage stage's objects on disk and a storage-backed segment source.
 
     objs = save_objects(export, directory, algorithm="sha256", pad_to=3 << 20)   # one object file per segment
-    src = StorageSegments(objs, route)        # kmesh.segments.SegmentSource: works with kmesh.child.run_child
+    src = StorageSegments(objs, route)        # kmesh.kv.sources.SegmentSource: works with kmesh.harness.child.run_child
 
 A load opens the segment's object file through the route (header checked), reads the padded payload into the
 route's landing buffer, verifies the digest over the whole padded object, checks the file was not replaced while
@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from kmesh.segments import (Catalog, CatalogEntry, Export, SegmentCorruptError, SegmentLayoutError,
-                            SegmentLoadError, SegmentMissingError, SegmentTruncatedError)
+from kmesh.harness.leader import Export
+from kmesh.kv.catalog import Catalog, CatalogEntry
+from kmesh.kv.errors import SegmentCorruptError, SegmentLayoutError, SegmentLoadError, SegmentMissingError, SegmentTruncatedError
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header, ObjectFile, write_object
 from kmesh.storage.routes import Route

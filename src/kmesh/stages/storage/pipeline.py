@@ -13,7 +13,7 @@ happens to a read object depends on where it is checked (`PipelineCheck`):
             the CPU implementation), compares the digest, and only then copies the payload into the child's
             private buffer (T2, ordered after the hash) and restores it: what is checked is what is used
 
-Restore is kmesh.restore, one capture + one restore per segment: the bytes restore_child writes, because each
+Restore is kmesh.kv.restore, one capture + one restore per segment: the bytes restore_child writes, because each
 token's slot and rotation depend only on its own old and new position. `-restore-once` variants instead restore
 the whole child with restore_child after the last copy: one validation and one launch (a restore is mostly
 fixed cost), and no restore competes with the reads for the GIL. A failed read or check stops the reader;
@@ -33,15 +33,15 @@ from typing import Any
 import torch
 
 from kmesh import integrity
-from kmesh.child import ChildContext
+from kmesh.harness.child import ChildContext
 from kmesh.model.runner import KVCache
-from kmesh.restore import capture, restore
-from kmesh.segments import restore_child
+from kmesh.kv.restore import capture, restore
+from kmesh.harness.child import restore_child
 from kmesh.stages.storage.objects import ObjectSet, check_catalog_object
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header
 from kmesh.storage.routes import Route
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 
 class PipelineVariantError(ValueError):

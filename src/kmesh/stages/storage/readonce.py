@@ -21,7 +21,7 @@ import torch
 
 from kmesh.bench import PairedTiming, alternate
 from kmesh.result import Result
-from kmesh.segments import Catalog
+from kmesh.kv.catalog import Catalog
 from kmesh.stages.storage.setup import Setup, paired_summary
 from kmesh.storage import routes
 from kmesh.storage.routes import drop_page_cache

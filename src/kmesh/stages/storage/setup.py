@@ -1,4 +1,4 @@
-"""What every case of the storage stage starts from: the model stage setup (kmesh.modelsetup) with the stage's
+"""What every case of the storage stage starts from: the model stage setup (kmesh.harness.modelsetup) with the stage's
 object directory and I/O settings, and the summary form in which its cases report a paired timing."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from kmesh.bench import PairedTiming
 from kmesh.config import Config
-from kmesh.modelsetup import ModelSetup, SetupSpec, build_setup
+from kmesh.harness.modelsetup import ModelSetup, SetupSpec, build_setup
 from kmesh.storage import routes
 
 

@@ -6,7 +6,7 @@ Cases:
   setup                 model, workload and leader export exactly as the equivalence stage builds them
   objects-saved         one object file per segment (kmesh.storage.objfile): sizes, padding, digests, read back
   routes                the two arms as built here and what they run (I/O call, O_DIRECT, cuFile mode)
-  reference             every child through kmesh.child.run_child from the in-process source
+  reference             every child through kmesh.harness.child.run_child from the in-process source
   arrival-<arm> (2)     poisoned landing + private buffers, objects holding the COMPLEMENT of the segment bytes:
                         what arrives is exactly those bytes, read by the route under test (bytes counted)
   control-<bad file>    wrong magic / version, short file, digest mismatch, lying header, replaced while open,
@@ -40,20 +40,20 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.child import ChildOutcome, run_child
+from kmesh.harness.child import ChildOutcome, run_child
 from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.model.quality import compare_states, identical
-from kmesh.modelsetup import begin_with_setup
+from kmesh.harness.modelsetup import begin_with_setup
 from kmesh.result import Result
-from kmesh.segments import InProcessSegments
+from kmesh.kv.sources import InProcessSegments
 from kmesh.stages.storage import checksum_cases, controls, floor, readonce, service
 from kmesh.stages.storage.child import timed_child
 from kmesh.stages.storage.objects import ObjectSet, save_objects
 from kmesh.stages.storage.setup import Setup, paired_summary, storage_setup, timing_device
 from kmesh.storage import cufile, objfile, routes, uring
 from kmesh.storage.errors import RouteUnavailableError
-from kmesh.workload import Child
+from kmesh.harness.workload import Child
 
 
 def _objects_case(res: Result, setup: Setup) -> ObjectSet:
@@ -128,7 +128,7 @@ def _routes_case(res: Result, setup: Setup, objs: ObjectSet) -> tuple[dict[str, 
 
 def _references(res: Result, setup: Setup) -> dict[str, ChildOutcome]:
     refs: dict[str, ChildOutcome] = {}
-    with res.case("reference", {"source": "in-process", "runner": "kmesh.child.run_child"}) as case:
+    with res.case("reference", {"source": "in-process", "runner": "kmesh.harness.child.run_child"}) as case:
         src = InProcessSegments(setup.export)
         staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
         private = torch.empty_like(staging)

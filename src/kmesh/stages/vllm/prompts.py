@@ -1,12 +1,12 @@
 """The vllm stage's prompts and KMesh's own-runner references (no engine here).
 
-Prompts come from the equivalence workload (kmesh.workload, SmolLM2's chat template): the leader saves its
+Prompts come from the equivalence workload (kmesh.harness.workload, SmolLM2's chat template): the leader saves its
 segments, the children place them elsewhere. Exact-reuse and TTFT prompts are children's ids too (real text).
 
 References through OUR runner (kmesh.model.runner.LayerRunner, the engine's weights):
   runner_full    the full recompute of a prompt and its greedy continuation;
   runner_repair  what the engine must produce by construction in the interior case: KMesh's repair of
-                 prompt[0:E) over the segments the engine stored (kmesh.vllm.repair.repair_span, the connector's
+                 prompt[0:E) over the segments the engine stored (kmesh.kv.repair.repair_span, the connector's
                  own code) — the K/V the connector hands over — then positions [E, T) computed over them and the
                  greedy continuation, as the engine does after the hand-over.
 The agreement measure (agreement(), Agreement) and the span helpers live in kmesh.vllm.outputs: the peers stage
@@ -21,9 +21,10 @@ import torch
 
 from kmesh.model.blend import RepairConfig, blend
 from kmesh.model.runner import LayerRunner
-from kmesh.restore import restore
+from kmesh.kv.restore import restore
 from kmesh.vllm.outputs import RunnerDecode
-from kmesh.vllm.repair import Placed, repair_span
+from kmesh.kv.repair import repair_span
+from kmesh.vllm.loads import Span
 
 
 @torch.no_grad()
@@ -37,15 +38,15 @@ def runner_full(runner: LayerRunner, ids: Sequence[int], max_new_tokens: int) ->
 
 
 @torch.no_grad()
-def runner_repair(runner: LayerRunner, ids: Sequence[int], placed: Sequence[Placed], span_end: int,
+def runner_repair(runner: LayerRunner, ids: Sequence[int], span: Span, span_end: int,
                   config: RepairConfig, max_new_tokens: int) -> RunnerDecode:
-    """KMesh's repair of ids[0:span_end) over `placed` (what the connector hands the engine), then the rest of
+    """KMesh's repair of ids[0:span_end) over the restored `span` (what the connector hands the engine), then the rest of
     the prompt computed over those K/V and the greedy continuation (what the engine does after the hand-over)."""
     T = len(ids)
     if not 0 < span_end < T:
         raise ValueError(f"the repaired span must end inside the {T}-token prompt (before its last token), "
                          f"got {span_end}")
-    rep = repair_span(runner, list(ids[:span_end]), placed, config)
+    rep = repair_span(runner, list(ids[:span_end]), span.raw, span.layout, span.restored, config)
     cache = runner.new_cache(T + max_new_tokens, fill=float("nan"))      # poison: nothing unwritten can pass
     span = torch.arange(span_end)
     restore(cache.raw, cache.layout, rep.segment, span, span, runner.rope)   # slot = position, no shift

@@ -56,8 +56,8 @@ from kmesh.stages.vllm.stored import stored_segments
 from kmesh.vllm.controls import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
 from kmesh.vllm.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
-from kmesh.vllm.repair import kv_digest
-from kmesh.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
+from kmesh.kv.repair import kv_digest
+from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 # Every case that needs the engine (all but arrangement-refusals): with vllm.enabled false each one is a skip
 # naming the switch, allowed only where the profile says why (tests/test_skips.py keeps this list complete).
@@ -138,7 +138,7 @@ def run(cfg: Config) -> Result:
         admin = service.admin_client(name="kmesh-vllm-stage")
         sock = str(service.socket_path)
         summary.update(_arrangement(res, kmesh, admin))
-        from kmesh.vllm.repair import load_runner
+        from kmesh.vllm.repair_model import load_runner
 
         runner = load_runner(model_dir)
         fulls = {ch.name: runner_full(runner, ch.ids, max_new_tokens) for ch in workload.children}
@@ -295,8 +295,8 @@ def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, ba
         # the reference, true by construction: our runner's repair over the segments as the engine stored them
         refs = {}
         for ch in workload.children:
-            placed = stored_segments(sock, stats, ch.ids, child_spans(ch), span_end(ch))
-            refs[ch.name] = runner_repair(runner, ch.ids, placed, span_end(ch), repair_cfg, max_new_tokens)
+            span = stored_segments(sock, stats, ch.ids, child_spans(ch), span_end(ch), runner.rope)
+            refs[ch.name] = runner_repair(runner, ch.ids, span, span_end(ch), repair_cfg, max_new_tokens)
         out.update(refs=refs, params=params)
         agree = interior_checks(case, workload, got, repairs, refs, bound)
         per_child = []

@@ -16,10 +16,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kmesh.segments import CatalogEntry, Export
+from kmesh.harness.leader import Export
+from kmesh.kv.catalog import CatalogEntry
 from kmesh.service.client import RegRef, ServiceClient
 from kmesh.service.handles import HostBuffer
-from kmesh.service.harness import Harness
+from kmesh.harness.service import Harness
 
 
 @dataclass

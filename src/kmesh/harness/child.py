@@ -19,20 +19,22 @@ is the full-recompute reference's whatever the memory held, and a stale slot it 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, Collection
 
 import torch
 
 from kmesh.errors import KMeshError
-from kmesh.model.blend import BlendResult, RepairConfig, blend
+from kmesh.harness.workload import Child
+from kmesh.kv.catalog import Catalog
+from kmesh.kv.errors import SegmentLoadError
+from kmesh.kv.load import Destination, LoadStep, PartTimer, Placement, restore_placed, untimed
+from kmesh.kv.repair import repair
+from kmesh.kv.sources import SegmentSource
+from kmesh.model.blend import BlendResult, RepairConfig
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.segments import (Catalog, CatalogEntry, PrivateCopyError, SegmentLoadError, SegmentSource,
-                            copy_private_each, first_corrupt, load_entry, prepare_staging, restore_child)
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import TransferError
-from kmesh.workload import Child
 
 POISON = float("nan")
 
@@ -106,7 +108,7 @@ def prefill(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Ten
     """The child's prefill with repair `arm` over its restored positions: the first token's logits."""
     ids = torch.tensor(child.ids, device=ctx.runner.device)
     chunks = restored_chunks(child, restored) if arm == "epic" else None
-    return blend(ctx.runner, ids, cache, restored, ctx.repair, arm, chunks=chunks)
+    return repair(ctx.runner, ids, cache, restored, ctx.repair, arm, chunks=chunks)
 
 
 def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored: torch.Tensor,
@@ -116,110 +118,47 @@ def prefill_and_decode(ctx: ChildContext, child: Child, cache: KVCache, restored
     return res, tokens
 
 
-PartTimer = Callable[[str], ContextManager[Any]]   # kmesh.bench.Intervals.part, or untimed
+def placements_of(child: Child) -> list[Placement]:
+    """Where the child placed each shared segment, as the load step's placements."""
+    return [Placement(seg, a, b - a) for seg, a, b in child.segment_slices()]
 
 
-def _untimed(_name: str) -> ContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-class _TimedLoads:
-    """A segment source whose load calls are timed as part `load`: the source's own work (for the service:
-    request, copy, reply), without the size check load_entry makes on arrival."""
-
-    def __init__(self, source: SegmentSource, part: PartTimer) -> None:
-        self.source, self.part, self.name = source, part, source.name
-
-    def load(self, entry: CatalogEntry, staging: torch.Tensor) -> int:
-        with self.part("load"):
-            return self.source.load(entry, staging)
+def restore_child(cache: KVCache, catalog: Catalog, private: torch.Tensor, child: Child, runner: LayerRunner,
+                  backend: str = "torch", segments: Collection[int] | None = None) -> torch.Tensor:
+    """Restore the child's segments (every one, or those whose index is in `segments`) from the private copy into
+    its cache at the child's positions (kmesh.kv.load.restore_placed, slot = position). Returns the bool [T] mask
+    of the positions restored by this call."""
+    placements = placements_of(child)
+    done = restore_placed(Destination(cache.raw, cache.layout, runner.rope, None, backend), catalog, private,
+                          placements, segments)
+    restored = torch.zeros(len(child.ids), dtype=torch.bool)
+    for p in done:
+        restored[p.start:p.start + p.tokens] = True
+    return restored
 
 
 def prefill_from_segments(ctx: ChildContext, child: Child, source: SegmentSource, staging: torch.Tensor,
                           private: torch.Tensor, cache: KVCache, arm: str, owner: str, events: list[str],
-                          part: PartTimer = _untimed,
+                          part: PartTimer = untimed,
                           prefill_fn: Callable[[KVCache, torch.Tensor], BlendResult] | None = None,
                           ) -> tuple[torch.Tensor, BlendResult]:
-    """run_child's path from the child's request to its first token's logits: every segment loaded from `source`
-    into staging in catalog order (its size checked on arrival), then every loaded segment's digest checked in one
-    call (kmesh.segments.first_corrupt: blake3 on the GPU in one launch set for all); then the verified segments
-    copied private (kmesh.segments.copy_private_each: one ticket each, submitted as one batch, one drain for all)
-    and restored into `cache` at once (one restore call); then the prefill with repair `arm`. Returns (restored
-    mask, prefill result).
+    """run_child's path from the child's request to its first token's logits: the load step (kmesh.kv.load.LoadStep:
+    every segment loaded from `source` into staging in catalog order, every loaded digest checked in one call, the
+    verified ones copied private in one batch and one drain, restored at once), then the prefill with repair `arm`.
+    Returns (restored mask, prefill result).
 
-    A load, digest or transfer error at segment k (the first in catalog order) propagates (run_child turns it into a
-    recompute) after segments 0..k-1, verified (and copied) before it, were restored: the model state then holds
-    exactly the segments before the failure, as when each segment went its whole way before the next was loaded,
-    but with one digest call, one drain and one restore instead of one each per segment (on the H200 a digest
-    launch, a drained copy and a restore call cost ~0.1, ~0.27 and ~0.35 ms a segment, and a RAG child has 15-60
-    segments). `part(name)` times the steps as parts: stage ⊃ load (the
-    source's calls), private-copy, restore; then repair. `prefill_fn(cache, restored)` replaces the eager prefill
-    (a CUDA graph of the same blend captured over `cache`)."""
-    restored = torch.zeros(len(child.ids), dtype=torch.bool)
-    timed_source = _TimedLoads(source, part)
-    with part("stage"):
-        prepare_staging(staging, ctx.catalog)
-    prefetch = getattr(source, "prefetch", None)
-    verified: list[CatalogEntry] = []
-
-    def restore(entries: list[CatalogEntry]) -> None:
-        if entries:
-            with part("restore"):
-                restored.logical_or_(restore_child(cache, ctx.catalog, private, child, ctx.runner,
-                                                   ctx.restore_backend, segments={e.index for e in entries}))
-            events.extend(f"restored:{e.index}" for e in entries)
-
-    def copy_and_restore() -> None:
-        if not verified:
-            return
-        failure: PrivateCopyError | None = None
-        with part("private-copy"):
-            try:
-                copied = copy_private_each(ctx.engine, staging, private, verified, owner)
-            except PrivateCopyError as e:
-                # the copies before the one that failed are drained and whole: restored, as a stage failure's are
-                copied, failure = e.copied, e
-        events.extend(f"private-copy-drained:{e.index}" for e in copied)
-        restore(copied)
-        if failure is not None:
-            raise failure
-
-    try:
-        if prefetch is not None:
-            # a source that can request every segment's load up front (the service without a gate) does, so the
-            # copies overlap; each segment is still waited for and checked in order below
-            with part("stage"), part("load"):
-                prefetch(ctx.catalog.entries)
-        loaded: list[CatalogEntry] = []
-        failure: SegmentLoadError | TransferError | None = None
-        for entry in ctx.catalog.entries:
-            with part("stage"):
-                try:
-                    load_entry(timed_source, staging, entry)
-                except (SegmentLoadError, TransferError) as e:
-                    failure = e          # the segments before it are still checked and restored below
-                    break
-            loaded.append(entry)
-        with part("stage"):
-            corrupt = first_corrupt(staging, loaded)    # every loaded segment's digest in one call
-        if corrupt is not None:          # an earlier segment than a load failure's: its error is the one raised
-            loaded, failure = loaded[:corrupt[0]], corrupt[1]
-        verified.extend(loaded)
-        events.extend(f"staged:{e.index}" for e in loaded)
-        if failure is not None:
-            raise failure
-    except (SegmentLoadError, TransferError):
-        abandon = getattr(source, "abandon", None)
-        if abandon is not None:
-            abandon()     # the loads requested ahead end before the caller reuses staging
-        copy_and_restore()   # what was verified before the failure reaches the model state, as it would have
-        raise
-    except BaseException:
-        abandon = getattr(source, "abandon", None)
-        if abandon is not None:
-            abandon()
-        raise
-    copy_and_restore()
+    A load, digest or transfer error at segment k propagates (run_child turns it into a recompute) after segments
+    0..k-1, verified (and copied) before it, were restored: the model state then holds exactly the segments before
+    the failure. `part(name)` times the steps as parts: stage ⊃ load, private-copy, restore; then repair.
+    `prefill_fn(cache, restored)` replaces the eager prefill (a CUDA graph of the same blend captured over `cache`)."""
+    placements = placements_of(child)
+    step = LoadStep(source, staging, ctx.catalog,
+                    Destination(cache.raw, cache.layout, ctx.runner.rope, None, ctx.restore_backend), placements,
+                    private=private, engine=ctx.engine, owner=owner, part=part, events=events)
+    outcome = step.run()
+    restored = outcome.positions(len(child.ids), placements)
+    if outcome.failure is not None:
+        raise outcome.failure
     with part("repair"):
         res = prefill_fn(cache, restored) if prefill_fn is not None else prefill(ctx, child, cache, restored, arm)
     return restored, res

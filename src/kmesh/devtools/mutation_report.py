@@ -4,7 +4,7 @@ Writes results/mutation/report.md and report.json (with the code revision it ran
 killed (a test failed), survived (every selected test passed), no tests (no selected test reached the
 function), timeout, suspicious, skipped, segfault, not checked.
 
-    python -m kmesh.tools.mutation_report [--diffs]   # --diffs: add every survivor's diff
+    python -m kmesh.devtools.mutation_report [--diffs]   # --diffs: add every survivor's diff
 
 The diffs are read from mutmut's generated modules (mutants/src: every mutant is a function beside the original,
 `<name>__mutmut_<n>` and `<name>__mutmut_orig`), in this process: `mutmut show` per survivor costs a process each
@@ -33,7 +33,7 @@ def mutmut(*args: str) -> str:
 
 
 def split(name: str) -> tuple[str, str]:
-    """('kmesh.layout', 'KVLayout.split_slots') from mutmut's mangled 'kmesh.layout.xǁKVLayoutǁsplit_slots__mutmut_3'."""
+    """('kmesh.kv.layout', 'KVLayout.split_slots') from mutmut's mangled 'kmesh.kv.layout.xǁKVLayoutǁsplit_slots__mutmut_3'."""
     base = name.rsplit("__mutmut_", 1)[0]
     module, _, func = base.rpartition(".x")
     if "ǁ" in func:
@@ -71,7 +71,7 @@ def mutant_diff(name: str, root: Path = Path("mutants/src"), cache: dict[Path, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kmesh.tools.mutation_report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kmesh.devtools.mutation_report", description=__doc__.splitlines()[0])
     parser.add_argument("--diffs", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/mutation"))
     args = parser.parse_args(argv)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         by_module[module][row["status"]] += 1
         if row["status"] == "survived":
             survivors[f"{module}:{func}"].append(row["name"])
-    if os.environ.get("KMESH_REVISION"):     # a mutation set's copy has no .git: kmesh.tools.mutation_set names it
+    if os.environ.get("KMESH_REVISION"):     # a mutation set's copy has no .git: kmesh.devtools.mutation_set names it
         rev, _, flag = os.environ["KMESH_REVISION"].partition(" ")
         dirty = bool(flag)
     else:

@@ -2,7 +2,7 @@
 
 It starts a real service process whose copies are paced by a kmesh.transfer ChunkGate (every copy chunk
 needs a token from the controller), so "a copy is in flight" is a fact the controller creates, not a race it
-hopes to win. It spawns worker processes (kmesh.service.worker), watches the service through an admin
+hopes to win. It spawns worker processes (kmesh.harness.worker), watches the service through an admin
 connection, and checks for leaks from the outside: registrations, mappings, fds, CUDA handles, pins.
 
 Token accounting: each accepted copy consumes exactly ceil(nbytes / chunk_bytes) tokens, so the controller
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from kmesh.errors import KMeshError
 from kmesh.service import process
-from kmesh.service.worker import Worker
+from kmesh.harness.worker import Worker
 from kmesh.transfer.faults import ChunkGate
 
 

@@ -5,7 +5,7 @@
 
 A segment is tokens × layers × kv-heads × channels (+ the positions its keys were rotated at). Restore
 writes it into `dst_slots` (−1 = padding: skipped) of layers [first_layer, first_layer + L'):
-keys' rotary channels are rotated by one rotation from the ORIGINAL positions (kmesh.rope); values,
+keys' rotary channels are rotated by one rotation from the ORIGINAL positions (kmesh.kv.rope); values,
 non-rotary key channels and keys of tokens that do not move are copied byte for byte; nothing
 outside the destination cells is written. fp8 keys: dequantize, rotate, requantize with the same scale.
 
@@ -24,10 +24,10 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kmesh.layout import DTYPES, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize
-from kmesh.restore_errors import (  # noqa: F401 (re-exported: callers catch them as kmesh.restore.*)
+from kmesh.kv.layout import DTYPES, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize
+from kmesh.kv.errors import (  # noqa: F401 (re-exported: callers catch them as kmesh.kv.restore.*)
     RestoreError, SegmentError, HeadCountError, HeadDimError, DtypeMismatchError, ScaleMismatchError, LayerRangeError, SlotError, SlotRangeError, DuplicateSlotError, PositionError, DestinationError, NonContiguousDestinationError, MisalignedDestinationError, DeviceMismatchError)
-from kmesh.rope import RopeConfig, apply_rotation, shift_tables
+from kmesh.kv.rope import RopeConfig, apply_rotation, shift_tables
 
 __all__ = [
     "RestoreError", "SegmentError", "HeadCountError", "HeadDimError", "DtypeMismatchError", "ScaleMismatchError",
@@ -214,7 +214,7 @@ def check_slot_range(lo: int, hi: int, layout: KVLayout) -> None:
 def check_compatible(layout: KVLayout, dtype: str, heads: int, head_dim: int, head_dim_v: int, k_scale: float,
                      v_scale: float, rope: RopeConfig) -> None:
     """A segment of this dtype / geometry / fp8 scales fits the cache `layout` under `rope`, else the specific
-    RestoreError (shared by plan_restore and kmesh.restore_gather, so both refuse alike)."""
+    RestoreError (shared by plan_restore and kmesh.kv.gather, so both refuse alike)."""
     if dtype != layout.dtype:
         raise DtypeMismatchError(f"segment dtype {dtype}, cache dtype {layout.dtype}")
     if heads != layout.num_kv_heads:

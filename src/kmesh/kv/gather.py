@@ -3,9 +3,9 @@
     plan = plan_gather(cache_raw, cache_layout, private_raw, export_layout, src_slots, old_pos, dst_slots, new_pos,
                        rope)                  # every check on host data: numpy / ints / CPU tensors
     plan.run("cuda")                          # one kernel launch reads the rows where they lie in `private_raw`
-    plan.run("torch")                         # the reference: capture + kmesh.restore's torch path
+    plan.run("torch")                         # the reference: capture + kmesh.kv.restore's torch path
 
-`kmesh.restore.plan_restore` validates device tensors on the device: each min/max/unique is a host sync, and the
+`kmesh.kv.restore.plan_restore` validates device tensors on the device: each min/max/unique is a host sync, and the
 segment must first be captured (a gather copy) out of the source. Here the plan knows every slot and position
 on the host, so it checks them there, builds its small tables there (slots, source row offsets, moved flags,
 shift tables in float64 → float32, the fp8 scales) and moves them to the device in ONE copy from pinned memory,
@@ -26,12 +26,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kmesh.layout import KVLayout
-from kmesh.restore import (Index, RestorePlan, _as_index, _destination, _run_torch, capture, check_compatible,
+from kmesh.kv.layout import KVLayout
+from kmesh.kv.restore import (Index, RestorePlan, _as_index, _destination, _run_torch, capture, check_compatible,
                            check_slot_range)
-from kmesh.restore_errors import (DeviceMismatchError, DuplicateSlotError, LayerRangeError, PositionError,
+from kmesh.kv.errors import (DeviceMismatchError, DuplicateSlotError, LayerRangeError, PositionError,
                                   RestoreError, SegmentError, SlotError, SlotRangeError)
-from kmesh.rope import RopeConfig, host_shift_tables
+from kmesh.kv.rope import RopeConfig, host_shift_tables
 
 __all__ = ["GatherPlan", "plan_gather", "gather_supported", "clear_plan_cache", "plan_cache_bytes",
            "PLAN_CACHE_ENTRIES", "PLAN_CACHE_BYTES"]
@@ -101,7 +101,7 @@ class GatherPlan:
             raise RestoreError(f"backend must be 'torch' or 'cuda', got {backend!r}")
 
     def as_restore_plan(self) -> RestorePlan:
-        """The same restore as kmesh.restore's plan: the rows captured into a segment (a copy), the same tables."""
+        """The same restore as kmesh.kv.restore's plan: the rows captured into a segment (a copy), the same tables."""
         dev = self.flat.device
         src_raw = self.src_flat.view(torch.uint8)
         seg = capture(src_raw, self.src_layout, torch.from_numpy(self.host_src_slots).to(dev),
@@ -130,7 +130,7 @@ class _Tables:
     launches: dict = field(default_factory=dict)   # kmesh.cuda.restore_rope's launches of these tables
 
 
-# A child restored segment by segment (kmesh.child) keys one plan per segment: a 16k-token RAG child of 60 chunks
+# A child restored segment by segment (kmesh.harness.child) keys one plan per segment: a 16k-token RAG child of 60 chunks
 # holds 60. With 64 entries, two such children timed in turn evicted each other's plans (LRU) and every restore
 # call checked and uploaded its tables again: 1.25 ms a segment on the H200 instead of ~0.35. Bounded by count and
 # by the bytes of the uploaded tables (device memory; ~70 KB for a 256-token segment of a 64-dim head).

@@ -3,14 +3,14 @@
 mutmut reads one configuration, `[tool.mutmut]` of ./pyproject.toml, and keeps its state in ./mutants; a second
 set of modules therefore runs in its own copy: results/mutation/NAME/tree holds the tracked and untracked (not
 ignored) files of this checkout, its pyproject's `[tool.mutmut]` is the base one updated by the set's keys, and
-results/models is linked in (the runner tests read the converted model there). The report (kmesh.tools
+results/models is linked in (the runner tests read the converted model there). The report (kmesh.devtools
 .mutation_report) lands in results/mutation/NAME/, naming this checkout's revision.
 
-    python -m kmesh.tools.mutation_set trust --jobs 2     # make mutation MUTATION_SET=trust
-    python -m kmesh.tools.mutation_set trust-equivalence --copy-only   # the copy alone, to run mutmut elsewhere
+    python -m kmesh.devtools.mutation_set trust --jobs 2     # make mutation MUTATION_SET=trust
+    python -m kmesh.devtools.mutation_set trust-equivalence --copy-only   # the copy alone, to run mutmut elsewhere
 
 `--copy-only` prepares results/mutation/NAME/tree and stops: a machine with more cores and no git checkout (the
-device host) runs `mutmut run` in that tree with PYTHONPATH=mutants/src, then `python -m kmesh.tools
+device host) runs `mutmut run` in that tree with PYTHONPATH=mutants/src, then `python -m kmesh.devtools
 .mutation_report --out ..` from it.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def copy_tree(dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kmesh.tools.mutation_set", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kmesh.devtools.mutation_set", description=__doc__.splitlines()[0])
     parser.add_argument("name")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--diffs", action="store_true", help="add every survivor's diff to the report")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = subprocess.run([str(exe), "run", "--max-children", str(args.jobs), *args.mutants], cwd=tree, env=env,
                             stdout=log,
                             stderr=subprocess.STDOUT).returncode
-    report = [sys.executable, "-m", "kmesh.tools.mutation_report", "--out", str(out)]
+    report = [sys.executable, "-m", "kmesh.devtools.mutation_report", "--out", str(out)]
     report += ["--diffs"] if args.diffs else []
     rrc = subprocess.run(report, cwd=tree, env=env).returncode
     return rc or rrc

@@ -2,7 +2,7 @@
 
 The ownership stage and the tests need real client processes they can steer step by step (register, start a
 copy, go silent, be SIGKILLed, have its instance number claimed or taken over). A Worker is such
-a process (`python -m kmesh.service.worker`); it speaks length-prefixed msgpack on stdin/stdout with its
+a process (`python -m kmesh.harness.worker`); it speaks length-prefixed msgpack on stdin/stdout with its
 controller and uses the ordinary ServiceClient toward the service.
 
     w = Worker.spawn(socket_path)
@@ -212,7 +212,7 @@ class _CudaBuf:
 
 def main() -> int:
     if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--cuda"):
-        print("usage: python -m kmesh.service.worker SOCKET_PATH [--cuda]", file=sys.stderr)
+        print("usage: python -m kmesh.harness.worker SOCKET_PATH [--cuda]", file=sys.stderr)
         return 2
     if "--cuda" in sys.argv:
         # Import torch and create the CUDA context BEFORE connecting: both hold the GIL for seconds, and a
@@ -251,7 +251,7 @@ class Worker:
     @classmethod
     def spawn(cls, socket_path: str | Path, cuda: bool = False, log: Any = None,
               env: dict[str, str] | None = None) -> "Worker":
-        argv = [sys.executable, "-m", "kmesh.service.worker", str(socket_path)] + (["--cuda"] if cuda else [])
+        argv = [sys.executable, "-m", "kmesh.harness.worker", str(socket_path)] + (["--cuda"] if cuda else [])
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log or subprocess.DEVNULL, env=env)
         return cls(proc)

@@ -12,15 +12,15 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from kmesh.child import ChildContext
+from kmesh.harness.child import ChildContext
 from kmesh.config import Config
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.blend import RepairConfig
 from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
-from kmesh.segments import Export, export_segments
+from kmesh.harness.leader import Export, export_segments
 from kmesh.transfer.engine import TransferEngine
-from kmesh.workload import ByteTokenizer, HFTokenizer, Workload, WorkloadSpec, build
+from kmesh.harness.workload import ByteTokenizer, HFTokenizer, Workload, WorkloadSpec, build
 
 
 @dataclass
@@ -64,7 +64,7 @@ class SetupSpec:
     restore_backend: str = "torch"
     attention: str = "auto"
     device: str = "cpu"
-    arrival_digest: str = "sha256"     # what children check each segment with on arrival (kmesh.segments)
+    arrival_digest: str = "sha256"     # what children check each segment with on arrival (kmesh.kv.digests)
     stop_at_end_of_turn: bool = False  # children's continuations end at the model's end-of-turn token
 
 

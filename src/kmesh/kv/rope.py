@@ -337,7 +337,7 @@ def shift_tables(old_pos: torch.Tensor, new_pos: torch.Tensor, rope: RopeConfig)
 def host_shift_tables(old_pos: np.ndarray, new_pos: np.ndarray, rope: RopeConfig) -> tuple[np.ndarray, np.ndarray]:
     """shift_tables computed on the host from host positions (int64 arrays): float32 [T, rotary_dim // 2] numpy
     arrays, the same numbers as shift_tables on CPU tensors; raises what it raises. For plans that must not
-    wait on a device (kmesh.restore_gather)."""
+    wait on a device (kmesh.kv.gather)."""
     for name, pos in (("old_pos", old_pos), ("new_pos", new_pos)):
         if pos.ndim != 1:
             raise RopeError(f"{name} must be 1-D [T], got shape {pos.shape}")
