@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 # what the first one already had, e.g. each vLLM engine ~240 modules (2.7 of its 23.5 CPU-s), each Snakemake its own.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: env pipeline test test-all doctor lock mutation slurm-cluster
+.PHONY: env pipeline test test-all lint doctor lock mutation slurm-cluster
 
 env:
 	scripts/setup-env.sh
@@ -23,6 +23,11 @@ pipeline: env  ## run every stage on the CPU profile, then tables + plots
 # into results/test beside the suite, then tests/test_stage_results.py fails on a missing, stale or failed stage.
 test: env  ## every stage on the cpu profile (reduced sizes, into results/test) beside the test suite; CI runs this
 	scripts/test.sh $(PYTEST_ARGS)
+
+# Ruff with pyproject.toml's [tool.ruff] rules (ruff is pinned in requirements/cpu.lock); make test runs it first.
+# `ruff check --fix src tests` fixes the violations it marks [*].
+lint: env  ## ruff check src tests: lint, the first step of make test
+	python -m ruff check src tests
 
 # The whole suite alone, the covered_by_stage tests included (no pipeline beside it).
 test-all: env  ## the whole test suite, every test (no stage run)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # `make test` (CI's command): every stage of the cpu pipeline AND the test suite, side by side on the machine's cores.
+#   0. first the lint (`make lint`: ruff check src tests, pyproject.toml's [tool.ruff]); a violation stops here, in
+#      seconds, before the pipeline starts;
 #   1. the cpu pipeline with config/overlays/test.yaml (reduced sizes and repetitions, the same cases and checks) into
 #      its own results dir (results/test: the published results/cpu are never timed beside the suite);
 #   2. the SLURM profile's test (tests/test_slurm_profile.py: it mostly waits on a real SLURM cluster's jobs);
@@ -25,6 +27,12 @@ mkdir -p "$results"
 console="$results/pipeline-console.log"
 slurm_log="$results/slurm-test.log"
 start=$(date +%s)
+
+echo "[kmesh] make test: lint (ruff check src tests)"
+if ! python -m ruff check src tests; then
+  echo "[kmesh] make test: lint failed, nothing else ran (\`ruff check --fix src tests\` fixes what it marks [*])"
+  exit 1
+fi
 
 # /tmp, not under results: the ownership stage's foreign-uid case needs a parent every user can traverse
 stage_tmp=$(mktemp -d /tmp/kmesh-stage-tmp.XXXXXX) && chmod 755 "$stage_tmp"

@@ -3,6 +3,8 @@ import glob
 
 from snakemake.utils import validate
 
+import kmesh.stages
+
 validate(config, "../../config/config.schema.yaml")
 
 PROFILE = config.get("profile", "cpu")
@@ -19,9 +21,9 @@ GPU = 1 if PROFILE == "cuda" else None
 # timings share the cores with another's work. sources, kernels (one nvcc at a time), model (a file conversion)
 # and report declare 1 and may run side by side.
 STAGE_THREADS = 2
-# Stages that exist in this wave, in pipeline order; report renders whatever they wrote.
-STAGES = ["sources", "kernels", "model", "synthetic", "drain", "ownership", "equivalence", "storage", "integrity",
-          "remote", "group", "reliability", "peers", "vllm", "restore_bench"]
+# The stages whose results `rule all` and the report read, in pipeline order (every stage of kmesh.stages.STAGES, the
+# one list of the stages, but the report itself). The Snakefile includes each stage's rule file from the same list.
+STAGES = [s for s in kmesh.stages.STAGES if s != "report"]
 
 
 # The package modules each stage runs are inputs of its job. After a change to one of them Snakemake reruns that stage

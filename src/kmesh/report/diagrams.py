@@ -5,13 +5,12 @@
 There is no graphviz on the build machines, so both are laid out here and drawn with matplotlib. The DAG is read
 from workflow/rules/*.smk, never typed in: a rule's `input:` entries `result("X")` are its edges (an entry whose
 line says "pipeline order" only orders the jobs, the stage does not read that result), and `result(s) for s in
-STAGES` means every stage of common.smk's STAGES. Each stage box and each edge carries an SVG id
-(`stage__<name>`, `edge__<from>__<to>`), so a test can compare the committed SVG with the rule files.
+STAGES` means every stage of common.smk's STAGES (kmesh.stages.STAGES but the report). Each stage box and each edge
+carries an SVG id (`stage__<name>`, `edge__<from>__<to>`), so a test can compare the committed SVG with the rule files.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path as MplPath
 
+from kmesh.stages import STAGES
+
 RULES_DIR = Path("workflow/rules")
 SHARED_RULES = "common"   # definitions only: no rule of its own
 
@@ -31,7 +32,6 @@ _SVG_STYLE = {"svg.fonttype": "none", "svg.hashsalt": "kmesh-diagrams", "font.fa
               "font.size": 9}
 _RULE = re.compile(r"^rule (\w+):", re.MULTILINE)
 _RESULT_INPUT = re.compile(r'result\("(\w+)"\)')
-_STAGES_LIST = re.compile(r"^STAGES = (\[.*?\])", re.MULTILINE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Edge:
 
 
 def rule_stages(rules_dir: Path = RULES_DIR) -> list[str]:
-    """The stage of every rule file (its rule's name), common.smk's STAGES order first, then the rest by name."""
+    """The stage of every rule file (its rule's name), in pipeline order (pipeline_stages) first, then by name."""
     names = []
     for path in sorted(rules_dir.glob("*.smk")):
         if path.stem == SHARED_RULES:
@@ -56,12 +56,12 @@ def rule_stages(rules_dir: Path = RULES_DIR) -> list[str]:
 
 
 def pipeline_stages(rules_dir: Path = RULES_DIR) -> list[str]:
-    """common.smk's STAGES: the stages `rule all` and the report ask for, in pipeline order."""
-    text = (rules_dir / f"{SHARED_RULES}.smk").read_text()
-    match = _STAGES_LIST.search(text)
-    if match is None:
-        raise ValueError(f"{rules_dir / SHARED_RULES}.smk defines no STAGES list")
-    return list(ast.literal_eval(match.group(1)))
+    """common.smk's STAGES: the stages `rule all` and the report ask for, in pipeline order.
+
+    common.smk derives them from kmesh.stages.STAGES (every stage but the report), so they are derived here the same
+    way rather than read from its text; `rules_dir` is kept for the callers that pass it.
+    """
+    return [s for s in STAGES if s != "report"]
 
 
 def _input_lines(rule_text: str) -> Iterator[str]:
