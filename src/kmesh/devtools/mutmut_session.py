@@ -1,4 +1,4 @@
-"""`mutmut run` for a device session that spans calls (scripts/device-mutation.sh with SESSION=1, which runs this file
+"""`mutmut run` for a device session that spans calls (scripts/device.sh mutation with SESSION=1, which runs this file
 by path): writes its pid to /tmp/mutmut.pid and skips mutmut's clean-test run when this same process has just collected
 the full test map (that collection runs the whole selection unmutated, and mutmut stops if it fails), so mutmut's setup
 is paid once per session (2026-12-03: 155 s once instead of 100-200 s per call). Patches mutmut 3.8.1's internals
