@@ -29,25 +29,41 @@ import pytest
 import torch
 
 from kmesh.harness.child import ChildContext, ChildStateError, check_canaries, full_reference, new_cache, run_child
-from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import (arm_quality, compare_states, first_divergence, flip_bit, identical, kl_divergence,
-                                 max_abs_diff, summarize, teacher_forced_logits, until_end_of_turn)
-from kmesh.model.runner import LayerRunner
+from kmesh.harness.leader import EXPORT_ORDER, export_segments
+from kmesh.harness.modelsetup import leader_prefill
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.kv.errors import (
+    SegmentCorruptError,
+    SegmentLayoutError,
+    SegmentMissingError,
+    SegmentOversizeError,
+    SegmentTruncatedError,
+)
+from kmesh.kv.load import copy_private, stage_entry, stage_segments
 from kmesh.kv.restore import capture
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.model.blend import RepairConfig
+from kmesh.model.quality import (
+    arm_quality,
+    compare_states,
+    first_divergence,
+    flip_bit,
+    identical,
+    kl_divergence,
+    max_abs_diff,
+    summarize,
+    teacher_forced_logits,
+    until_end_of_turn,
+)
+from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_tensor
-from kmesh.harness.leader import EXPORT_ORDER, export_segments
-from kmesh.kv.errors import SegmentCorruptError, SegmentLayoutError, SegmentMissingError, SegmentOversizeError, SegmentTruncatedError
-from kmesh.kv.load import copy_private, stage_entry, stage_segments
-from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.stages.equivalence import controls
 from kmesh.stages.equivalence import stage as eq_stage
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey
-from kmesh.harness.modelsetup import leader_prefill
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import ChunkGate, FaultPlan
-from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from tiny_llama import tiny_llama
 
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=2, block_size=16)
@@ -875,8 +891,8 @@ def test_failure_controls_catch_a_late_reference_and_a_leaked_staging_mapping(en
     reference gets another last token and every control of child B must fail on exactly that. (2) the killed
     service's control asserted no leak check of its own: here our mapping of its staging memfd is left in
     place (HostBuffer.close skipped once the service is dead) and the control must fail on it."""
-    from kmesh.service.handles import HostBuffer
     from kmesh.harness.service_side import ServiceSide
+    from kmesh.service.handles import HostBuffer
 
     refs = dict(env.refs)
     ref_b = refs[RefKey(FULL, "B")]

@@ -9,19 +9,17 @@ asserted bit-identical; the whole batched prefill is asserted within BATCHED_TOL
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from kmesh.model.blend import ARMS, BlendState, RepairConfig, blend, deviation, plan
-from kmesh.model.errors import ModelError
-from kmesh.model.group import (InjectedMemberFault, LayerwiseRestore, Member, MemberFailure, RestorePart,
-                               blend_group)
-from kmesh.model.runner import LayerRunner
-from kmesh.kv.restore import capture
 from kmesh.harness.child import restore_child
 from kmesh.harness.leader import export_segments
 from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.kv.restore import capture
+from kmesh.model.blend import ARMS, BlendState, RepairConfig, blend, deviation, plan
+from kmesh.model.errors import ModelError
+from kmesh.model.group import InjectedMemberFault, LayerwiseRestore, Member, MemberFailure, RestorePart, blend_group
+from kmesh.model.runner import LayerRunner
 from tiny_llama import tiny_llama
 
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=4, block_size=16)

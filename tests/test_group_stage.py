@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from kmesh.harness.child import ChildContext, full_reference, run_child
+from kmesh.harness.leader import export_segments
+from kmesh.harness.service import Harness
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
+from kmesh.kv.errors import SegmentCorruptError
+from kmesh.kv.sources import InProcessSegments
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import LayerRunner
-from kmesh.harness.leader import export_segments
-from kmesh.kv.errors import SegmentCorruptError
-from kmesh.kv.sources import InProcessSegments
-from kmesh.harness.service import Harness
 from kmesh.stages.group import bench as group_bench
-from kmesh.harness.service_side import ServiceSide
-from kmesh.stages.group.path import run_group
 from kmesh.stages.group.load import GroupAdmissionError, GroupLoad
+from kmesh.stages.group.path import run_group
 from kmesh.transfer.engine import TransferEngine
-from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from tiny_llama import tiny_llama
 
 SPEC = WorkloadSpec(prompt_tokens=352, segment_tokens=(80, 80, 80), children=3, block_size=16)
@@ -247,8 +247,8 @@ def test_spread_of_one_and_of_many():
 def test_rag_scaling_on_the_rag_shape(env):
     """The scaling over the RAG-shaped workload (many chunks, every child its own order): the batched group over
     2 children of 4 chunks, its logits within the bound and its cases passing."""
-    from kmesh.result import Result
     from kmesh.harness.workload import RagSpec, build_rag
+    from kmesh.result import Result
 
     spec = RagSpec(chunks=4, chunk_tokens=96, prompt_tokens=512, children=2, block_size=16,
                    leader_preamble_tokens=16, min_restorable=0.7)     # bytes: a fact sentence needs ~70 of them

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kmesh.kv.restore import capture, restore
 from kmesh.model.blend import ARMS, RepairConfig, RepairConfigError, blend, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import LayerRunner
-from kmesh.kv.restore import capture, restore
 from smollm2_model import converted
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -248,7 +248,7 @@ def _copy(runner: LayerRunner, cache):
 
 
 def test_restored_state_is_honest(tiny):
-    r, c = tiny.runner, _case(tiny.runner)
+    _r, c = tiny.runner, _case(tiny.runner)
     d, s = c.doc_slots, c.leader_slots
     # layer 0 K depends only on token and position: the shifted leader K is the child's fresh K
     assert float((c.pristine.k[0][d] - c.full_cache.k[0][d]).abs().max()) <= SHIFT_TOL
@@ -503,7 +503,7 @@ def test_stock_matched_budget_is_repair_count(tiny):
 
 
 def test_recompute_counts_errors(tiny):
-    r, c = tiny.runner, _case(tiny.runner)
+    _r, c = tiny.runner, _case(tiny.runner)
     for cfg in (RepairConfig(recompute_counts=(0,)), RepairConfig(recompute_counts=(3, 4)),
                 RepairConfig(check_layers=(1, 2), recompute_counts=(3, 4)), RepairConfig(recompute_counts=(2.0,))):
         with pytest.raises(RepairConfigError):
@@ -820,7 +820,6 @@ def test_sdpa_backend_rule():
 def test_gpu_attention_calls_are_reproducible():
     """Each SDPA call shape the runner makes, repeated on identical inputs, gives identical bytes (the decode
     step under cuDNN did not on the H200)."""
-    import torch.nn.functional as F
 
     from kmesh.model.runner import _sdpa
 

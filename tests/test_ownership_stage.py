@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kmesh.result import Result
 from kmesh.harness.service import Harness
+from kmesh.result import Result
 from kmesh.stages import ownership
 
 EXPECTED = {f"{c}/memfd" for c, _, per_mem in ownership.CASES if per_mem} | \

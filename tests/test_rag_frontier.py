@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from kmesh.harness.child import ChildContext, full_reference
-from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
-from kmesh.model.blend import RepairConfig
-from kmesh.model.runner import LayerRunner
 from kmesh.harness.modelsetup import ModelSetup, leader_prefill
+from kmesh.harness.workload import ByteTokenizer, RagSpec, build_rag
+from kmesh.model.blend import RepairConfig
+from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, dominates, pareto_front
+from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.stages.equivalence import endtoend, rag
 from kmesh.transfer.engine import TransferEngine
-from kmesh.harness.workload import ByteTokenizer, RagSpec, build_rag
 from prefill_spy import PrefillLog
 from tiny_llama import tiny_llama
 

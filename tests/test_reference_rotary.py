@@ -6,8 +6,8 @@ from decimal import Decimal, getcontext
 import pytest
 import torch
 
-from kmesh.reference import rotary as ref
 from kmesh.kv.rope import RopeConfig, rotate
+from kmesh.reference import rotary as ref
 from kmesh.stages.synthetic import ACCURACY_ROPES, ROPES, rope_for
 
 

@@ -10,11 +10,10 @@ import time
 
 import pytest
 
-from kmesh.service import descriptor
-from kmesh.service.errors import ObjectMissingError, RemoteReadError
 from kmesh.harness.service import Harness
-from kmesh.service.remotetier import RemoteRejectedError, verify_image
 from kmesh.harness.worker import pattern, sha
+from kmesh.service import descriptor
+from kmesh.service.remotetier import RemoteRejectedError, verify_image
 from kmesh.storage import objfile, remote
 
 pytestmark = pytest.mark.remote

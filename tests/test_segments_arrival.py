@@ -10,12 +10,12 @@ import blake3
 import pytest
 import torch
 
-from kmesh.model.runner import LayerRunner
 from kmesh.harness.leader import export_segments
 from kmesh.kv.digests import arrival_digest
 from kmesh.kv.errors import SegmentCorruptError, SegmentExportError
 from kmesh.kv.load import stage_segments
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.runner import LayerRunner
 from test_segments_unaligned import BS, PREFIX, unaligned_workload
 from tiny_llama import tiny_llama
 

@@ -19,19 +19,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.harness.child import ChildContext, full_reference, run_child
-from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import compare_states, identical
-from kmesh.model.runner import LayerRunner
-from kmesh.kv.restore import capture, restore
-from kmesh.harness.child import restore_child
+from kmesh.harness.child import ChildContext, full_reference, restore_child, run_child
 from kmesh.harness.leader import export_segments
+from kmesh.harness.workload import Child, Placement, Segment, Workload, WorkloadSpec
 from kmesh.kv.catalog import segment_nbytes
 from kmesh.kv.errors import SegmentCatalogError, SegmentOversizeError, SegmentSizeError, SegmentTruncatedError
 from kmesh.kv.load import copy_private, stage_segments
+from kmesh.kv.restore import capture, restore
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.model.blend import RepairConfig
+from kmesh.model.quality import compare_states, identical
+from kmesh.model.runner import LayerRunner
 from kmesh.transfer.engine import TransferEngine
-from kmesh.harness.workload import Child, Placement, Segment, Workload, WorkloadSpec
 from tiny_llama import tiny_llama
 
 BS = 16

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import pattern, sha
 from kmesh.service import descriptor
 from kmesh.service.errors import NotAuthorizedError
-from kmesh.harness.service import Harness
 from kmesh.service.process import ADMIN_TOKEN_NAME
-from kmesh.harness.worker import pattern, sha
 
 LAYOUT = descriptor.example(num_blocks=4)
 N = descriptor.nbytes(LAYOUT)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kmesh.service import descriptor
-from kmesh.service.errors import ServiceError
 from kmesh.harness.service import Harness
 from kmesh.harness.worker import Worker, pattern, sha
+from kmesh.service import descriptor
+from kmesh.service.errors import ServiceError
 
 SEED = 7
 CYCLES = 500   # ~19 s on the 2-core machine; the reliability stage carries the long runs

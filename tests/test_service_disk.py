@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from kmesh.service import descriptor
-from kmesh.service.errors import DiskReadError, ShuttingDownError
 from kmesh.harness.service import Harness
 from kmesh.harness.worker import pattern, sha
+from kmesh.service import descriptor
+from kmesh.service.errors import DiskReadError, ShuttingDownError
 from kmesh.storage import objfile
 
 LAYOUT = descriptor.example(num_blocks=4)

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from kmesh.service import descriptor
-from kmesh.service.errors import ObjectMissingError, WaitTimeoutError
 from kmesh.harness.service import Harness
 from kmesh.harness.worker import pattern, sha
+from kmesh.service import descriptor
+from kmesh.service.errors import ObjectMissingError, WaitTimeoutError
 
 LAYOUT = descriptor.example(num_blocks=2)
 N = descriptor.nbytes(LAYOUT)

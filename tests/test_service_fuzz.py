@@ -20,12 +20,12 @@ import time
 import msgpack
 import pytest
 
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import pattern, sha
 from kmesh.service import descriptor
 from kmesh.service.errors import ERRORS_BY_CODE
 from kmesh.service.handles import HostBuffer, send_frame
-from kmesh.harness.service import Harness
 from kmesh.service.protocol import HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, OPS
-from kmesh.harness.worker import pattern, sha
 
 SEED = 20261130
 LAYOUT = descriptor.example(num_blocks=4)
@@ -437,8 +437,8 @@ def test_fuzz_peer_of_other_uid_refused_before_anything() -> None:
     """A connection from a uid the service does not serve is refused at accept (needs root to try)."""
     if os.getuid() != 0:
         pytest.skip("needs root to connect as another uid")
-    from kmesh.stages.ownership import _as_uid
     from kmesh.service import process
+    from kmesh.stages.ownership import _as_uid
 
     parent = tempfile.mkdtemp(prefix="kmesh-open-")
     os.chmod(parent, 0o711)

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from kmesh.model.runner import LayerRunner
 from kmesh.harness.leader import export_segments
-from kmesh.kv.load import prepare_staging, stage_entry
-from kmesh.kv.sources import ServiceSegments
 from kmesh.harness.service import Harness
 from kmesh.harness.service_side import ServiceSide
 from kmesh.harness.workload import ByteTokenizer, RagSpec, build_rag
+from kmesh.kv.load import prepare_staging, stage_entry
+from kmesh.kv.sources import ServiceSegments
+from kmesh.model.runner import LayerRunner
 from tiny_llama import tiny_llama
 
 SPEC = RagSpec(chunks=4, chunk_tokens=96, prompt_tokens=512, children=1, block_size=16, leader_preamble_tokens=16,

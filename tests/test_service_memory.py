@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kmesh.service import descriptor
 from kmesh.harness.service import Harness
+from kmesh.service import descriptor
 
 LAYOUT = descriptor.example(num_blocks=4096)
 N = descriptor.nbytes(LAYOUT)

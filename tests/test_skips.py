@@ -133,9 +133,7 @@ def test_peers_disabled_skips_every_case_allowed_only_where_the_profile_says_why
 
     cfg = load_config(profile=profile, overrides={"results_dir": str(tmp_path), "peers": {"enabled": False}})
     res = peers.run(cfg)
-    from kmesh.stages.peers.stage import CASES
-
-    from kmesh.stages.peers.stage import ENGINE_CASES
+    from kmesh.stages.peers.stage import CASES, ENGINE_CASES
 
     by_id = {c.id: c for c in res.cases}
     assert list(by_id) == list(CASES) == ["arms-alike", *ENGINE_CASES]

@@ -17,7 +17,6 @@ from kmesh.stages.storage import checksums as sc
 from kmesh.stages.storage.setup import storage_setup
 from kmesh.storage import routes
 from kmesh.storage.errors import ObjectAlgorithmError, ObjectCorruptError
-
 from test_storage_stage import _cfg, setup  # noqa: F401  (the module-scoped tiny model + references)
 
 CPU_ARMS = ["cpu-sha256", "cpu-blake3", "cpu-blake3-overlap"]

@@ -112,7 +112,6 @@ class FakeCuFile:
 
     def handle_register(self, descr_ptr):
         import fcntl
-        import os
         fd = cufile.CUfileDescr.from_address(descr_ptr).handle.fd
         self.flags_seen.append(fcntl.fcntl(fd, fcntl.F_GETFL))
         if self.register_error:   # as libcufile does: a log line in the CWD's cufile.log, then the error

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kmesh.harness.service import Harness
 from kmesh.service import descriptor
 from kmesh.service.client import ServiceClient
 from kmesh.service.errors import ObjectMissingError
 from kmesh.service.handles import HostBuffer
-from kmesh.harness.service import Harness
 from kmesh.storage import objfile
 
 LAYOUT = descriptor.example(num_blocks=4)

@@ -7,15 +7,14 @@ workload: 3 segments of 80 tokens, 2 children of 352 tokens (as tests/test_equiv
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.harness.child import full_reference, run_child
 from kmesh.config import load_config
-from kmesh.model.quality import compare_states, identical
+from kmesh.harness.child import full_reference, run_child
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.quality import compare_states, identical
 from kmesh.stages import storage
 from kmesh.stages.storage import controls, readonce, stage
 from kmesh.stages.storage.child import route_restore, timed_child
@@ -161,8 +160,7 @@ def test_whole_stage_tiny(tmp_path):
 
 
 def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
-    from kmesh.harness.child import new_cache
-    from kmesh.harness.child import restore_child
+    from kmesh.harness.child import new_cache, restore_child
     from kmesh.stages.storage.pipeline import pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 
@@ -191,8 +189,7 @@ def test_pipelined_restore_same_bytes_and_bad_object_drained(setup):
 def test_pipelined_variants_same_bytes_and_corrupt_object_refused(setup, variant):
     """Every check placement writes exactly what restore_child writes from the export; a flipped payload byte is
     refused before use (ObjectCorruptError), with nothing pending and no hold left, however many hashers run."""
-    from kmesh.harness.child import new_cache
-    from kmesh.harness.child import restore_child
+    from kmesh.harness.child import new_cache, restore_child
     from kmesh.stages.storage.pipeline import parse_variant, pipelined_restore
     from kmesh.storage.errors import ObjectCorruptError
 

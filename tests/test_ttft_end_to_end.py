@@ -16,19 +16,18 @@ import pytest
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.harness.child import ChildContext, prefill_from_segments, run_child
-from kmesh.model.blend import RepairConfig, blend
-from kmesh.model.runner import LayerRunner
-from kmesh.harness.modelsetup import ModelSetup, leader_prefill
-from kmesh.result import Result
-from kmesh.harness.child import restore_child
+from kmesh.harness.child import ChildContext, prefill_from_segments, restore_child, run_child
 from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import ModelSetup, leader_prefill
+from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from kmesh.kv.errors import SegmentCorruptError
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.blend import RepairConfig, blend
+from kmesh.model.runner import LayerRunner
+from kmesh.result import Result
 from kmesh.stages.equivalence import endtoend
 from kmesh.stages.equivalence.ttft import ttft_cases
 from kmesh.transfer.engine import TransferEngine
-from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
 from prefill_spy import PrefillLog
 from tiny_llama import tiny_llama
 

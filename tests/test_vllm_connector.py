@@ -325,6 +325,7 @@ def test_connector_refuses_an_amx_engine_supplies_and_saves_nothing(monkeypatch,
     nothing saved, every report and describe() name the refusal, one warning for both sides of the process."""
     pytest.importorskip("vllm")
     import logging
+
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -687,11 +688,11 @@ def test_loaded_kv_is_really_used(rig):
 @pytest.mark.vllm
 @pytest.mark.covered_by_stage("vllm", "interior")
 def test_interior_segments_repaired_and_handed_over(rig, model_dir):
+    from kmesh.harness.workload import HFTokenizer, WorkloadSpec, build
     from kmesh.model.blend import RepairConfig
     from kmesh.stages.vllm import prompts as vp
     from kmesh.vllm import outputs as vo
     from kmesh.vllm.repair_model import load_runner
-    from kmesh.harness.workload import HFTokenizer, WorkloadSpec, build
 
     wl = build(HFTokenizer(rig["tok"]), 0, WorkloadSpec(prompt_tokens=320, segment_tokens=(96, 64), children=1))
     lead = rig["kmesh"].generate([list(wl.leader_ids)], 1, params=[{"kmesh_save_segments": vo.save_spans(wl)}])[0]

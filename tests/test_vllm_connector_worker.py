@@ -20,13 +20,13 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kmesh.kv.keys import prefix_keys, record_key, segment_key, token_digest  # noqa: E402
 from kmesh.kv.layout import KVLayout  # noqa: E402
+from kmesh.kv.record import KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record  # noqa: E402
 from kmesh.kv.restore import capture  # noqa: E402
 from kmesh.kv.rope import RopeConfig  # noqa: E402
 from kmesh.vllm import arrangement as arr  # noqa: E402
 from kmesh.vllm.connector import KMeshConnector  # noqa: E402
-from kmesh.kv.keys import prefix_keys, record_key, segment_key, token_digest  # noqa: E402
-from kmesh.kv.record import KIND_PREFIX, KIND_SEGMENT, RECORD_BYTES, Record  # noqa: E402
 from kmesh.vllm.plans import slots_of  # noqa: E402
 
 BS = 4                 # tokens per block

@@ -14,8 +14,8 @@ import torch
 from kmesh import provenance
 from kmesh.config import PROFILES, Config, find_root, load_config, parse_overrides
 from kmesh.diagnostics import DiagnosticError
-from kmesh.harness.modelsetup import ModelSetup
 from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import ModelSetup
 from kmesh.harness.workload import Child, Workload, build
 
 

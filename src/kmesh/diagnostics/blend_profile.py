@@ -16,12 +16,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kmesh.diagnostics._common import (ScaledLeader, load, parser, require_cuda, scaled_leaders, timed,
-                                      write_json)
+from kmesh.diagnostics._common import ScaledLeader, load, parser, require_cuda, scaled_leaders, timed, write_json
+from kmesh.harness.child import restore_child
+from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
 from kmesh.model.blend import blend
 from kmesh.model.graphs import GraphedBlend
-from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
-from kmesh.harness.child import restore_child
 
 PROMPT_TOKENS = (4096, 16384)
 PROFILED = 3       # eager blends inside the profiler, per arm

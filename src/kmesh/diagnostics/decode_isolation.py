@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kmesh.harness.child import new_cache
 from kmesh.diagnostics._common import load, parser, require_cuda, write_json
-from kmesh.model.blend import blend
+from kmesh.harness.child import new_cache
 from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
+from kmesh.model.blend import blend
 
 STEPS = 23
 CHILD = 2          # child C: the one whose decode was seen to differ

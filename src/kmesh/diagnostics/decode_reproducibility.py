@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from kmesh.harness.child import new_cache
 from kmesh.diagnostics import DiagnosticError
 from kmesh.diagnostics._common import load, parser, require_cuda
-from kmesh.model.blend import blend
+from kmesh.harness.child import new_cache
 from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
 from kmesh.harness.service import Harness
 from kmesh.harness.workload import Child
+from kmesh.model.blend import blend
 
 
 def recompute_and_decode(setup: ModelSetup, child: Child, steps: int) -> tuple[list[int], list[torch.Tensor]]:

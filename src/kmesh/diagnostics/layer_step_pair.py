@@ -19,10 +19,10 @@ import torch
 
 from kmesh.bench import rotate
 from kmesh.diagnostics._common import ScaledLeader, load, parser, require_cuda, scaled_leaders, write_json
+from kmesh.harness.child import restore_child
+from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
 from kmesh.model.graphs import GraphedBlend
 from kmesh.model.runner import LayerRunner
-from kmesh.harness.modelsetup import ModelSetup, deterministic_kernels, equivalence_setup
-from kmesh.harness.child import restore_child
 
 PROMPT_TOKENS = (4096, 16384)
 ROUNDS = 15

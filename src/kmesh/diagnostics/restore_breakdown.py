@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from kmesh.diagnostics._common import (ScaledLeader, load, parser, require_cuda, scaled_leaders, timed,
-                                      write_json)
+from kmesh.diagnostics._common import ScaledLeader, load, parser, require_cuda, scaled_leaders, timed, write_json
+from kmesh.harness.child import restore_child
 from kmesh.harness.modelsetup import ModelSetup, equivalence_setup
 from kmesh.kv.restore import capture, plan_restore
-from kmesh.harness.child import restore_child
 
 PROMPT_TOKENS = (4096, 16384)
 timed15 = functools.partial(timed, reps=15)

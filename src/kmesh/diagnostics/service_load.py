@@ -46,13 +46,13 @@ import torch
 from kmesh.bench import rotate
 from kmesh.diagnostics import DiagnosticError
 from kmesh.diagnostics._common import load, parser, write_json
-from kmesh.harness.modelsetup import equivalence_setup
 from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import equivalence_setup
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import RagSpec, build_rag
 from kmesh.kv.load import copy_private_each, load_entry
 from kmesh.kv.sources import ServiceSegments
-from kmesh.harness.service_side import ServiceSide
 from kmesh.transfer import TransferEngine
-from kmesh.harness.workload import RagSpec, build_rag
 
 ARMS = ("load-many", "load-accept", "host-floor", "private-each", "private-one-by-one", "private-floor")
 FLOOR_OF = {"load-many": "host-floor", "load-accept": "host-floor", "private-each": "private-floor",

@@ -12,15 +12,15 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from kmesh.harness.child import ChildContext
 from kmesh.config import Config
+from kmesh.harness.child import ChildContext
+from kmesh.harness.leader import Export, export_segments
+from kmesh.harness.workload import ByteTokenizer, HFTokenizer, Workload, WorkloadSpec, build
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.blend import RepairConfig
 from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
-from kmesh.harness.leader import Export, export_segments
 from kmesh.transfer.engine import TransferEngine
-from kmesh.harness.workload import ByteTokenizer, HFTokenizer, Workload, WorkloadSpec, build
 
 
 @dataclass

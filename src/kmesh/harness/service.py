@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kmesh.errors import KMeshError
-from kmesh.service import process
 from kmesh.harness.worker import Worker
+from kmesh.service import process
 from kmesh.transfer.faults import ChunkGate
 
 

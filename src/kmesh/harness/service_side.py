@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kmesh.harness.leader import Export
+from kmesh.harness.service import Harness
 from kmesh.kv.catalog import CatalogEntry
 from kmesh.service.client import RegRef, ServiceClient
 from kmesh.service.handles import HostBuffer
-from kmesh.harness.service import Harness
 
 
 @dataclass

@@ -24,9 +24,24 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kmesh.kv.layout import DTYPES, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize
 from kmesh.kv.errors import (  # noqa: F401 (re-exported: callers catch them as kmesh.kv.restore.*)
-    RestoreError, SegmentError, HeadCountError, HeadDimError, DtypeMismatchError, ScaleMismatchError, LayerRangeError, SlotError, SlotRangeError, DuplicateSlotError, PositionError, DestinationError, NonContiguousDestinationError, MisalignedDestinationError, DeviceMismatchError)
+    DestinationError,
+    DeviceMismatchError,
+    DtypeMismatchError,
+    DuplicateSlotError,
+    HeadCountError,
+    HeadDimError,
+    LayerRangeError,
+    MisalignedDestinationError,
+    NonContiguousDestinationError,
+    PositionError,
+    RestoreError,
+    ScaleMismatchError,
+    SegmentError,
+    SlotError,
+    SlotRangeError,
+)
+from kmesh.kv.layout import DTYPES, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize
 from kmesh.kv.rope import RopeConfig, apply_rotation, shift_tables
 
 __all__ = [

@@ -52,11 +52,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from kmesh.kv.restore import KVSegment
+from kmesh.kv.rope import apply_rotation, shift_tables
 from kmesh.model.blend import BlendPlan, BlendResult, BlendState, RepairConfig, deviation, pick, plan
 from kmesh.model.errors import ModelError
 from kmesh.model.runner import KVCache, LayerRunner
-from kmesh.kv.restore import KVSegment
-from kmesh.kv.rope import apply_rotation, shift_tables
 
 
 class MemberFailure(ModelError):
@@ -156,7 +156,7 @@ def _batched_attention(runner: LayerRunner, states: Sequence[BlendState], layer:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=runner.scale,
                                              enable_gqa=runner.groups > 1)
         return [o.transpose(0, 1).reshape(n, n_h * hd) for o, n in zip(out, sizes)]
-    N, Tmax = len(states), max(Ts)
+    _N, Tmax = len(states), max(Ts)
     q = pad_sequence(list(qs), batch_first=True)                                  # [N, nmax, heads, D]
     qpos = pad_sequence([s.active for s in states], batch_first=True, padding_value=Tmax - 1)
     kv = [s.cache.layer_kv(layer, s.plan.T) for s in states]

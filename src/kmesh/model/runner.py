@@ -22,8 +22,8 @@ stock-CacheBlend control needs it, KMesh never uses it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Literal, Sequence
 
 import torch
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kmesh.kv.layout import KVLayout
+from kmesh.kv.rope import RopeConfig
 from kmesh.model.errors import ModelError
 from kmesh.model.layer_step import LAYER_STEPS, CompiledSteps, rope
-from kmesh.kv.rope import RopeConfig
 
 MaskKind = Literal["position", "bottom_right"]
 AttentionKind = Literal["auto", "sdpa", "triton"]

@@ -23,15 +23,20 @@ from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kmesh.errors import KMeshError
-from kmesh.service import descriptor
-from kmesh.service.errors import (NotOwnerError, ObjectExistsError, ObjectMissingError, RegistrationClosedError,
-                                  ServiceError, StaleGenerationError)
-from kmesh.service.handles import HostBuffer
 from kmesh.harness.worker import pattern
+from kmesh.service import descriptor
+from kmesh.service.errors import (
+    NotOwnerError,
+    ObjectExistsError,
+    ObjectMissingError,
+    RegistrationClosedError,
+    ServiceError,
+    StaleGenerationError,
+)
+from kmesh.service.handles import HostBuffer
 
 
 class FuzzDivergence(KMeshError, AssertionError):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,6 @@ from kmesh.errors import ResultError
 from kmesh.report import plots, tables
 from kmesh.result import load_result
 from kmesh.stages import STAGES
-
-
 
 # A timing's `kind` → (table frame, caption, plot, plot title): one table and one plot per timing.
 _TIMING_KINDS = {

@@ -269,7 +269,7 @@ def sweep_caption(timing: dict[str, Any]) -> str:
 def scaling_frame(scaling: dict[str, Any]) -> pd.DataFrame:
     """One row per group size (a stage summary's `scaling`): medians of the arms, paired ratios, peak memory."""
     rows = []
-    for n, r in scaling.items():
+    for _n, r in scaling.items():
         if not isinstance(r, dict) or "children" not in r:
             continue
         pm = r.get("peak_memory", {})

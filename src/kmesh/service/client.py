@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from kmesh.service.errors import (ConnectionLostError, ServiceUnavailableError, WaitTimeoutError,
-                                  error_from_reply)
+from kmesh.service.errors import ConnectionLostError, ServiceUnavailableError, WaitTimeoutError, error_from_reply
 from kmesh.service.handles import HostBuffer, export_cuda, send_frame
 from kmesh.service.protocol import HEADER, MAGIC, VERSION, pack_frame, unpack_body
 

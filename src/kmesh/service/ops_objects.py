@@ -21,16 +21,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kmesh.service.diskreads import Flight, ReadCancelledError
-from kmesh.service.errors import (DiskReadError, InternalError, LayoutMismatchError, ObjectMissingError,
-                                  RemoteReadError, ServiceError, ShuttingDownError)
-from kmesh.service.remotetier import Fetch, Publish, RemoteCancelledError
-from kmesh.storage.remote import RemoteMissingError
+from kmesh.service.errors import (
+    DiskReadError,
+    InternalError,
+    LayoutMismatchError,
+    ObjectMissingError,
+    RemoteReadError,
+    ServiceError,
+    ShuttingDownError,
+)
 from kmesh.service.jobs import CopyJob
 from kmesh.service.ops_copies import CopyOps
 from kmesh.service.ops_registrations import check_range, work_registration
 from kmesh.service.protocol import Request, clip, ok_reply
 from kmesh.service.registry import Client
+from kmesh.service.remotetier import Fetch, Publish, RemoteCancelledError
 from kmesh.service.state import DEFERRED, Conn, Replies, ServiceState
+from kmesh.storage.remote import RemoteMissingError
 
 log = logging.getLogger("kmesh.service")
 

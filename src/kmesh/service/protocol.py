@@ -48,8 +48,7 @@ from typing import Any
 import msgpack
 
 from kmesh.service import descriptor
-from kmesh.service.errors import (DecodeError, FrameError, FrameTooLargeError, SchemaError, ServiceError,
-                                  UnknownOpError)
+from kmesh.service.errors import DecodeError, FrameError, FrameTooLargeError, SchemaError, ServiceError, UnknownOpError
 
 MAGIC = b"KMSV"
 VERSION = 1

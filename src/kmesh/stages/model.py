@@ -28,10 +28,10 @@ import torch
 from kmesh.config import Config
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.errors import ModelError
-from kmesh.model.manifest import NAME as MANIFEST, manifest_problem
+from kmesh.model.manifest import NAME as MANIFEST
+from kmesh.model.manifest import manifest_problem
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_file, sha256_tensor
-
 
 SMOLLM2_CASES = ("smollm2-gguf", "smollm2-convert", "smollm2-reload-logits", "smollm2-answer")
 

@@ -34,12 +34,12 @@ from typing import Any, Callable
 import msgpack
 
 from kmesh.config import Config
+from kmesh.harness.service import Harness
+from kmesh.harness.worker import Worker, pattern, sha
 from kmesh.result import Case, Result
 from kmesh.service import descriptor
 from kmesh.service.errors import ServiceError
 from kmesh.service.handles import HostBuffer
-from kmesh.harness.service import Harness
-from kmesh.harness.worker import Worker, pattern, sha
 
 BLOCKS = 8  # registration = one object: 2 layers x 8 blocks x 2 heads x 16 tokens x 128 ch x bf16 = 128 KiB
 LAYOUT = descriptor.example(num_blocks=BLOCKS)

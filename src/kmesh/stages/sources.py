@@ -35,7 +35,8 @@ from kmesh.sources import NetworkUnavailableError
 from kmesh.sources.digest import sha256_file
 from kmesh.sources.fetch import Fetched, WheelTarget, fetch
 from kmesh.sources.installed import compare_installed, installed_version, module_from_dist, module_origin
-from kmesh.sources.summary import SCHEMA as PINS_SCHEMA, pins_path, read_pins, write_pins
+from kmesh.sources.summary import SCHEMA as PINS_SCHEMA
+from kmesh.sources.summary import pins_path, read_pins, write_pins
 from kmesh.sources.unpack import SOURCE_SUFFIXES, Unpacked, unpack_sources, verify_unpacked
 
 KIND_REASON = "the lock pins the wheel's sha256 (the file pip resolves for the wheel target); wheels carry the sources"

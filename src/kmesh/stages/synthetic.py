@@ -34,11 +34,11 @@ import torch
 from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.kv.layout import KVLayout, dequantize, quantize
+from kmesh.kv.restore import KVSegment, plan_restore, restore
+from kmesh.kv.rope import RopeConfig
 from kmesh.reference import addressing
 from kmesh.reference import rotary as rotary_ref
-from kmesh.kv.restore import KVSegment, plan_restore, restore
 from kmesh.result import Case, Result
-from kmesh.kv.rope import RopeConfig
 
 ARRANGEMENTS = ("paged:LBHNC", "paged:LBNHC", "paged:LHBNC", "paged:BLHNC", "paged:BLNHC", "paged:BHLNC",
                 "cpu:LBHNC", "mla:LBNHC", "mla:BLHNC")

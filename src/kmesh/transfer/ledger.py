@@ -23,8 +23,8 @@ from typing import Iterator
 
 import torch
 
-from kmesh.transfer.shm import Segment
 from kmesh.transfer.errors import HolderAliveError, TransferArgumentError
+from kmesh.transfer.shm import Segment
 
 MAGIC = 0x4B4D4C4544474552  # "KMLEDGER"
 _FIELDS = 8

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
-from kmesh.model.quality import first_divergence
-from kmesh.kv.repair import Repaired
 from kmesh.harness.workload import Child, Workload
+from kmesh.kv.repair import Repaired
+from kmesh.model.quality import first_divergence
 
 
 @dataclass

@@ -17,8 +17,7 @@ import torch
 
 from kmesh.result import Case
 from kmesh.stages.drain.copier import CopierProcess
-from kmesh.stages.drain.owner import (SENTINEL, Buffer, Reuser, expected_pattern, leak_counts, owner_world,
-                                      wait_until)
+from kmesh.stages.drain.owner import SENTINEL, Buffer, Reuser, expected_pattern, leak_counts, owner_world, wait_until
 from kmesh.stages.drain.protocol import POISON
 from kmesh.transfer import HolderAliveError, SharedLedger
 from kmesh.transfer.ledger import exited

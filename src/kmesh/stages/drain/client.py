@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from kmesh.transfer import shm
 from kmesh.stages.drain.protocol import CANARY, POISON
-from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, Ticket, TransferEngine, TransferError
+from kmesh.transfer import ChunkGate, FaultPlan, SharedLedger, Ticket, TransferEngine, TransferError, shm
 
 
 def pattern(n_words: int, seed: int, device: str = "cpu") -> torch.Tensor:

@@ -10,10 +10,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from kmesh.transfer import shm
 from kmesh.errors import StageError
 from kmesh.stages.drain.protocol import CANARY
-from kmesh.transfer import SharedLedger
+from kmesh.transfer import SharedLedger, shm
 
 CANARY_BYTE = 0xC3
 SENTINEL = 0x5A  # written by the would-be reuser into memory it reclaimed

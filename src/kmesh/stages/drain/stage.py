@@ -23,13 +23,13 @@ import os
 
 import torch
 
-from kmesh.transfer import shm
 from kmesh.config import Config
 from kmesh.errors import StageError
 from kmesh.result import Result
 from kmesh.stages.drain.cases import Setting, run_kill_case, run_transfer_case
 from kmesh.stages.drain.copier import CopierProcess
 from kmesh.stages.drain.protocol import CANARY
+from kmesh.transfer import shm
 
 DIRECTIONS = ("d2h", "h2d")
 MODES = ("success", "error_completable", "refused_then_ok")

@@ -29,19 +29,27 @@ from typing import Any, Callable
 import torch
 
 from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, run_child
-from kmesh.model.quality import compare_states, flip_bit, identical
 from kmesh.harness.modelsetup import ModelSetup
-from kmesh.result import Case, Result
-from kmesh.kv.errors import PrivateCopyError, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError, SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError
+from kmesh.harness.service_side import ServiceSide, Staging
+from kmesh.harness.workload import Child
+from kmesh.kv.errors import (
+    PrivateCopyError,
+    SegmentCancelledError,
+    SegmentCorruptError,
+    SegmentLayoutError,
+    SegmentMissingError,
+    SegmentSourceLostError,
+    SegmentTruncatedError,
+)
 from kmesh.kv.load import stage_segments
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.result import Case, Result
 from kmesh.service.handles import references_in_self
-from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.errors import SubmitError
 from kmesh.transfer.faults import FaultPlan
-from kmesh.harness.workload import Child
 
 
 def _wait_gpu_context_gone(pid: int, timeout_s: float = 20.0) -> dict[str, Any]:

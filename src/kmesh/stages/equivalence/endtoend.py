@@ -37,17 +37,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kmesh.bench import Intervals, PairedTiming
-from kmesh.harness.child import prefill_from_segments
 from kmesh.errors import StageError
+from kmesh.harness.child import prefill_from_segments
+from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import Child
+from kmesh.kv.sources import ServiceSegments
 from kmesh.model.blend import BlendResult
 from kmesh.model.quality import compare_states, identical
 from kmesh.model.runner import KVCache
-from kmesh.harness.modelsetup import ModelSetup
 from kmesh.result import Case
-from kmesh.harness.leader import Export
-from kmesh.kv.sources import ServiceSegments
-from kmesh.harness.service_side import ServiceSide
-from kmesh.harness.workload import Child
+
 
 class EndToEndError(StageError):
     """The end-to-end arm could not be run as built (a graph asked to replay another cache or restored mask,

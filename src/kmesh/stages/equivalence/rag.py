@@ -45,20 +45,26 @@ from typing import Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
-from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, restored_chunks, run_child
 from kmesh.errors import ConfigError
-from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
-from kmesh.model.blend import RepairConfig, blend, matched_stock
-from kmesh.model.quality import (arm_quality, compare_states, decode_batch, identical, reproduces_greedy,
-                                 summarize, teacher_forced_logits_batch)
-from kmesh.harness.modelsetup import ModelSetup
-from kmesh.result import Case, Result
-from kmesh.harness.child import restore_child
+from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, restore_child, restored_chunks, run_child
 from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.workload import Child, RagSpec, Workload, answer_matches, build_rag
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.blend import RepairConfig, blend, matched_stock
+from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
+from kmesh.model.quality import (
+    arm_quality,
+    compare_states,
+    decode_batch,
+    identical,
+    reproduces_greedy,
+    summarize,
+    teacher_forced_logits_batch,
+)
+from kmesh.result import Case, Result
 from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, RepairOnlyArm, end_to_end_arm
 from kmesh.stages.equivalence.ttft import graph_prefill, speedup_row
-from kmesh.harness.workload import Child, RagSpec, Workload, answer_matches, build_rag
 
 TTFT_GOAL = 3.0          # end-to-end repair-<matched_ratio> vs full (issue 22)
 IDEAL_GOAL = 1.25        # end-to-end within this multiple of the ideal
@@ -302,8 +308,8 @@ def _ttft(case: Case, res: Result, setup: ModelSetup, ctx: ChildContext, export:
                 prefill = graph.replay
                 prefill_fn = graph_prefill(graph)
             else:
-                prefill = (lambda ids=ids, kc=cache, r=restored, c=config, a=arm.blend_arm, ch=chunks:
-                           blend(runner, ids, kc, r, c, a, chunks=ch))
+                def prefill(ids=ids, kc=cache, r=restored, c=config, a=arm.blend_arm, ch=chunks):
+                    return (blend(runner, ids, kc, r, c, a, chunks=ch))
             if arm.name == FULL:
                 runs[(arm.name, child.name)] = prefill
             else:

@@ -38,21 +38,28 @@ from typing import Any
 
 import torch
 
-from kmesh.harness.child import full_reference, run_child
 from kmesh.config import Config
-from kmesh.model.blend import RepairConfig, matched_stock
-from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
-                                 teacher_forced_logits_batch, tokens_agree)
-from kmesh.model.runner import transformers_sdpa_policy
+from kmesh.harness.child import full_reference, run_child
 from kmesh.harness.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
-from kmesh.result import Result
-from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import answer_matches
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.model.blend import RepairConfig, matched_stock
+from kmesh.model.quality import (
+    arm_quality,
+    compare_states,
+    identical,
+    reproduces_greedy,
+    summarize,
+    teacher_forced_logits_batch,
+    tokens_agree,
+)
+from kmesh.model.runner import transformers_sdpa_policy
+from kmesh.result import Result
 from kmesh.stages.equivalence import controls
 from kmesh.stages.equivalence.rag import FrontierArm, expected_recomputed, rag_cases
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
-from kmesh.harness.workload import answer_matches
 
 
 def _runner_case(res: Result, setup: ModelSetup) -> None:

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
+from kmesh.harness.child import restore_child
+from kmesh.harness.leader import Export
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.workload import Child, build
 from kmesh.model.blend import BlendResult, RepairConfig, blend
 from kmesh.model.runner import KVCache, LayerRunner
 from kmesh.result import Result
-from kmesh.harness.modelsetup import ModelSetup
-from kmesh.harness.child import restore_child
-from kmesh.harness.leader import Export
 from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, EndToEndError, RepairOnlyArm, end_to_end_arm
-from kmesh.harness.workload import Child, build
 
 if TYPE_CHECKING:
     from kmesh.model.graphs import GraphedBlend

@@ -32,16 +32,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kmesh.bench import Intervals, over_children, rotate
-from kmesh.harness.child import new_cache, outcome_of
 from kmesh.errors import StageError
+from kmesh.harness.child import new_cache, outcome_of, restore_child
+from kmesh.harness.workload import Child
+from kmesh.kv.restore import capture
 from kmesh.model.blend import blend, plan
 from kmesh.model.graphs import GraphedRun
 from kmesh.model.group import LayerwiseRestore, Member, RestorePart, blend_group
 from kmesh.model.quality import compare_states
-from kmesh.kv.restore import capture
 from kmesh.result import Result
-from kmesh.harness.child import restore_child
-from kmesh.harness.workload import Child
 
 if TYPE_CHECKING:
     from kmesh.harness.child import ChildOutcome

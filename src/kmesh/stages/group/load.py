@@ -24,12 +24,12 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kmesh.errors import KMeshError
+from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.kv.catalog import Catalog
 from kmesh.kv.load import copy_private, stage_segments
 from kmesh.kv.sources import ServiceSegments
 from kmesh.service import descriptor
 from kmesh.service.errors import RegistrationClosedError
-from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.transfer.engine import TransferEngine
 
 

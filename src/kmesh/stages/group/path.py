@@ -13,16 +13,15 @@ from typing import Any
 
 import torch
 
-from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, written_slots
+from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, restore_child, written_slots
+from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import Child
 from kmesh.model.group import InjectedMemberFault, Member, blend_group
 from kmesh.model.runner import KVCache
-from kmesh.harness.modelsetup import ModelSetup
-from kmesh.harness.child import restore_child
-from kmesh.harness.service_side import ServiceSide
 from kmesh.stages.group.load import GroupLoad
 from kmesh.transfer.engine import TransferEngine
 from kmesh.transfer.faults import ChunkGate, FaultPlan
-from kmesh.harness.workload import Child
 
 
 class Writeback:

@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-from kmesh.harness.child import ChildOutcome, full_reference, run_child
 from kmesh.config import Config
 from kmesh.errors import KMeshError
-from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.harness.child import ChildOutcome, full_reference, run_child
 from kmesh.harness.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
-from kmesh.result import Case, Result
-from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import Child, RagSpec, build_rag
+from kmesh.kv.sources import InProcessSegments, ServiceSegments
+from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.result import Case, Result
 from kmesh.stages.group import bench
 from kmesh.stages.group.path import GroupRun, run_group
-from kmesh.harness.workload import Child, RagSpec, build_rag
 
 
 class GroupConfigError(KMeshError):

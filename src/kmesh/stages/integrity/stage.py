@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from kmesh.config import Config
-from kmesh.integrity import (DigestMismatchError, IntegrityError, UnknownAlgorithmError, cpu, get, names, tree,
-                             verify)
+from kmesh.integrity import DigestMismatchError, IntegrityError, UnknownAlgorithmError, cpu, get, names, tree, verify
 from kmesh.integrity.boundaries import boundary_lengths
 from kmesh.result import Result
 from kmesh.stages.integrity import arms as ia
@@ -63,8 +62,9 @@ def _refuse_case(res: Result) -> None:
 
 
 def _cpu_digests_case(res: Result, seed: int, chunks: list[int]) -> None:
-    import blake3
     import hashlib
+
+    import blake3
 
     with res.case("cpu-digests", {"chunks": chunks, "threads": cpu.cpu_threads()}) as case:
         rng = np.random.default_rng(seed + 1)

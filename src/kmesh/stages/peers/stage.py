@@ -37,13 +37,13 @@ from typing import Any
 
 from kmesh.bench import Intervals, rotate
 from kmesh.config import Config
+from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Result
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.vllm.outputs import agreement, child_spans, repairs_by_request, save_spans
-from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 ARMS = ("vllm", "lmcache", "kmesh")
 PEERS = ("lmcache", "kmesh")

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from kmesh.harness.modelsetup import ModelSetup
-from kmesh.kv.sources import ServiceSegments
 from kmesh.harness.service import Harness
 from kmesh.harness.service_side import ServiceSide, Staging
+from kmesh.kv.sources import ServiceSegments
 from kmesh.storage.remote import MooncakeClient, MooncakeMaster
 from kmesh.storage.remote_agent import Agent
 from kmesh.storage.routes import drop_page_cache

@@ -39,17 +39,25 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, PairedTiming, rotate
-from kmesh.harness.child import (ChildOutcome, full_reference, new_cache, outcome_of, prefill, prefill_and_decode,
-                         prefill_from_segments, run_child)
 from kmesh.config import Config
-from kmesh.model.quality import compare_states, identical
+from kmesh.harness.child import (
+    ChildOutcome,
+    full_reference,
+    new_cache,
+    outcome_of,
+    prefill,
+    prefill_and_decode,
+    prefill_from_segments,
+    restore_child,
+    run_child,
+)
 from kmesh.harness.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
-from kmesh.result import Result
-from kmesh.harness.child import restore_child
+from kmesh.harness.workload import Child
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.quality import compare_states, identical
+from kmesh.result import Result
 from kmesh.stages.remote.hosts import TwoHosts
 from kmesh.storage.remote import RemoteStoreError, unavailable_reason
-from kmesh.harness.workload import Child
 
 ARMS = ("remote", "disk", "ram", "full")
 CASES = ("reference", "hosts", "fetch-once", "pairs", "fail-tampered", "fail-evicted", "fail-hung-store",

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from kmesh.bench import over_children, rotate
+from kmesh.kv.gather import clear_plan_cache, plan_gather
 from kmesh.kv.layout import KVLayout
 from kmesh.kv.restore import capture, plan_restore
-from kmesh.kv.gather import clear_plan_cache, plan_gather
-from kmesh.result import Case, Result
 from kmesh.kv.rope import RopeConfig
+from kmesh.result import Case, Result
 from kmesh.stages.restore_bench.cases import SLEEP_CYCLES
 
 GOAL_CHILD_S = 0.3e-3      # issue 23: a 5 MiB child restored in <= 0.3 ms

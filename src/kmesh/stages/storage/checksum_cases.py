@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from kmesh.bench import PairedTiming
-from kmesh.harness.child import ChildOutcome, run_child
 from kmesh.errors import StageError
-from kmesh.result import Result
+from kmesh.harness.child import ChildOutcome, run_child
+from kmesh.harness.workload import Child
 from kmesh.kv.sources import InProcessSegments
+from kmesh.result import Result
 from kmesh.stages.storage import checksums as sc
 from kmesh.stages.storage.setup import Setup, tree_chunk_bytes
 from kmesh.storage import objfile, routes
-from kmesh.harness.workload import Child
 
 
 def _paired(timing: PairedTiming) -> dict[str, Any]:

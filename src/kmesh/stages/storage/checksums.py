@@ -37,14 +37,13 @@ import torch
 
 from kmesh import integrity
 from kmesh.bench import Intervals, run_pairs
-from kmesh.harness.child import ChildContext, ChildOutcome, new_cache, outcome_of, prefill_and_decode
+from kmesh.harness.child import ChildContext, ChildOutcome, new_cache, outcome_of, prefill_and_decode, restore_child
+from kmesh.harness.workload import Child
 from kmesh.model.quality import compare_states, identical
-from kmesh.harness.child import restore_child
 from kmesh.stages.storage.child import release_checked
 from kmesh.stages.storage.objects import ObjectSet, save_objects
 from kmesh.storage import routes
 from kmesh.storage.errors import ObjectAlgorithmError, ObjectCorruptError
-from kmesh.harness.workload import Child
 
 
 @dataclass(frozen=True)

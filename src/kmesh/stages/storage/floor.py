@@ -35,8 +35,9 @@ import shutil
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode
 from kmesh.errors import StageError
+from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode
+from kmesh.harness.workload import Child
 from kmesh.model.quality import compare_states, identical
 from kmesh.result import Case, Result
 from kmesh.stages.storage.child import release_checked, route_restore
@@ -45,7 +46,6 @@ from kmesh.stages.storage.pipeline import PipelineCheck, parse_variant, pipeline
 from kmesh.stages.storage.setup import Setup, timing_device, tree_chunk_bytes
 from kmesh.storage import routes
 from kmesh.storage.errors import RouteUnavailableError, StorageError
-from kmesh.harness.workload import Child
 
 FLOOR_GOAL = 1.25
 

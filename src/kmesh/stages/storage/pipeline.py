@@ -33,15 +33,14 @@ from typing import Any
 import torch
 
 from kmesh import integrity
-from kmesh.harness.child import ChildContext
-from kmesh.model.runner import KVCache
+from kmesh.harness.child import ChildContext, restore_child
+from kmesh.harness.workload import Child
 from kmesh.kv.restore import capture, restore
-from kmesh.harness.child import restore_child
+from kmesh.model.runner import KVCache
 from kmesh.stages.storage.objects import ObjectSet, check_catalog_object
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header
 from kmesh.storage.routes import Route
-from kmesh.harness.workload import Child
 
 
 class PipelineVariantError(ValueError):

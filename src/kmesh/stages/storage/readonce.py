@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from kmesh.bench import PairedTiming, alternate
-from kmesh.result import Result
 from kmesh.kv.catalog import Catalog
+from kmesh.result import Result
 from kmesh.stages.storage.setup import Setup, paired_summary
 from kmesh.storage import routes
 from kmesh.storage.routes import drop_page_cache

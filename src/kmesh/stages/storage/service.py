@@ -25,18 +25,17 @@ from typing import Any, Callable
 import torch
 
 from kmesh.bench import PairedTiming
-from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode
-from kmesh.model.quality import compare_states, identical
-from kmesh.result import Result
-from kmesh.harness.child import restore_child
+from kmesh.harness.child import ChildOutcome, new_cache, outcome_of, prefill_and_decode, restore_child
 from kmesh.harness.leader import Export
-from kmesh.kv.sources import ServiceSegments
 from kmesh.harness.service import Harness
 from kmesh.harness.service_side import ServiceSide
+from kmesh.harness.workload import Child
+from kmesh.kv.sources import ServiceSegments
+from kmesh.model.quality import compare_states, identical
+from kmesh.result import Result
 from kmesh.stages.storage.readonce import ARMS, concurrent_children, group_pairs, time_group_arm
 from kmesh.stages.storage.setup import Setup, paired_summary
 from kmesh.storage.routes import drop_page_cache
-from kmesh.harness.workload import Child
 
 
 class ServiceChildren:

@@ -40,20 +40,20 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, run_pairs
-from kmesh.harness.child import ChildOutcome, run_child
 from kmesh.config import Config
 from kmesh.errors import StageError
-from kmesh.model.quality import compare_states, identical
+from kmesh.harness.child import ChildOutcome, run_child
 from kmesh.harness.modelsetup import begin_with_setup
-from kmesh.result import Result
+from kmesh.harness.workload import Child
 from kmesh.kv.sources import InProcessSegments
+from kmesh.model.quality import compare_states, identical
+from kmesh.result import Result
 from kmesh.stages.storage import checksum_cases, controls, floor, readonce, service
 from kmesh.stages.storage.child import timed_child
 from kmesh.stages.storage.objects import ObjectSet, save_objects
 from kmesh.stages.storage.setup import Setup, paired_summary, storage_setup, timing_device
 from kmesh.storage import cufile, objfile, routes, uring
 from kmesh.storage.errors import RouteUnavailableError
-from kmesh.harness.workload import Child
 
 
 def _objects_case(res: Result, setup: Setup) -> ObjectSet:

@@ -12,12 +12,12 @@ from typing import Any, Sequence
 
 import torch
 
+from kmesh.kv.keys import prefix_keys, record_key, token_digest
 from kmesh.kv.layout import KVLayout
+from kmesh.kv.link import ServiceLink
+from kmesh.kv.record import KIND_PREFIX, RECORD_BYTES, Record
 from kmesh.sources.digest import sha256_tensor
 from kmesh.vllm.arrangement import record_layout, staging_layout
-from kmesh.kv.link import ServiceLink
-from kmesh.kv.keys import prefix_keys, record_key, token_digest
-from kmesh.kv.record import KIND_PREFIX, RECORD_BYTES, Record
 
 
 def store_bad_prefix(socket_path: str, engine_stats: dict[str, Any], prompt: Sequence[int],

@@ -19,12 +19,12 @@ from typing import Any, Sequence
 
 import torch
 
+from kmesh.kv.repair import repair_span
+from kmesh.kv.restore import restore
 from kmesh.model.blend import RepairConfig, blend
 from kmesh.model.runner import LayerRunner
-from kmesh.kv.restore import restore
-from kmesh.vllm.outputs import RunnerDecode
-from kmesh.kv.repair import repair_span
 from kmesh.vllm.loads import Span
+from kmesh.vllm.outputs import RunnerDecode
 
 
 @torch.no_grad()

@@ -44,6 +44,8 @@ import torch
 
 from kmesh.bench import Intervals, run_pairs
 from kmesh.config import Config
+from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
+from kmesh.kv.repair import kv_digest
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
@@ -56,8 +58,6 @@ from kmesh.stages.vllm.stored import stored_segments
 from kmesh.vllm.controls import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
 from kmesh.vllm.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
-from kmesh.kv.repair import kv_digest
-from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 
 # Every case that needs the engine (all but arrangement-refusals): with vllm.enabled false each one is a skip
 # naming the switch, allowed only where the profile says why (tests/test_skips.py keeps this list complete).
