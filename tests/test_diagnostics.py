@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(p.stem for p in (ROOT / "src" / "kmesh" / "diagnostics").glob("*.py") if not p.stem.startswith("_"))
 # every diagnostic but decode_reproducibility needs a GPU; the arguments each requires besides
 GPU_ONLY = {"attention_variants": ["--out"], "blend_profile": ["--out"], "decode_isolation": ["--out"],
-            "restore_breakdown": ["--out"], "layer_step_pair": ["--out"], "gpu_hash_overhead": [], "cufile_registration": [], "kernel_pair": []}
+            "restore_breakdown": ["--out"], "layer_step_pair": ["--out"], "gpu_hash_overhead": [],
+            "cufile_registration": [], "kernel_pair": []}
 TINY_QWEN2 = ("{num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
               "num_key_value_heads: 2, head_dim: 16, vocab_size: 300, max_position_embeddings: 512, dtype: float32}")
 
@@ -208,7 +209,8 @@ def test_service_load_on_the_cpu_profile(tmp_path):
     out_json = tmp_path / "sl.json"
     out = _kmesh("diagnose", "service_load", "--profile", "cpu", "--rounds", "2", "--warmup", "1",
                  "--out", str(out_json), "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",
-                 "--set", "equivalence.byte_token_offset=0", "--set", f"model.qwen2_random={TINY_QWEN2.replace('512', '2048')}",
+                 "--set", "equivalence.byte_token_offset=0",
+                 "--set", f"model.qwen2_random={TINY_QWEN2.replace('512', '2048')}",
                  "--set", "equivalence.rag.workload={chunks: 4, chunk_tokens: 256, prompt_tokens: 1120, children: 2, "
                           "block_size: 16, leader_preamble_tokens: 16}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

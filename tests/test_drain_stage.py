@@ -23,7 +23,8 @@ def cfg(tmp_path):
 def test_drain_stage_all_cases_pass_across_processes(cfg):
     res = drain.run(cfg)
     by_id = {c.id: c for c in res.cases}
-    assert sorted(by_id) == sorted([f"{d}-{m}" for d in drain_stage.DIRECTIONS for m in drain_stage.MODES] + ["client-sigkill"])
+    assert sorted(by_id) == sorted([f"{d}-{m}" for d in drain_stage.DIRECTIONS for m in drain_stage.MODES]
+                                   + ["client-sigkill"])
     failed = {c.id: (c.error, [k for k, v in c.checks.items() if v["ok"] is False]) for c in res.cases
               if c.passed is not True}
     assert not failed, failed

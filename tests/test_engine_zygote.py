@@ -159,7 +159,8 @@ def test_a_zygote_killed_from_outside_refuses_to_spawn_and_is_replaced(monkeypat
 
 def test_a_zygote_whose_imports_start_a_thread_is_refused(tmp_path):
     (tmp_path / "threaded_import.py").write_text("import threading, time\n"
-                                                  "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+                                                  "threading.Thread(target=time.sleep, args=(60,), "
+                                                  "daemon=True).start()\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     with pytest.raises(ZygoteError, match="has 2 threads after importing .*threaded_import.*not safe to fork"):
         Zygote(env, ("threaded_import",))
@@ -197,7 +198,7 @@ def test_another_environment_retires_the_zygote_once_its_children_end(monkeypatc
 
 
 @pytest.mark.vllm
-@pytest.mark.slow    # two engine starts (~30 CPU-s): make test-all; make test's vllm stage checks forked engines' tokens
+@pytest.mark.slow  # two engine starts (~30 CPU-s): make test-all; make test's vllm stage checks forked engines' tokens
 def test_a_forked_engine_answers_as_a_spawned_one(monkeypatch):
     """Tokens and logprobs of one prompt, bit for bit, from an engine forked from the zygote and a spawned one."""
     from kmesh.config import load_config

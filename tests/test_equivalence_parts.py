@@ -499,7 +499,8 @@ def test_teacher_forced_kl_sees_a_drift_after_the_first_token(env):
     along full's continuation sees it."""
     ref = env.refs[RefKey(FULL, "A")]
     k = ref.k.clone()
-    k[2:, : k.shape[1] // 2] += 0.5 * torch.randn(k[2:, : k.shape[1] // 2].shape, generator=torch.Generator().manual_seed(0))
+    k[2:, : k.shape[1] // 2] += 0.5 * torch.randn(k[2:, : k.shape[1] // 2].shape,
+                                                  generator=torch.Generator().manual_seed(0))
     drifted = dataclasses.replace(ref, k=k)        # same logits and tokens as full: token 1 is right
     ref_steps = teacher_forced_logits(env.runner, ref, ref.tokens, BS)
     steps = teacher_forced_logits(env.runner, drifted, ref.tokens, BS)

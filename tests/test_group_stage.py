@@ -210,7 +210,8 @@ def test_scaling_takes_the_configured_batched_attention(env, attention, monkeypa
 
     seen = []
     original = group_math._batched_step
-    monkeypatch.setattr(group_math, "_batched_step", lambda r, st, att="padded": (seen.append(att), original(r, st, att)))
+    monkeypatch.setattr(group_math, "_batched_step",
+                        lambda r, st, att="padded": (seen.append(att), original(r, st, att)))
     setup = _scaling_setup(env, pairs=1)
     setup.sec = {**setup.sec, "batched_attention": attention}
     res = Result("group", "cpu", {}, [])

@@ -66,7 +66,8 @@ def tiny(request):
     model = _tiny_model(request.param)
     if request.param == "qwen2":  # the q/k/v biases are really there and really nonzero
         att = model.model.layers[0].self_attn
-        assert all(m.bias is not None and float(m.bias.detach().abs().max()) > 0.1 for m in (att.q_proj, att.k_proj, att.v_proj))
+        assert all(m.bias is not None and float(m.bias.detach().abs().max()) > 0.1
+                   for m in (att.q_proj, att.k_proj, att.v_proj))
     else:
         assert model.model.layers[0].self_attn.q_proj.bias is None
     return SimpleNamespace(kind=request.param, model=model, runner=LayerRunner(model))

@@ -96,7 +96,8 @@ def test_every_arm_measured_checked_and_timed(ran, setup):
         assert matched["recomputed_per_layer"][:2] == [T, T] and rep["recomputed_per_layer"][0] == T
         assert rep["recomputed_per_layer"][1] == matched["recomputed_per_layer"][2] < T
     # repair at a larger ratio recomputes more; epic with k = chunk length recomputes every position
-    assert all(a < b for a, b in zip(q["repair-0.05"]["recomputed_positions"], q["repair-0.30"]["recomputed_positions"]))
+    assert all(a < b for a, b in zip(q["repair-0.05"]["recomputed_positions"],
+                                     q["repair-0.30"]["recomputed_positions"]))
     assert q["epic-16"]["recomputed_positions"] < q["full"]["recomputed_positions"]
     # every reuse arm and the end-to-end arm paired with full in the same rounds, stored as timings
     for name in ARMS[1:] + ["end-to-end"]:

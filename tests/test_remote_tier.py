@@ -100,7 +100,7 @@ def test_host_b_fetches_host_a_commit_once_and_verified(master, tmp_path):
         reqs = [w.result() for w, _ in loaders]
         b.accepted(4 * N)
         b.finish()
-        for (w, ref), req in zip(loaders, reqs):
+        for (w, _ref), req in zip(loaders, reqs):
             assert w.call("wait", req=req)["state"] == "done"
             assert w.call("digest", name="kv") == sha(pattern(SEED, N))
         st = b.status()

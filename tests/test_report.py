@@ -120,7 +120,8 @@ def test_reliability_table_has_one_row_per_test_run():
 def test_remote_tables_read_the_stage_summary(tmp_path):
     from kmesh.report import plots, tables
 
-    summary = {"remote_arms": {"remote": {"median_ms": 880.0, "pairs": 5, "ratio_vs_remote": 1.0, "remote_faster": None},
+    summary = {"remote_arms": {"remote": {"median_ms": 880.0, "pairs": 5, "ratio_vs_remote": 1.0,
+                                          "remote_faster": None},
                                "full": {"median_ms": 1459.0, "pairs": 5, "ratio_vs_remote": 1.64, "remote_faster": 5}},
                "remote_faults": {"fail-tampered": {"error": "RemoteRejectedError: digest mismatch", "fallback_s": 2.7,
                                                    "b_counters": {"fetches": 1, "fetch_rejected": 1},

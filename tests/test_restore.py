@@ -149,7 +149,8 @@ def test_wrong_head_dim_keys_values_and_rope():
     seg, _ = _segment(LAY.with_(head_dim=64, head_dim_v=32), 4)
     _refused(HeadDimError, seg=seg)
     k = torch.zeros(4, 2, 2, 128, dtype=torch.bfloat16)
-    _refused(HeadDimError, seg=KVSegment(k, torch.zeros(4, 2, 2, 64, dtype=torch.bfloat16), torch.arange(4), "bfloat16"))
+    _refused(HeadDimError, seg=KVSegment(k, torch.zeros(4, 2, 2, 64, dtype=torch.bfloat16), torch.arange(4),
+                                         "bfloat16"))
     _refused(HeadDimError, rope=RopeConfig(128, 128, 1e4, "neox", None, 4096))
 
 
@@ -329,10 +330,12 @@ def test_malformed_segment():
 GPU_LAYOUTS = [KVLayout.paged(o, 3, 9, 16, 2, 64, dt, k_scale=0.02, v_scale=0.03)
                for o in ("LBNHC", "BHLNC") for dt in ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")]
 GPU_LAYOUTS += [KVLayout.cpu(3, 3, 32, 2, 64, "bfloat16"), KVLayout.cpu(3, 3, 32, 2, 64, "fp8_e4m3", k_scale=0.02),
-                KVLayout.mla("BLHNC", 3, 9, 16, 128, 64, "bfloat16"), KVLayout.mla("LBNHC", 3, 9, 16, 128, 64, "fp8_e5m2"),
+                KVLayout.mla("BLHNC", 3, 9, 16, 128, 64, "bfloat16"),
+                KVLayout.mla("LBNHC", 3, 9, 16, 128, 64, "fp8_e5m2"),
                 KVLayout.cpu(3, 3, 32, 1, 256, "float32")]   # element path with more items than threads
 # divisors that are not powers of two (heads, block size, units per row) for the vector path's fast division
-GPU_LAYOUTS += [KVLayout.paged("LBNHC", 3, 13, 7, 3, 96, "bfloat16"), KVLayout.paged("BHLNC", 3, 11, 5, 5, 32, "float32"),
+GPU_LAYOUTS += [KVLayout.paged("LBNHC", 3, 13, 7, 3, 96, "bfloat16"),
+                KVLayout.paged("BHLNC", 3, 11, 5, 5, 32, "float32"),
                 KVLayout.mla("LBNHC", 3, 9, 16, 512, 64, "fp8_e4m3", k_scale=0.05)]
 
 

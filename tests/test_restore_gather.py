@@ -225,7 +225,8 @@ BAD = {
     "src-too-small": dict(src_raw=torch.zeros(SRC.nbytes - 2, dtype=torch.uint8)),
 }
 FP8_SRC = KVLayout.paged("BLNHC", 2, 6, 16, 2, 64, "fp8_e4m3", k_scale=0.02, v_scale=0.03)
-BAD["fp8-scale"] = dict(src=FP8_SRC, src_raw=_bytes(FP8_SRC, 1), raw=_bytes(FP8_SRC.with_(order="LBNHC", k_scale=0.04), 2),
+BAD["fp8-scale"] = dict(src=FP8_SRC, src_raw=_bytes(FP8_SRC, 1),
+                        raw=_bytes(FP8_SRC.with_(order="LBNHC", k_scale=0.04), 2),
                         dst=FP8_SRC.with_(order="LBNHC", k_scale=0.04))
 EXPECTED = {  # what each refusal is (both paths must raise exactly this type)
     "src-slot-past-end": SlotRangeError, "src-slot-negative": SlotRangeError, "src-slot-float": SlotError,
@@ -296,7 +297,8 @@ GPU_PAIRS = PAIRS + [
     (KVLayout.paged("BLNHC", 3, 7, 16, 2, 64, dt, k_scale=0.02, v_scale=0.03),
      KVLayout.paged(o, 3, 9, 16, 2, 64, dt, k_scale=0.02, v_scale=0.03))
     for o in ("LBNHC", "BHLNC") for dt in ("float16", "bfloat16", "fp8_e5m2")]
-GPU_PAIRS += [(KVLayout.paged("BLNHC", 3, 7, 7, 3, 96, "bfloat16"), KVLayout.paged("LBNHC", 3, 13, 7, 3, 96, "bfloat16")),
+GPU_PAIRS += [(KVLayout.paged("BLNHC", 3, 7, 7, 3, 96, "bfloat16"),
+               KVLayout.paged("LBNHC", 3, 13, 7, 3, 96, "bfloat16")),
               (KVLayout.paged("BLNHC", 2, 6, 16, 2, 64, "bfloat16"), KVLayout.cpu(2, 3, 32, 2, 64, "bfloat16"))]
 
 

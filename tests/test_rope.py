@@ -394,7 +394,8 @@ def test_from_hf_config_dicts():
                      "max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
                      "rope_scaling": {"type": "linear", "factor": 2.0}}
     r = RopeConfig.from_hf_config(legacy_linear)
-    assert (r.head_dim, r.rotary_dim, r.max_position, r.scaling) == (128, 64, 8192, {"rope_type": "linear", "factor": 2.0})
+    assert ((r.head_dim, r.rotary_dim, r.max_position, r.scaling)
+            == (128, 64, 8192, {"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(RopeError):
         RopeConfig.from_hf_config({"hidden_size": 64, "num_attention_heads": 1})  # no max_position_embeddings
 

@@ -1,6 +1,6 @@
 """kmesh.reliability.fuzz (issue 26 item 2): valid request sequences from 3 clients of one real service, every reply
-checked against the ownership model; the CI size (40 sequences of up to 50 steps) must reach every outcome kind the rules name. KMESH_FUZZ_EXAMPLES /
-KMESH_FUZZ_STEPS give the long form (the reliability stage's)."""
+checked against the ownership model; the CI size (40 sequences of up to 50 steps) must reach every outcome kind the
+rules name. KMESH_FUZZ_EXAMPLES / KMESH_FUZZ_STEPS give the long form (the reliability stage's)."""
 from __future__ import annotations
 
 import os

@@ -134,7 +134,8 @@ def test_whole_stage_tiny(tmp_path):
     assert {"routes", "floor_sequential", "floor_pipelined", "floor_pipelined-device-blake3", "read_once",
             "read_once_service"} <= set(res.timings)
     assert s["reads_per_object_read_once_service"] == 1
-    assert len(s["joins_read_once_service"]) == s["pairs"] and all(0 <= j <= 3 * 2 for j in s["joins_read_once_service"])
+    assert (len(s["joins_read_once_service"]) == s["pairs"]
+            and all(0 <= j <= 3 * 2 for j in s["joins_read_once_service"]))
     assert set(s["floor_ratios"]) == {"sequential", "pipelined", "pipelined-device-blake3"}
     assert s["floor_ratio"] == min(s["floor_ratios"].values()) and s["floor_ratios"][s["floor_ratio_variant"]] == \
         s["floor_ratio"]

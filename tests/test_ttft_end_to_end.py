@@ -166,7 +166,8 @@ def test_transformers_arm_joins_the_same_rounds(setup, monkeypatch):
     assert case.passed is True, (case.error, {k: v for k, v in case.checks.items() if v["ok"] is False})
     tf, repair = res.timings["ttft_352_transformers_vs_full"], res.timings["ttft_352_full_vs_repair"]
     assert (len(tf["raw"]), tf["design"]["warmup"], len(repair["raw"]), repair["design"]["warmup"]) == (3, 0, 3, 0)
-    assert tf["arms"] == {"A": "transformers", "B": "full"} and tf["design"]["order"] == "alternating, B first in pair 0"
+    assert (tf["arms"] == {"A": "transformers", "B": "full"}
+            and tf["design"]["order"] == "alternating, B first in pair 0")
     assert [p["full"] for p in tf["raw"]] == [p["full"] for p in repair["raw"]]
     assert sorted(tf["design"]["rounds_shared_with"]) == ["end-to-end", "repair"]
     assert case.checks["pairs_recorded_transformers"]["ok"] is True

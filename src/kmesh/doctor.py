@@ -86,7 +86,8 @@ def probe_o_direct(directory: Path) -> Probe:
         finally:
             os.close(fd)
         same = n == 4096 and back[:] == buf[:]
-        return {"ok": same, "detail": f"O_DIRECT write+read of 4 KiB in {directory}: {'identical' if same else 'MISMATCH'}"}
+        return {"ok": same,
+                "detail": f"O_DIRECT write+read of 4 KiB in {directory}: {'identical' if same else 'MISMATCH'}"}
     except OSError as e:
         return {"ok": False, "detail": f"O_DIRECT in {directory}: {e.strerror}"}
     finally:
@@ -121,7 +122,8 @@ def probe_dmabuf() -> Probe:
                                             ctypes.c_size_t(t.numel()), cu_mem_range_handle_type_dma_buf_fd,
                                             ctypes.c_ulonglong(0))
     if rc != 0 or fd.value < 0:
-        return {"ok": False, "detail": f"cuMemGetHandleForAddressRange rc={rc} (attribute DMA_BUF_SUPPORTED={attr.value})"}
+        return {"ok": False,
+                "detail": f"cuMemGetHandleForAddressRange rc={rc} (attribute DMA_BUF_SUPPORTED={attr.value})"}
     os.close(fd.value)
     return {"ok": True, "detail": f"dma-buf fd exported for a 2 MiB device buffer (DMA_BUF_SUPPORTED={attr.value})"}
 

@@ -167,7 +167,8 @@ def _stream(device: torch.device) -> Any:
 
     ptr = torch.cuda.current_stream(device).cuda_stream
     if ptr not in _streams:
-        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; it still works and cupy 13 has no successor
+        # cupy 14 deprecates ExternalStream; it still works and cupy 13 has no successor
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             _streams[ptr] = cupy.cuda.ExternalStream(ptr, device.index)
     return _streams[ptr]

@@ -16,7 +16,7 @@ every stage by tests/test_constant_checks.py. It reports four shapes:
                    same function (b = a ... f(a, b)), or a comparison of an expression with itself (x == x): what
                    it measures is an identity, e.g. the quality table's full arm scored against itself
 
-    python -m kmesh.devtools.constant_checks [PATH ...]   # default: src/kmesh/stages and src/kmesh/harness/modelsetup.py
+    python -m kmesh.devtools.constant_checks [PATH ...]  # default: src/kmesh/stages and src/kmesh/harness/modelsetup.py
 """
 from __future__ import annotations
 
@@ -219,7 +219,8 @@ def scan_source(source: str, path: str = "<source>") -> list[Finding]:
 
 
 def stage_sources(root: Path) -> list[Path]:
-    """The stage code the scan covers: every module under src/kmesh/stages, and kmesh.harness.modelsetup's setup case."""
+    """The stage code the scan covers: every module under src/kmesh/stages, and kmesh.harness.modelsetup's setup
+    case."""
     src = root / "src" / "kmesh"
     return sorted((src / "stages").rglob("*.py")) + [src / "harness" / "modelsetup.py"]
 

@@ -33,7 +33,8 @@ def mutmut(*args: str) -> str:
 
 
 def split(name: str) -> tuple[str, str]:
-    """('kmesh.kv.layout', 'KVLayout.split_slots') from mutmut's mangled 'kmesh.kv.layout.xǁKVLayoutǁsplit_slots__mutmut_3'."""
+    """('kmesh.kv.layout', 'KVLayout.split_slots') from mutmut's mangled
+    'kmesh.kv.layout.xǁKVLayoutǁsplit_slots__mutmut_3'."""
     base = name.rsplit("__mutmut_", 1)[0]
     module, _, func = base.rpartition(".x")
     if "ǁ" in func:
@@ -71,7 +72,8 @@ def mutant_diff(name: str, root: Path = Path("mutants/src"), cache: dict[Path, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kmesh.devtools.mutation_report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kmesh.devtools.mutation_report",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--diffs", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/mutation"))
     args = parser.parse_args(argv)

@@ -153,5 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     with ContextChurn() as churn:
         runs += [recorded_run(setup) for _ in range(args.runs)]
     runs += [recorded_run(setup), recorded_run(setup)]
-    write_json(args.out, {"runs": len(runs), "churn_contexts": churn.contexts, "per_run": compare_runs(setup, runs)}, cfg)
+    write_json(args.out, {"runs": len(runs), "churn_contexts": churn.contexts,
+                          "per_run": compare_runs(setup, runs)}, cfg)
     return 0

@@ -5,8 +5,8 @@ measured, for the 16k RAG child (60 segments, 189 MB), a service load of 17.6 ms
 8.0 ms, more than the repair itself. This diagnostic takes the equivalence stage's
 setup (`--profile`, default cuda) and its RAG workload (`equivalence.rag.workload`; the 16k variant with `--set
 equivalence.rag.workload.chunks=60 --set equivalence.rag.workload.prompt_tokens=16384`), exports the leader, saves
-its segments into a real cache service (kmesh.harness.service_side.ServiceSide, its gate opened for good as the end-to-end
-arm's) and registers one child staging buffer. Arms, every round each, the order reversed from round to round
+its segments into a real cache service (kmesh.harness.service_side.ServiceSide, its gate opened for good as the
+end-to-end arm's) and registers one child staging buffer. Arms, every round each, the order reversed from round to round
 (kmesh.bench.rotate), warm-up rounds discarded; host wall-clock from a synchronised start to the end of the call
 (a child waits on the host for these anyway):
 

@@ -1,6 +1,7 @@
 """The leader's side of the write-up's workload: its saved segments exported into one buffer with a catalog.
 
-    export = export_segments(runner, leader_cache, workload, key_prefix)   # BLNHC buffer: each segment from a block start
+    # BLNHC buffer: each segment from a block start
+    export = export_segments(runner, leader_cache, workload, key_prefix)
 
 Each segment's K/V (all layers) is copied out of the leader's cache into an export buffer in a block-outermost order
 (kmesh.kv.catalog), so one segment is one contiguous object; every entry records the object's sha256 (what the cache

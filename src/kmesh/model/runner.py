@@ -65,8 +65,8 @@ class KVCache:
     def write_distinct(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """write() for slots the caller knows are distinct (a blend's active positions, by construction): each
         slot is written once, so the plain scatter is exact whatever its order, and it runs without the
-        deterministic mode's index sort (kmesh.harness.modelsetup.deterministic_kernels turns that mode on; on the H200 the
-        sort, its fills and bound checks were ~0.6 ms of a 4k repair's 8 ms, two calls a layer)."""
+        deterministic mode's index sort (kmesh.harness.modelsetup.deterministic_kernels turns that mode on; on the H200
+        the sort, its fills and bound checks were ~0.6 ms of a 4k repair's 8 ms, two calls a layer)."""
         with _plain_scatter():
             self.k[layer][slots] = k
             self.v[layer][slots] = v

@@ -51,7 +51,8 @@ def expect_error(want: type[BaseException] | tuple[type[BaseException], ...], ca
     except want as e:
         return e
     except ServiceError as e:
-        raise FuzzDivergence(f"{what}: the model says {_names(want)}, the service raised {type(e).__name__}: {e}")
+        raise FuzzDivergence(f"{what}: the model says {_names(want)}, "
+                             f"the service raised {type(e).__name__}: {e}") from e
     raise FuzzDivergence(f"{what}: the model says {_names(want)}, the service accepted it")
 
 
@@ -132,7 +133,8 @@ class OwnershipMachine(RuleBasedStateMachine):
             try:
                 return call()
             except ServiceError as e:
-                raise FuzzDivergence(f"{what}: the model says accepted, the service raised {type(e).__name__}: {e}")
+                raise FuzzDivergence(f"{what}: the model says accepted, "
+                                     f"the service raised {type(e).__name__}: {e}") from e
         expect_error(want, call, what)
         return None
 

@@ -138,6 +138,7 @@ def render_all(cfg: Config) -> list[Path]:
                 continue
             frame, caption, plot, what = kind
             base = _file_stem(f"{stage}_{name}")
-            written += tables.write_table(frame(timing), tdir / base, fmts, f"Stage {stage}, {name}: " + caption(timing))
+            written += tables.write_table(frame(timing), tdir / base, fmts,
+                                          f"Stage {stage}, {name}: " + caption(timing))
             written += plot(timing, pdir / base, pfmts, f"{stage} / {name}: {what}")
     return written

@@ -50,7 +50,8 @@ def cases_frame(result: dict[str, Any]) -> pd.DataFrame:
             "result": {True: "pass", False: "FAIL", None: "skip"}[c["passed"]],
             "checks": sum(v.get("ok") is not None for v in c["checks"].values()),
             "failed checks": ", ".join(failed_checks),
-            "note": (c.get("skipped") or (c.get("error") or "").splitlines()[0] if c.get("error") or c.get("skipped") else ""),
+            "note": (c.get("skipped") or (c.get("error") or "").splitlines()[0]
+                     if c.get("error") or c.get("skipped") else ""),
             "seconds": round(c["seconds"], 3) if c.get("seconds") is not None else None,
         })
     return pd.DataFrame(rows)
@@ -211,7 +212,8 @@ def ttft_frame(ttft: dict[str, Any]) -> pd.DataFrame:
             rows.append({
                 "prompt tokens": int(tokens), "arm B": label, "A": pair["arm_a"],
                 "A median [ms]": pair["median_a_ms"], "B median [ms]": pair["median_b_ms"],
-                "median ratio B/A": pair["median_ratio_b_over_a"], "median speedup A/B": pair["median_speedup_a_over_b"],
+                "median ratio B/A": pair["median_ratio_b_over_a"],
+                "median speedup A/B": pair["median_speedup_a_over_b"],
                 "B faster": f"{pair['b_faster_pairs']}/{pair['pairs']}",
                 "B parts, median [ms]": _ttft_parts(parts, row.get("end_to_end_loading_fraction_median")
                                                     if parts else None),
@@ -329,8 +331,8 @@ def _io_pair(pair: dict[str, Any] | None) -> str | None:
         return None
     if "unavailable" in pair:
         return f"not run: {pair['unavailable']}"
-    return (f"{pair['median_ratio_uring_over_preadv']:.3g} ({pair['pairs']} pairs; median {pair['median_uring_s']:.4g} s "
-            f"vs {pair['median_preadv_s']:.4g} s)")
+    return (f"{pair['median_ratio_uring_over_preadv']:.3g} ({pair['pairs']} pairs; "
+            f"median {pair['median_uring_s']:.4g} s vs {pair['median_preadv_s']:.4g} s)")
 
 
 def _floor_ratios(summary: dict[str, Any]) -> str:

@@ -10,8 +10,8 @@
 Requests are synchronous (one in flight per connection); a heartbeat thread keeps the client alive on the
 service while the caller computes. Error replies raise the typed ServiceError subclass of their code.
 Admin ops (shutdown, evict, retain/unretain, status("all"), listing all clients' items or the store) need
-`admin_token=` (read from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every reply fits in
-one frame: status() assembles its lists from pages (`list` op), so it works however large the store grows.
+`admin_token=` (read from the runtime dir by kmesh.service.process); without it they raise NotAuthorizedError. Every
+reply fits in one frame: status() assembles its lists from pages (`list` op), so it works however large the store grows.
 Host-memory use does not import torch; CUDA registrations do. Layouts are KVLayout.to_dict() descriptors;
 the service validates them (kmesh.service.descriptor), so a client need not import kmesh.kv.layout.
 """

@@ -186,8 +186,9 @@ class RemoteTier:
                 if self._stop.is_set():
                     raise RemoteCancelledError("the service is stopping")
                 if time.monotonic() - self._unavailable_at < self.retry_s:
-                    raise RemoteUnavailableError(f"the store did not answer {time.monotonic() - self._unavailable_at:.1f} "
-                                                 f"s ago (asked again after {self.retry_s} s): {self.last_error}")
+                    raise RemoteUnavailableError("the store did not answer "
+                                                 f"{time.monotonic() - self._unavailable_at:.1f} s ago (asked again "
+                                                 f"after {self.retry_s} s): {self.last_error}")
                 if isinstance(t, Publish):
                     self._publish(t)
                 else:

@@ -346,7 +346,8 @@ def run(cfg: Config) -> Result:
     res.extra["check_kernel"] = check_kernel
     res.extra["design"] = ("each case: poison whole buffer (random bytes, guard regions both sides), restore "
                            "(torch path) a segment rotated by an independent complex-number RoPE reference "
-                           "(kmesh.reference.rotary; its ω equal kmesh's bit for bit), read back through an independent byte-address reference (kmesh.reference."
+                           "(kmesh.reference.rotary; its ω equal kmesh's bit for bit), read back through an "
+                           "independent byte-address reference (kmesh.reference."
                            "addressing), check values bit-identical, keys vs float64 within 2u+8u_f32, "
                            "canary outside destination cells, unrotated channels identical, vLLM-style layer "
                            "views agree with the reference"

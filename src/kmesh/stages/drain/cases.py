@@ -191,7 +191,8 @@ def run_kill_case(case: Case, setting: Setting, seed: int, prefix: str, k_chunks
                        f"{k_chunks} chunks issued")
             cut = k_chunks * setting.chunk_bytes
             landed = bufs["host_a"].payload().numpy()
-            wait_until(lambda: np.array_equal(landed[:cut], expected[:cut]), setting.wait_s, "k chunks visible")
+            wait_until(lambda: np.array_equal(landed[:cut], expected[:cut]),  # noqa: F821 - runs before `del landed`
+                       setting.wait_s, "k chunks visible")
             held = ledger.holds(pid=copier.pid)
             case.check("holds_visible_in_ledger", len(held) == (2 if gpu else 4), [h.__dict__ for h in held])
             refusal: HolderAliveError | None = None

@@ -29,8 +29,9 @@ Cases:
                  real service: kmesh.stages.equivalence.endtoend); each paired with the round's full run. The
                  end-to-end extra (load, digest, private copy) is the same bytes for every reuse arm, so arms are
                  compared repair-only and the goal is read against end-to-end
-                 Then the frontier (recorded in this case and the summary's `rag`): one point per arm (TTFT ratio vs full, repair-only; teacher-forced KL), the Pareto front, what
-                 each repair setting dominates and by how much, the arms that reach a lower KL at no more TTFT
+                 Then the frontier (recorded in this case and the summary's `rag`): one point per arm (TTFT ratio vs
+                 full, repair-only; teacher-forced KL), the Pareto front, what each repair setting dominates and by how
+                 much, the arms that reach a lower KL at no more TTFT
                  (the goal: none), the ideal TTFT of repair-<matched_ratio> (full x recomputed fraction of layer x
                  positions + a device copy of the restored bytes) against its end-to-end time (goal: within 1.25x)
 """

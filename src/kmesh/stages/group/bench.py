@@ -293,7 +293,7 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
             peaks: dict[str, Any] = {}
             for arm in ARMS:
                 peaks[arm] = peak_memory(setup.device, lambda arm=arm: logits.__setitem__(
-                    arm, {n: x.clone() for n, x in arms.run(arm).items()}))
+                    arm, {n: x.clone() for n, x in arms.run(arm).items()}))  # noqa: F821 - runs before `del arms`
             exact = all(torch.equal(logits["serial"][n], logits["layer_major"][n]) for n in logits["serial"])
             bdiff = max(float((logits["serial"][n].double() - logits["batched"][n].double()).abs().max())
                         for n in logits["serial"])
@@ -302,14 +302,15 @@ def scaling(res: Result, setup: GroupSetup, sizes: list[int] | None = None, case
             tokens_equal = {n: int(logits["serial"][n].argmax()) == int(logits["batched"][n].argmax())
                             for n in logits["serial"]}
             case.record("batched_first_token_equal_serial", tokens_equal)
-            runs: dict[str, Callable[[], Any]] = {arm: (lambda arm=arm: arms.run(arm)) for arm in ARMS}
+            # noqa below: these closures live in `runs`, deleted together with `arms`; none is called after the `del`
+            runs: dict[str, Callable[[], Any]] = {arm: (lambda arm=arm: arms.run(arm)) for arm in ARMS}  # noqa: F821
             if graphs:
                 runs = _graph_arms(case, arms, logits)
 
             @torch.no_grad()
             def run_arm(arm: str, _group: Any, intervals: Intervals) -> None:
                 with intervals.part("repair"):
-                    for x in runs[arm]().values():
+                    for x in runs[arm]().values():  # noqa: F821 - run_arm is used by rotate() only, before `del runs`
                         int(x.argmax())       # every member's first token on the host ends the interval
 
             group = [tuple(ch.name for ch in children)]

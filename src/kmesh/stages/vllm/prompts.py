@@ -40,8 +40,8 @@ def runner_full(runner: LayerRunner, ids: Sequence[int], max_new_tokens: int) ->
 @torch.no_grad()
 def runner_repair(runner: LayerRunner, ids: Sequence[int], span: Span, span_end: int,
                   config: RepairConfig, max_new_tokens: int) -> RunnerDecode:
-    """KMesh's repair of ids[0:span_end) over the restored `span` (what the connector hands the engine), then the rest of
-    the prompt computed over those K/V and the greedy continuation (what the engine does after the hand-over)."""
+    """KMesh's repair of ids[0:span_end) over the restored `span` (what the connector hands the engine), then the rest
+    of the prompt computed over those K/V and the greedy continuation (what the engine does after the hand-over)."""
     T = len(ids)
     if not 0 < span_end < T:
         raise ValueError(f"the repaired span must end inside the {T}-token prompt (before its last token), "
