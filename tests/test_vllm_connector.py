@@ -405,7 +405,7 @@ def _out(tokens, logprobs, supplied, req_id="0", **kmesh):
 
 
 def test_agreement_tokens_and_every_tokens_logprob():
-    from kmesh.vllm.outputs import agreement
+    from kmesh.harness.outputs import agreement
 
     ref = _out([5, 6, 7], [-0.1, -0.2, -0.3], 0)
     assert agreement(ref, ref).within(1e-9)
@@ -420,7 +420,7 @@ def test_agreement_tokens_and_every_tokens_logprob():
 def test_agreement_with_the_runner_reference():
     import torch
 
-    from kmesh.vllm.outputs import RunnerDecode, agreement
+    from kmesh.harness.outputs import RunnerDecode, agreement
 
     logits = [torch.tensor([0.0, 2.0, 1.0]), torch.tensor([3.0, 0.0, 0.0])]
     ref = RunnerDecode([1, 0], logits)
@@ -468,7 +468,7 @@ def _interior_fixture():
 
     import torch
 
-    from kmesh.vllm.outputs import RunnerDecode
+    from kmesh.harness.outputs import RunnerDecode
 
     def child(name, n, ends):
         return SimpleNamespace(name=name, ids=tuple(range(n)), placements=tuple(SimpleNamespace(end=e) for e in ends))
@@ -691,7 +691,7 @@ def test_interior_segments_repaired_and_handed_over(rig, model_dir):
     from kmesh.harness.workload import HFTokenizer, WorkloadSpec, build
     from kmesh.model.blend import RepairConfig
     from kmesh.stages.vllm import prompts as vp
-    from kmesh.vllm import outputs as vo
+    from kmesh.harness import outputs as vo
     from kmesh.vllm.repair_model import load_runner
 
     wl = build(HFTokenizer(rig["tok"]), 0, WorkloadSpec(prompt_tokens=320, segment_tokens=(96, 64), children=1))

@@ -40,9 +40,9 @@ from kmesh.kv.layout import KVLayout
 from kmesh.kv.restore import (
     Index,
     RestorePlan,
-    _as_index,
-    _destination,
-    _run_torch,
+    as_index,
+    destination_view,
+    run_torch,
     capture,
     check_compatible,
     check_slot_range,
@@ -58,7 +58,7 @@ _ALIGN = 16  # bytes: every table in the packed buffer starts 16-byte aligned (t
 
 def _host_index(x: Index, name: str, error: type[RestoreError]) -> np.ndarray:
     """x as a host int64 array (a device tensor is copied back: one sync, the caller's choice)."""
-    return _as_index(x, name, torch.device("cpu"), error).numpy()
+    return as_index(x, name, torch.device("cpu"), error).numpy()
 
 
 @dataclass
@@ -112,7 +112,7 @@ class GatherPlan:
 
             launch_restore(self)
         elif backend == "torch":
-            _run_torch(self.as_restore_plan())
+            run_torch(self.as_restore_plan())
         else:
             raise RestoreError(f"backend must be 'torch' or 'cuda', got {backend!r}")
 
@@ -146,7 +146,8 @@ class _Tables:
     launches: dict = field(default_factory=dict)   # kmesh.cuda.restore_rope's launches of these tables
 
 
-# A child restored segment by segment (kmesh.harness.child) keys one plan per segment: a 16k-token RAG child of 60 chunks
+# A child restored segment by segment (kmesh.harness.child) keys one plan per segment: a 16k-token RAG child
+# of 60 chunks
 # holds 60. With 64 entries, two such children timed in turn evicted each other's plans (LRU) and every restore
 # call checked and uploaded its tables again: 1.25 ms a segment on the H200 instead of ~0.35. Bounded by count and
 # by the bytes of the uploaded tables (device memory; ~70 KB for a 256-token segment of a 64-dim head).
@@ -198,8 +199,8 @@ def plan_gather(raw: torch.Tensor, layout: KVLayout, src_raw: torch.Tensor, src_
     The checked indices and their device tables are kept per geometry (layouts, rope, first layer, device and
     the index arrays' bytes, for int64 numpy indices; the last PLAN_CACHE_ENTRIES), so a child arrangement seen
     before costs only the buffer checks and the launch; the buffers themselves are checked every time."""
-    flat = _destination(raw, layout)
-    src_flat = _destination(src_raw, src_layout)
+    flat = destination_view(raw, layout)
+    src_flat = destination_view(src_raw, src_layout)
     dev = raw.device
     if src_raw.device != dev:
         raise DeviceMismatchError(f"source on {src_raw.device}, cache on {dev}")

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 Backend = Literal["torch", "cuda"]
-Index = torch.Tensor | np.ndarray | Sequence[int]  # integers only: see _as_index
+Index = torch.Tensor | np.ndarray | Sequence[int]  # integers only: see as_index
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ class KVSegment:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + (0 if self.v is None else self.v.numel() * self.v.element_size())
+        v = 0 if self.v is None else self.v.numel() * self.v.element_size()
+        return self.k.numel() * self.k.element_size() + v
 
     def layers(self, start: int, stop: int) -> "KVSegment":
         """The same tokens, layers [start, stop) only (e.g. for layer-by-layer loading)."""
@@ -123,12 +124,12 @@ class KVSegment:
 def capture(raw: torch.Tensor, layout: KVLayout, slots: Index, positions: Index,
             layers: Index | None = None) -> KVSegment:
     """Copy the K/V of `slots` (all >= 0) out of a cache into a segment, as saved at `positions`."""
-    flat = _destination(raw, layout)
-    slots = _as_index(slots, "slots", raw.device, SlotError)
+    flat = destination_view(raw, layout)
+    slots = as_index(slots, "slots", raw.device, SlotError)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= layout.num_slots):
         raise SlotRangeError(f"capture slots must be in [0, {layout.num_slots})")
     lay = list(range(layout.num_layers)) if layers is None else _layer_list(layers, layout.num_layers)
-    pos = _as_index(positions, "positions", raw.device, PositionError)
+    pos = as_index(positions, "positions", raw.device, PositionError)
     b, n = layout.split_slots(slots)
     # One gather straight into [T, L', H, D]: index the (block, offset) axes of a [B, N, L, H, D] view (a list
     # of layers would first copy every layer of the whole cache, then gather, then transpose: three copies).
@@ -170,7 +171,7 @@ class RestorePlan:
 
     def run(self, backend: Backend = "torch") -> None:
         if backend == "torch":
-            _run_torch(self)
+            run_torch(self)
         elif backend == "cuda":
             from kmesh.cuda.restore_rope import launch_restore
 
@@ -182,7 +183,7 @@ class RestorePlan:
 def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots: Index, new_positions: Index,
                  rope: RopeConfig, first_layer: int = 0) -> RestorePlan:
     """Check everything a restore needs, before any write; raise a specific RestoreError (or RopeRangeError)."""
-    flat = _destination(raw, layout)
+    flat = destination_view(raw, layout)
     dev = raw.device
     if not isinstance(segment, KVSegment):
         raise SegmentError(f"segment must be a KVSegment, got {type(segment).__name__}")
@@ -197,7 +198,7 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
     if first_layer < 0 or first_layer + L > layout.num_layers:
         raise LayerRangeError(f"segment layers [{first_layer}, {first_layer}+{L}) do not fit the cache's "
                               f"{layout.num_layers} layers")
-    slots_t = _as_index(slots, "slots", dev, SlotError)
+    slots_t = as_index(slots, "slots", dev, SlotError)
     if slots_t.numel() != T:
         raise SlotError(f"{slots_t.numel()} slots for {T} tokens")
     if T:
@@ -207,7 +208,7 @@ def plan_restore(raw: torch.Tensor, layout: KVLayout, segment: KVSegment, slots:
         if uniq.numel() != used.numel():
             raise DuplicateSlotError(f"destination slot {int(uniq[counts > 1][0])} is targeted "
                                      f"{int(counts.max())} times")
-    new_t = _as_index(new_positions, "new_positions", dev, PositionError)
+    new_t = as_index(new_positions, "new_positions", dev, PositionError)
     if new_t.numel() != T:
         raise PositionError(f"{new_t.numel()} new positions for {T} tokens")
     old_t = segment.positions.to(device=dev, dtype=torch.int64)
@@ -275,7 +276,7 @@ def shifted_keys(plan: RestorePlan) -> torch.Tensor:
     return out
 
 
-def _run_torch(plan: RestorePlan) -> None:
+def run_torch(plan: RestorePlan) -> None:
     lay, seg = plan.layout, plan.segment
     keep = plan.slots >= 0
     b, n = lay.split_slots(plan.slots[keep])
@@ -290,7 +291,7 @@ def _run_torch(plan: RestorePlan) -> None:
 # Input checks
 
 
-def _destination(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+def destination_view(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     if not isinstance(layout, KVLayout):
         raise RestoreError(f"layout must be a KVLayout, got {type(layout).__name__}")
     if not isinstance(raw, torch.Tensor):
@@ -316,7 +317,7 @@ def _destination(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _as_index(x: object, name: str, device: torch.device, error: type[RestoreError]) -> torch.Tensor:
+def as_index(x: object, name: str, device: torch.device, error: type[RestoreError]) -> torch.Tensor:
     """x as int64 [n] on `device`. Only exact integers are accepted: an integer torch tensor, an integer numpy
     array, or a sequence whose every element is an int (numbers.Integral, not bool). Anything else raises
     `error`, never silently truncates (torch.as_tensor([0.5, 1.7], dtype=int64) would give [0, 1])."""
@@ -349,7 +350,7 @@ def _as_index(x: object, name: str, device: torch.device, error: type[RestoreErr
 
 def _layer_list(layers: object, num_layers: int) -> list[int]:
     """capture's layer list: ints in [0, num_layers) (a negative index would silently read from the end)."""
-    lay = _as_index(layers, "layers", torch.device("cpu"), LayerRangeError).tolist()
+    lay = as_index(layers, "layers", torch.device("cpu"), LayerRangeError).tolist()
     bad = [v for v in lay if not 0 <= v < num_layers]
     if bad:
         raise LayerRangeError(f"layer {bad[0]} outside the cache's layers [0, {num_layers})")

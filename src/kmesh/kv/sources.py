@@ -16,6 +16,7 @@ from kmesh.kv.errors import (
     SegmentLayoutError,
     SegmentLoadError,
     SegmentMissingError,
+    SegmentSourceLostError,
 )
 from kmesh.kv.link import ServiceLink, segment_error
 from kmesh.service import errors as se
@@ -173,7 +174,7 @@ class ServiceSegments:
                 self.after_accept(req, accepted)
                 r = self.link.wait(req, timeout=self.timeout_s)
         except LinkUnavailable as e:
-            raise LinkUnavailable(f"cache service lost during load of {entry.key!r}: {e}") from e
+            raise SegmentSourceLostError(f"cache service lost during load of {entry.key!r}: {e}") from e
         return self._checked(entry, r, accepted)
 
     @staticmethod

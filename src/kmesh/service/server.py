@@ -25,37 +25,20 @@ import time
 from typing import Any, Callable
 
 from kmesh.service import identity, process
-from kmesh.service.errors import (
-    AuthError,
-    CapacityError,
-    FrameTooLargeError,
-    HandleError,
-    InternalError,
-    ReplyTooLargeError,
-    SequenceError,
-    ServiceError,
-    TruncatedFrameError,
-    UnsupportedVersionError,
-)
+from kmesh.service.errors import (AuthError, CapacityError, FrameTooLargeError, HandleError, InternalError,
+                                  ReplyTooLargeError, SequenceError, ServiceError, TruncatedFrameError,
+                                  UnsupportedVersionError)
 from kmesh.service.handles import close_fds, recv_some
 from kmesh.service.ops_admin import AdminOps
 from kmesh.service.ops_copies import CopyOps
 from kmesh.service.ops_objects import ObjectOps
 from kmesh.service.ops_registrations import RegistrationOps, release_memory
 from kmesh.service.process import PID_NAME, SOCKET_NAME
-from kmesh.service.protocol import (
-    VERSION,
-    Frame,
-    Request,
-    error_reply,
-    ok_reply,
-    pack_frame,
-    parse_request,
-    peek_seq,
-    unpack_body,
-)
+from kmesh.service.protocol import (VERSION, Frame, Request, error_reply, ok_reply, pack_frame, parse_request,
+                                    peek_seq, unpack_body)
 from kmesh.service.registry import Client
-from kmesh.service.state import DEFERRED, FAULTS, MAX_REGS_PER_CLIENT, Conn, Replies, ServiceOptions, ServiceState  # noqa: F401  (importable from here, as before)
+from kmesh.service.state import FAULTS, MAX_REGS_PER_CLIENT  # noqa: F401  (importable from here, as before)
+from kmesh.service.state import DEFERRED, Conn, Replies, ServiceOptions, ServiceState
 
 log = logging.getLogger("kmesh.service")
 _READ_ONLY = frozenset({"ping", "heartbeat", "wait", "status", "list"})  # change nothing status/list show

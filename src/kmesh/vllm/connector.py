@@ -20,7 +20,8 @@ Worker side: detects the engine's arrangement from the caches vLLM registers (km
   harness's children run the same one (kmesh.vllm.loads): each payload's size and digest checked against its
   record, the verified ones restored into the request's blocks (a failed block is reported through
   get_block_ids_with_load_errors: vLLM recomputes from it, with kv_load_failure_policy="recompute").
-  save_kv_layer copies each layer of the blocks to save into the save window; wait_for_save stores payload, then record. shutdown closes every registration.
+  save_kv_layer copies each layer of the blocks to save into the save window; wait_for_save stores payload, then
+  record. shutdown closes every registration.
 Service down: no crash, one warning, the engine computes everything.
 CPU ISA refused: where vLLM's CPU attention backend packs the caches for an ISA KMesh does not address ("amx":
   a bfloat16 model on a CPU with AMX tiles; kmesh.vllm.arrangement), both sides know it from the start (vLLM's

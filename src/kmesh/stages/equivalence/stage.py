@@ -20,6 +20,9 @@ Cases:
                                the recompute over that partially written state equals the pre-failure reference
                                bit for bit; nothing pending before it, nothing leaked (the killed service: this
                                process's own mapping and fd of the staging memory gone)
+  one-path-bytes,              the vLLM connector's load path (kmesh.vllm.loads, engine-free) and a child's, over the
+  one-path-refuses-<object>    same stored objects in the service: equal destination bytes, the same refusals of a
+                               corrupt, missing and wrong-geometry object (kmesh.stages.equivalence.onepath)
   quality                      arms full / naive / stock / stock-matched / repair on the same prompts
                                (kmesh.model.quality): first-token and teacher-forced KL and top-1, generation
                                up to end-of-turn, recomputed fractions; stock-matched = stock's selection rule
@@ -57,6 +60,7 @@ from kmesh.model.quality import (
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.result import Result
 from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.onepath import one_path_cases
 from kmesh.stages.equivalence.rag import FrontierArm, expected_recomputed, rag_cases
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
@@ -263,6 +267,12 @@ def run(cfg: Config) -> Result:
                        all(now[e.key] == (e.sha256, e.sha256) for e in catalog.entries), value=len(now))
         controls.negative_controls(res, setup, refs)
         agg["failure_controls_passed"] = controls.failure_controls(res, setup, svc, refs)
+    # a fresh service (the last control killed this one), unpaced: both roads load as a deployed client does
+    with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
+                           int(setup.sec["chunk_bytes"])) as svc:
+        svc.unpace()
+        svc.save_leader()
+        one_path_cases(res, setup, svc)
     res.extra.update(mask_comparisons=agg["mask_comparisons"], masks_equal=agg["masks_equal"],
                      max_abs_diff=agg["max_abs_diff"],
                      tokens_equal=agg["tokens_equal"], identical_children=agg["identical_children"],

@@ -43,7 +43,7 @@ from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Result
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
-from kmesh.vllm.outputs import agreement, child_spans, repairs_by_request, save_spans
+from kmesh.harness.outputs import agreement, child_spans, repairs_by_request, save_spans
 
 ARMS = ("vllm", "lmcache", "kmesh")
 PEERS = ("lmcache", "kmesh")

@@ -9,7 +9,7 @@ References through OUR runner (kmesh.model.runner.LayerRunner, the engine's weig
                  prompt[0:E) over the segments the engine stored (kmesh.kv.repair.repair_span, the connector's
                  own code) — the K/V the connector hands over — then positions [E, T) computed over them and the
                  greedy continuation, as the engine does after the hand-over.
-The agreement measure (agreement(), Agreement) and the span helpers live in kmesh.vllm.outputs: the peers stage
+The agreement measure (agreement(), Agreement) and the span helpers live in kmesh.harness.outputs: the peers stage
 compares engine outputs the same way.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kmesh.kv.restore import restore
 from kmesh.model.blend import RepairConfig, blend
 from kmesh.model.runner import LayerRunner
 from kmesh.vllm.loads import Span
-from kmesh.vllm.outputs import RunnerDecode
+from kmesh.harness.outputs import RunnerDecode
 
 
 @torch.no_grad()

@@ -57,7 +57,7 @@ from kmesh.stages.vllm.refusals import accepted, refusals
 from kmesh.stages.vllm.stored import stored_segments
 from kmesh.vllm.controls import NEGATIVE_CONTROL
 from kmesh.vllm.engine import EngineProcess
-from kmesh.vllm.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
+from kmesh.harness.outputs import RunnerDecode, agreement, child_spans, repairs_by_request, save_spans, tokens_of
 
 # Every case that needs the engine (all but arrangement-refusals): with vllm.enabled false each one is a skip
 # naming the switch, allowed only where the profile says why (tests/test_skips.py keeps this list complete).

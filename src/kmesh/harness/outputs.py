@@ -1,4 +1,5 @@
-"""An engine output against a reference: what the vllm and peers stages both assert and record (no engine here).
+"""Engine outputs against the harness's references (the vllm and peers stages): agreement of tokens and logits,
+and the spans a child places its segments at.
 
 agreement() compares an engine output (kmesh.vllm.engine: tokens and its own per-step logprobs) with a reference:
 KMesh's runner (a RunnerDecode) or another engine's output on the same prompt: greedy tokens, and the logprob of
