@@ -140,3 +140,36 @@ def test_flake_input_matches_the_lock():
     assert match, "flake.nix names no github nixpkgs input"
     assert original["type"] == "github"
     assert match.groups() == (original["owner"], original["repo"], original["ref"])
+
+
+# -- docs/packages.svg and docs/architecture.md: the packages drawn from the code's imports ----------------------
+
+def test_committed_package_picture_draws_the_codes_imports():
+    ids = _svg_ids(ROOT / "docs" / "packages.svg")
+    drawn = {tuple(i.split("__")[1:]) for i in ids if i.startswith("dep__")}
+    assert drawn == set(diagrams.package_edges(ROOT / "src")), \
+        "docs/packages.svg is stale: run `python -m kmesh.report.diagrams`"
+    packages = {p.name for p in (ROOT / "src" / "kmesh").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert {i.removeprefix("pkg__") for i in ids if i.startswith("pkg__")} == packages | {"root"}
+
+
+def test_package_edges_see_a_new_import(tmp_path):
+    # negative control: a copy of two packages where one starts importing the other
+    for pkg, text in {"alpha": "from kmesh.beta import x\n", "beta": "x = 1\n"}.items():
+        (tmp_path / "kmesh" / pkg).mkdir(parents=True)
+        (tmp_path / "kmesh" / pkg / "__init__.py").write_text(text)
+    (tmp_path / "kmesh" / "__init__.py").write_text("")
+    old = diagrams.SRC_DIR
+    try:
+        diagrams.SRC_DIR = tmp_path
+        assert set(diagrams.package_edges(tmp_path)) == {("alpha", "beta")}
+    finally:
+        diagrams.SRC_DIR = old
+
+
+def test_architecture_page_shows_the_package_picture_and_names_every_package():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "packages.svg" in text
+    for p in (ROOT / "src" / "kmesh").iterdir():
+        if p.is_dir() and p.name != "__pycache__":
+            assert f"`{p.name}`" in text, f"docs/architecture.md does not name the package {p.name}"

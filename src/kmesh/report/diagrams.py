@@ -1,6 +1,7 @@
-"""The two diagrams under docs/: the stage DAG (drawn from the rule files' real inputs) and the data path.
+"""The diagrams under docs/: the stage DAG (drawn from the rule files' real inputs), the data path, and the
+packages (drawn from the package's own imports).
 
-    python -m kmesh.report.diagrams            # rewrites docs/dag.svg and docs/data-path.svg
+    python -m kmesh.report.diagrams            # rewrites docs/dag.svg, docs/data-path.svg and docs/packages.svg
 
 There is no graphviz on the build machines, so both are laid out here and drawn with matplotlib. The DAG is read
 from workflow/rules/*.smk, never typed in: a rule's `input:` entries `result("X")` are its edges (an entry whose
@@ -11,6 +12,7 @@ carries an SVG id (`stage__<name>`, `edge__<from>__<to>`), so a test can compare
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,12 +245,92 @@ def draw_data_path(path: Path) -> Path:
         return _save(fig, path)
 
 
+# The packages, in tiers from the bottom (what the rest builds on) to the top (what runs them); the tiers are layout,
+# the arrows are read from the code (package_edges). "root" is the package root's infrastructure modules.
+PACKAGE_TIERS = (
+    ("root", "sources", "integrity", "reference"),
+    ("cuda", "transfer", "storage"),
+    ("service", "model"),
+    ("kv",),
+    ("vllm", "harness"),
+    ("stages", "diagnostics", "report", "devtools", "reliability"),
+)
+SRC_DIR = Path("src")
+
+
+def package_of(module: str) -> str:
+    """The package a kmesh module belongs to ("root": a module at the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and (SRC_DIR / "kmesh" / parts[1]).is_dir() else "root"
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The kmesh modules a source file imports (absolute imports; TYPE_CHECKING blocks included: they name a use)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("kmesh.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kmesh"):
+            out |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return out
+
+
+def package_edges(src: Path | None = None) -> dict[tuple[str, str], int]:
+    """(importing package, imported package) -> number of module imports across that boundary, from the sources."""
+    root = (src or SRC_DIR) / "kmesh"
+    edges: dict[tuple[str, str], int] = {}
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        a = package_of(module)
+        for imported in _module_imports(f):
+            b = package_of(imported)
+            if imported == "kmesh" or b == a:
+                continue
+            edges[(a, b)] = edges.get((a, b), 0) + 1
+    return edges
+
+
+def draw_packages(path: Path, src: Path | None = None) -> Path:
+    """docs/packages.svg: a box per package in its tier, an arrow per package another imports (grey: from a higher
+    tier down, as expected; red: up or across a tier, the imports to look at), and the segment's data path."""
+    edges = package_edges(src)
+    tier = {p: i for i, row in enumerate(PACKAGE_TIERS) for p in row}
+    drawn = sorted({p for e in edges for p in e} | set(tier))
+    missing = [p for p in drawn if p not in tier]
+    if missing:
+        raise ValueError(f"packages without a tier in PACKAGE_TIERS: {missing}")
+    box_w, box_h, col_gap, row_gap = 1.7, 0.5, 2.3, 1.35
+    where = {p: ((i - (len(row) - 1) / 2) * col_gap, r * row_gap)
+             for r, row in enumerate(PACKAGE_TIERS) for i, p in enumerate(row)}
+    with matplotlib.rc_context(_SVG_STYLE):
+        fig = Figure(figsize=(11, 7.2))
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        for (a, b), n in sorted(edges.items()):
+            (x0, y0), (x1, y1) = where[a], where[b]
+            down = tier[a] > tier[b]
+            _arrow(ax, (x0, y0 - box_h / 2 if down else y0), (x1, y1 + box_h / 2 if down else y1),
+                   f"dep__{a}__{b}", color="#9a9a9a" if down else "#c0392b", width=0.6 + 0.12 * min(n, 8) ** 0.5)
+        for p, (x, y) in where.items():
+            _box(ax, x, y, box_w, box_h, p, f"pkg__{p}", weight="bold",
+                 face="#fdebd0" if p in ("kv", "vllm", "harness") else "#eef3f8")
+        ax.text(0, -0.95, "a segment's round trip: harness.leader exports -> kv.link saves -> service stores -> "
+                "kv.load (load, verify, private copy, restore)\nrun by harness.child and by vllm.loads (the connector) "
+                "-> kv.repair -> the engine's blocks.   Arrows: imports read from the code by kmesh.report.diagrams "
+                "(grey: down a tier; red: up or across)", ha="center", va="center", fontsize=7, color="#555555")
+        ax.set_xlim(-3 * col_gap, 3 * col_gap)
+        ax.set_ylim(-1.3, (len(PACKAGE_TIERS) - 1) * row_gap + 0.6)
+        return _save(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kmesh.report.diagrams", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs"), help="directory for dag.svg and data-path.svg")
     parser.add_argument("--rules", type=Path, default=RULES_DIR, help="the rule files to read the DAG from")
     args = parser.parse_args(argv)
-    for written in (draw_dag(args.out / "dag.svg", args.rules), draw_data_path(args.out / "data-path.svg")):
+    for written in (draw_dag(args.out / "dag.svg", args.rules), draw_data_path(args.out / "data-path.svg"),
+                    draw_packages(args.out / "packages.svg")):
         print(written)
     return 0
 
