@@ -308,7 +308,7 @@ def test_mutation_state_snapshot_holds_logs_report_and_verdicts(tmp_path):
     with tarfile.open(dest) as tar:
         names = sorted(n for n in tar.getnames() if tar.getmember(n).isfile())
     assert names == ["trust/report.md", "trust/runs.log", "trust/tree/mutants/mutmut-stats.json",
-                     "trust/tree/mutants/src/kmesh/kv/rope.py.meta"]
+                     "trust/tree/mutants/src/kmesh/rope.py.meta"]
     assert dp.parses(meta / "rope.py.meta") and not dp.parses(_write(tmp_path / "half.meta", '{"exit'))
 
 

@@ -316,7 +316,7 @@ def test_every_digest_is_checked_in_one_call_and_the_first_bad_segment_decides(e
     """The child path loads every segment, then checks all their digests in one arrival_digests call (on the GPU:
     one launch set, not one per segment); a corrupt segment 1 and a missing segment 2 fail at 1 (the corrupt one:
     the first in catalog order), a missing 1 and a corrupt 2 at 1 (the missing one); segment 0 restored either way."""
-    from kmesh.kv import load as segments_mod
+    from kmesh.kv import digests as segments_mod
 
     ex, child = env.export, env.workload.children[0]
     n = len(ex.catalog.entries)

@@ -32,7 +32,7 @@ STAGES = [s for s in kmesh.stages.STAGES if s != "report"]
 SERVICE_CODE = ["service/*.py", "zygote.py", "storage/errors.py", "storage/remote.py", "storage/remote_agent.py",
                 "storage/objfile.py", "integrity/*.py", "transfer/*.py"]
 # A saved segment's round trip (kmesh.kv: layouts, restore, records, the service link, the load step, the repair entry).
-KV_CODE = ["kv/*.py", "cuda/*.py", "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
+KV_CODE = ["kv/*.py", "transfer/errors.py", "cuda/*.py", "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
 # What a child request runs on (the harness's children, the model, the kv package, the cache service they load from):
 # the model stages share it.
 CHILD_CODE = ["model/*.py", "harness/*.py", *KV_CODE, *SERVICE_CODE]
