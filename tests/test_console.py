@@ -13,16 +13,8 @@ from pathlib import Path
 import pytest
 
 from kmesh import cli
-from kmesh.console import (
-    Console,
-    JobFailed,
-    JobFinished,
-    JobStarted,
-    SnakemakeLog,
-    format_seconds,
-    log_path,
-    read_invocation,
-)
+from kmesh.console import (Console, JobFailed, JobFinished, JobStarted, SnakemakeLog, format_seconds, log_path,
+                           read_invocation)
 from kmesh.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,29 +32,14 @@ from kmesh.harness.child import ChildContext, ChildStateError, check_canaries, f
 from kmesh.harness.leader import EXPORT_ORDER, export_segments
 from kmesh.harness.modelsetup import leader_prefill
 from kmesh.harness.workload import ByteTokenizer, WorkloadSpec, build
-from kmesh.kv.errors import (
-    SegmentCorruptError,
-    SegmentLayoutError,
-    SegmentMissingError,
-    SegmentOversizeError,
-    SegmentTruncatedError,
-)
+from kmesh.kv.errors import (SegmentCorruptError, SegmentLayoutError, SegmentMissingError, SegmentOversizeError,
+                             SegmentTruncatedError)
 from kmesh.kv.load import copy_private, stage_entry, stage_segments
 from kmesh.kv.restore import capture
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.model.blend import RepairConfig
-from kmesh.model.quality import (
-    arm_quality,
-    compare_states,
-    first_divergence,
-    flip_bit,
-    identical,
-    kl_divergence,
-    max_abs_diff,
-    summarize,
-    teacher_forced_logits,
-    until_end_of_turn,
-)
+from kmesh.model.quality import (arm_quality, compare_states, first_divergence, flip_bit, identical, kl_divergence,
+                                 max_abs_diff, summarize, teacher_forced_logits, until_end_of_turn)
 from kmesh.model.runner import LayerRunner
 from kmesh.result import Result
 from kmesh.sources.digest import sha256_tensor

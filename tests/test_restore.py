@@ -5,27 +5,10 @@ import pytest
 import torch
 
 from kmesh.kv.layout import KVLayout, quantize
-from kmesh.kv.restore import (
-    DestinationError,
-    DeviceMismatchError,
-    DtypeMismatchError,
-    DuplicateSlotError,
-    HeadCountError,
-    HeadDimError,
-    KVSegment,
-    LayerRangeError,
-    MisalignedDestinationError,
-    NonContiguousDestinationError,
-    PositionError,
-    RestoreError,
-    ScaleMismatchError,
-    SegmentError,
-    SlotError,
-    SlotRangeError,
-    capture,
-    plan_restore,
-    restore,
-)
+from kmesh.kv.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
+                              HeadCountError, HeadDimError, KVSegment, LayerRangeError, MisalignedDestinationError,
+                              NonContiguousDestinationError, PositionError, RestoreError, ScaleMismatchError,
+                              SegmentError, SlotError, SlotRangeError, capture, plan_restore, restore)
 from kmesh.kv.rope import RopeConfig, RopeRangeError, rotate
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)

@@ -8,24 +8,10 @@ import torch
 import kmesh.kv.gather as rg
 from kmesh.kv.gather import clear_plan_cache, gather_supported, plan_gather
 from kmesh.kv.layout import KVLayout
-from kmesh.kv.restore import (
-    DestinationError,
-    DeviceMismatchError,
-    DtypeMismatchError,
-    DuplicateSlotError,
-    HeadCountError,
-    HeadDimError,
-    LayerRangeError,
-    NonContiguousDestinationError,
-    PositionError,
-    RestoreError,
-    ScaleMismatchError,
-    SegmentError,
-    SlotError,
-    SlotRangeError,
-    capture,
-    plan_restore,
-)
+from kmesh.kv.restore import (DestinationError, DeviceMismatchError, DtypeMismatchError, DuplicateSlotError,
+                              HeadCountError, HeadDimError, LayerRangeError, NonContiguousDestinationError,
+                              PositionError, RestoreError, ScaleMismatchError, SegmentError, SlotError, SlotRangeError,
+                              capture, plan_restore)
 from kmesh.kv.rope import RopeConfig, RopeRangeError
 
 ROPE = RopeConfig(64, 64, 10000.0, "neox", None, 4096)

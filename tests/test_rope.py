@@ -14,16 +14,8 @@ import pytest
 import torch
 
 from kmesh.errors import KMeshError
-from kmesh.kv.rope import (
-    RopeConfig,
-    RopeError,
-    RopeRangeError,
-    apply_rotation,
-    measure_accuracy,
-    rotate,
-    shift,
-    shift_tables,
-)
+from kmesh.kv.rope import (RopeConfig, RopeError, RopeRangeError, apply_rotation, measure_accuracy, rotate, shift,
+                           shift_tables)
 
 MAX32K = 32768
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -12,41 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (
-    ERRORS_BY_CODE,
-    AuthError,
-    DecodeError,
-    FrameError,
-    FrameTooLargeError,
-    HandleError,
-    InstanceInUseError,
-    InternalError,
-    NotAuthorizedError,
-    NotOwnerError,
-    ObjectExistsError,
-    ObjectMissingError,
-    RegistrationClosedError,
-    RegistrationStateError,
-    SchemaError,
-    ServiceError,
-    StaleGenerationError,
-    UnknownOpError,
-    UnknownRegistrationError,
-    error_from_reply,
-)
+from kmesh.service.errors import (ERRORS_BY_CODE, AuthError, DecodeError, FrameError, FrameTooLargeError, HandleError,
+                                  InstanceInUseError, InternalError, NotAuthorizedError, NotOwnerError,
+                                  ObjectExistsError, ObjectMissingError, RegistrationClosedError,
+                                  RegistrationStateError, SchemaError, ServiceError, StaleGenerationError,
+                                  UnknownOpError, UnknownRegistrationError, error_from_reply)
 from kmesh.service.handles import HostBuffer, check_memfd
-from kmesh.service.protocol import (
-    HEADER,
-    MAGIC,
-    MAX_FDS,
-    MAX_PAYLOAD,
-    OPS,
-    FrameAssembler,
-    error_reply,
-    pack_frame,
-    parse_request,
-    unpack_body,
-)
+from kmesh.service.protocol import (HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, OPS, FrameAssembler, error_reply, pack_frame,
+                                    parse_request, unpack_body)
 from kmesh.service.registry import NEXT, Registry, State
 from kmesh.service.store import Store
 

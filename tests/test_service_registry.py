@@ -10,14 +10,8 @@ from typing import Any
 
 import pytest
 
-from kmesh.service.errors import (
-    CapacityError,
-    InstanceInUseError,
-    NotOwnerError,
-    RegistrationClosedError,
-    StaleGenerationError,
-    UnknownRegistrationError,
-)
+from kmesh.service.errors import (CapacityError, InstanceInUseError, NotOwnerError, RegistrationClosedError,
+                                  StaleGenerationError, UnknownRegistrationError)
 from kmesh.service.identity import Peer
 from kmesh.service.protocol import clip
 from kmesh.service.registry import IN_FLIGHT_LISTED, Client, Registration, Registry, State

@@ -18,19 +18,8 @@ from kmesh.service import descriptor, identity, process
 from kmesh.service.errors import CapacityError, NotAuthorizedError
 from kmesh.service.handles import HostBuffer
 from kmesh.service.jobs import CopyJob
-from kmesh.service.protocol import (
-    ITEM_MAX,
-    KEY_MAX,
-    MAX_PAYLOAD,
-    PAGE_BUDGET,
-    U32,
-    U63,
-    U64,
-    cut_page,
-    ok_reply,
-    pack_frame,
-    packed_size,
-)
+from kmesh.service.protocol import (ITEM_MAX, KEY_MAX, MAX_PAYLOAD, PAGE_BUDGET, U32, U63, U64, cut_page, ok_reply,
+                                    pack_frame, packed_size)
 from kmesh.service.registry import Client, Registration, State, Tombstone
 from kmesh.service.server import MAX_REGS_PER_CLIENT
 from kmesh.service.store import Original

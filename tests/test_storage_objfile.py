@@ -10,18 +10,9 @@ import struct
 import pytest
 
 from kmesh.storage import objfile as of
-from kmesh.storage.errors import (
-    BadMagicError,
-    BadVersionError,
-    HeaderCorruptError,
-    HeaderLieError,
-    ObjectAlgorithmError,
-    ObjectCorruptError,
-    ObjectNotFoundError,
-    ObjectReplacedError,
-    ShortFileError,
-    StorageError,
-)
+from kmesh.storage.errors import (BadMagicError, BadVersionError, HeaderCorruptError, HeaderLieError,
+                                  ObjectAlgorithmError, ObjectCorruptError, ObjectNotFoundError, ObjectReplacedError,
+                                  ShortFileError, StorageError)
 
 PAYLOAD = bytes(range(256)) * 37 + b"tail"      # 9476 B: not a 4 KiB multiple, so there is padding
 

@@ -12,22 +12,9 @@ import threading
 import pytest
 import torch
 
-from kmesh.transfer import (
-    BufferHeldError,
-    ChunkGate,
-    CompletionCheckError,
-    DrainRefusedError,
-    DrainTimeoutError,
-    EngineClosedError,
-    FaultPlan,
-    HolderAliveError,
-    SharedLedger,
-    SubmitError,
-    TransferArgumentError,
-    TransferEngine,
-    TransferError,
-    shm,
-)
+from kmesh.transfer import (BufferHeldError, ChunkGate, CompletionCheckError, DrainRefusedError, DrainTimeoutError,
+                            EngineClosedError, FaultPlan, HolderAliveError, SharedLedger, SubmitError,
+                            TransferArgumentError, TransferEngine, TransferError, shm)
 from kmesh.transfer.ledger import exited
 
 CHUNK = 4096

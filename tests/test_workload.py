@@ -3,17 +3,8 @@
 import pytest
 
 from kmesh.errors import KMeshError
-from kmesh.harness.workload import (
-    ByteTokenizer,
-    HFTokenizer,
-    RagSpec,
-    Workload,
-    WorkloadError,
-    WorkloadSpec,
-    answer_matches,
-    build,
-    build_rag,
-)
+from kmesh.harness.workload import (ByteTokenizer, HFTokenizer, RagSpec, Workload, WorkloadError, WorkloadSpec,
+                                    answer_matches, build, build_rag)
 from smollm2_model import converted
 
 SEED = 20261130

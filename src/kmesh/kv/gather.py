@@ -26,27 +26,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kmesh.kv.errors import (
-    DeviceMismatchError,
-    DuplicateSlotError,
-    LayerRangeError,
-    PositionError,
-    RestoreError,
-    SegmentError,
-    SlotError,
-    SlotRangeError,
-)
+from kmesh.kv.errors import (DeviceMismatchError, DuplicateSlotError, LayerRangeError, PositionError, RestoreError,
+                             SegmentError, SlotError, SlotRangeError)
 from kmesh.kv.layout import KVLayout
-from kmesh.kv.restore import (
-    Index,
-    RestorePlan,
-    as_index,
-    destination_view,
-    run_torch,
-    capture,
-    check_compatible,
-    check_slot_range,
-)
+from kmesh.kv.restore import (Index, RestorePlan, as_index, destination_view, run_torch, capture, check_compatible,
+                              check_slot_range)
 from kmesh.kv.rope import RopeConfig, host_shift_tables
 
 __all__ = ["GatherPlan", "plan_gather", "gather_supported", "clear_plan_cache", "plan_cache_bytes",

@@ -27,14 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kmesh.kv.errors import (
-    LinkUnavailable,
-    SegmentLayoutError,
-    SegmentLoadError,
-    SegmentMissingError,
-    SegmentOversizeError,
-    SegmentSaveError,
-)
+from kmesh.kv.errors import (LinkUnavailable, SegmentLayoutError, SegmentLoadError, SegmentMissingError,
+                             SegmentOversizeError, SegmentSaveError)
 from kmesh.kv.layout import KVLayout
 from kmesh.service import errors as se
 from kmesh.service.client import RegRef, ServiceClient

@@ -24,23 +24,10 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kmesh.kv.errors import (  # noqa: F401 (re-exported: callers catch them as kmesh.kv.restore.*)
-    DestinationError,
-    DeviceMismatchError,
-    DtypeMismatchError,
-    DuplicateSlotError,
-    HeadCountError,
-    HeadDimError,
-    LayerRangeError,
-    MisalignedDestinationError,
-    NonContiguousDestinationError,
-    PositionError,
-    RestoreError,
-    ScaleMismatchError,
-    SegmentError,
-    SlotError,
-    SlotRangeError,
-)
+from kmesh.kv.errors import (DestinationError,  # noqa: F401 (re-exported: callers catch them as kmesh.kv.restore.*)
+                             DeviceMismatchError, DtypeMismatchError, DuplicateSlotError, HeadCountError, HeadDimError,
+                             LayerRangeError, MisalignedDestinationError, NonContiguousDestinationError, PositionError,
+                             RestoreError, ScaleMismatchError, SegmentError, SlotError, SlotRangeError)
 from kmesh.kv.layout import DTYPES, KVLayout, LayoutError, MisalignedLayoutError, dequantize, quantize
 from kmesh.kv.rope import RopeConfig, apply_rotation, shift_tables
 

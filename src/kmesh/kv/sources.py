@@ -10,14 +10,8 @@ from typing import Any, Callable, Collection, Protocol
 import torch
 
 from kmesh.kv.catalog import CatalogEntry, size_error
-from kmesh.kv.errors import (
-    LinkUnavailable,
-    SegmentCancelledError,
-    SegmentLayoutError,
-    SegmentLoadError,
-    SegmentMissingError,
-    SegmentSourceLostError,
-)
+from kmesh.kv.errors import (LinkUnavailable, SegmentCancelledError, SegmentLayoutError, SegmentLoadError,
+                             SegmentMissingError, SegmentSourceLostError)
 from kmesh.kv.link import ServiceLink, segment_error
 from kmesh.service import errors as se
 

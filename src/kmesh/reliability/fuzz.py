@@ -28,14 +28,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 from kmesh.errors import KMeshError
 from kmesh.harness.worker import pattern
 from kmesh.service import descriptor
-from kmesh.service.errors import (
-    NotOwnerError,
-    ObjectExistsError,
-    ObjectMissingError,
-    RegistrationClosedError,
-    ServiceError,
-    StaleGenerationError,
-)
+from kmesh.service.errors import (NotOwnerError, ObjectExistsError, ObjectMissingError, RegistrationClosedError,
+                                  ServiceError, StaleGenerationError)
 from kmesh.service.handles import HostBuffer
 
 

@@ -21,15 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kmesh.service.diskreads import Flight, ReadCancelledError
-from kmesh.service.errors import (
-    DiskReadError,
-    InternalError,
-    LayoutMismatchError,
-    ObjectMissingError,
-    RemoteReadError,
-    ServiceError,
-    ShuttingDownError,
-)
+from kmesh.service.errors import (DiskReadError, InternalError, LayoutMismatchError, ObjectMissingError,
+                                  RemoteReadError, ServiceError, ShuttingDownError)
 from kmesh.service.jobs import CopyJob
 from kmesh.service.ops_copies import CopyOps
 from kmesh.service.ops_registrations import check_range, work_registration

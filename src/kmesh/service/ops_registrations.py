@@ -12,17 +12,8 @@ import time
 from typing import Any
 
 from kmesh.service import descriptor, identity
-from kmesh.service.errors import (
-    ClientLostError,
-    HandleError,
-    LayoutMismatchError,
-    RangeError,
-    RegistrationStateError,
-    SchemaError,
-    SequenceError,
-    ServiceError,
-    ShuttingDownError,
-)
+from kmesh.service.errors import (ClientLostError, HandleError, LayoutMismatchError, RangeError, RegistrationStateError,
+                                  SchemaError, SequenceError, ServiceError, ShuttingDownError)
 from kmesh.service.handles import MappedMemfd, check_memfd
 from kmesh.service.jobs import CopyRunner
 from kmesh.service.protocol import VERSION, Request

@@ -25,17 +25,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kmesh.service.errors import (
-    CapacityError,
-    ClientLostError,
-    InstanceInUseError,
-    InternalError,
-    NotOwnerError,
-    RegistrationClosedError,
-    RegistrationStateError,
-    StaleGenerationError,
-    UnknownRegistrationError,
-)
+from kmesh.service.errors import (CapacityError, ClientLostError, InstanceInUseError, InternalError, NotOwnerError,
+                                  RegistrationClosedError, RegistrationStateError, StaleGenerationError,
+                                  UnknownRegistrationError)
 from kmesh.service.identity import Peer
 from kmesh.service.protocol import clip
 

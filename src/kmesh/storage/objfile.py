@@ -25,18 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from kmesh import integrity
-from kmesh.storage.errors import (
-    BadMagicError,
-    BadVersionError,
-    HeaderCorruptError,
-    HeaderLieError,
-    ObjectAlgorithmError,
-    ObjectCorruptError,
-    ObjectNotFoundError,
-    ObjectReplacedError,
-    ShortFileError,
-    StorageError,
-)
+from kmesh.storage.errors import (BadMagicError, BadVersionError, HeaderCorruptError, HeaderLieError,
+                                  ObjectAlgorithmError, ObjectCorruptError, ObjectNotFoundError, ObjectReplacedError,
+                                  ShortFileError, StorageError)
 
 MAGIC = b"KMESHOBJ"
 VERSION = 1

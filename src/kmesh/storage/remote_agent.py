@@ -28,13 +28,8 @@ from typing import Any
 
 import msgpack
 
-from kmesh.storage.remote import (
-    MooncakeClient,
-    RemoteMissingError,
-    RemoteSpec,
-    RemoteStoreError,
-    RemoteUnavailableError,
-)
+from kmesh.storage.remote import (MooncakeClient, RemoteMissingError, RemoteSpec, RemoteStoreError,
+                                  RemoteUnavailableError)
 
 _LEN = struct.Struct("<I")
 ERRORS = {c.__name__: c for c in (RemoteMissingError, RemoteStoreError, RemoteUnavailableError)}

@@ -10,17 +10,9 @@
     eng.release(dst)                                # raises BufferHeldError while still held
 """
 from kmesh.transfer.engine import DrainReport, Ticket, TicketState, TransferEngine
-from kmesh.transfer.errors import (
-                                   BufferHeldError,
-                                   CompletionCheckError,
-                                   DrainRefusedError,
-                                   DrainTimeoutError,
-                                   EngineClosedError,
-                                   HolderAliveError,
-                                   SubmitError,
-                                   TransferArgumentError,
-                                   TransferError,
-)
+from kmesh.transfer.errors import (BufferHeldError, CompletionCheckError, DrainRefusedError, DrainTimeoutError,
+                                   EngineClosedError, HolderAliveError, SubmitError, TransferArgumentError,
+                                   TransferError)
 from kmesh.transfer.faults import ChunkGate, FaultPlan
 from kmesh.transfer.ledger import LedgerHold, SharedLedger
 

@@ -24,16 +24,8 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
-from kmesh.transfer.errors import (
-    BufferHeldError,
-    CompletionCheckError,
-    DrainRefusedError,
-    DrainTimeoutError,
-    EngineClosedError,
-    SubmitError,
-    TransferArgumentError,
-    TransferError,
-)
+from kmesh.transfer.errors import (BufferHeldError, CompletionCheckError, DrainRefusedError, DrainTimeoutError,
+                                   EngineClosedError, SubmitError, TransferArgumentError, TransferError)
 from kmesh.transfer.faults import ChunkGate, FaultPlan
 from kmesh.transfer.holds import Hold, HoldTable, Span, span_of
 from kmesh.transfer.ledger import SharedLedger

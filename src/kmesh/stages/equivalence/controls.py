@@ -32,15 +32,8 @@ from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, run_
 from kmesh.harness.modelsetup import ModelSetup
 from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.harness.workload import Child
-from kmesh.kv.errors import (
-    PrivateCopyError,
-    SegmentCancelledError,
-    SegmentCorruptError,
-    SegmentLayoutError,
-    SegmentMissingError,
-    SegmentSourceLostError,
-    SegmentTruncatedError,
-)
+from kmesh.kv.errors import (PrivateCopyError, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
+                             SegmentMissingError, SegmentSourceLostError, SegmentTruncatedError)
 from kmesh.kv.load import stage_segments
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.model.quality import compare_states, flip_bit, identical

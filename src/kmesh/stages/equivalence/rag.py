@@ -54,15 +54,8 @@ from kmesh.harness.workload import Child, RagSpec, Workload, answer_matches, bui
 from kmesh.kv.sources import InProcessSegments
 from kmesh.model.blend import RepairConfig, blend, matched_stock
 from kmesh.model.frontier import Point, better_at_no_more_cost, dominated_by, pareto_front
-from kmesh.model.quality import (
-    arm_quality,
-    compare_states,
-    decode_batch,
-    identical,
-    reproduces_greedy,
-    summarize,
-    teacher_forced_logits_batch,
-)
+from kmesh.model.quality import (arm_quality, compare_states, decode_batch, identical, reproduces_greedy, summarize,
+                                 teacher_forced_logits_batch)
 from kmesh.result import Case, Result
 from kmesh.stages.equivalence.endtoend import END_TO_END, FULL, RepairOnlyArm, end_to_end_arm
 from kmesh.stages.equivalence.ttft import graph_prefill, speedup_row

@@ -48,15 +48,8 @@ from kmesh.harness.service_side import ServiceSide
 from kmesh.harness.workload import answer_matches
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.model.blend import RepairConfig, matched_stock
-from kmesh.model.quality import (
-    arm_quality,
-    compare_states,
-    identical,
-    reproduces_greedy,
-    summarize,
-    teacher_forced_logits_batch,
-    tokens_agree,
-)
+from kmesh.model.quality import (arm_quality, compare_states, identical, reproduces_greedy, summarize,
+                                 teacher_forced_logits_batch, tokens_agree)
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.result import Result
 from kmesh.stages.equivalence import controls

@@ -40,17 +40,8 @@ import torch
 
 from kmesh.bench import Intervals, PairedTiming, rotate
 from kmesh.config import Config
-from kmesh.harness.child import (
-    ChildOutcome,
-    full_reference,
-    new_cache,
-    outcome_of,
-    prefill,
-    prefill_and_decode,
-    prefill_from_segments,
-    restore_child,
-    run_child,
-)
+from kmesh.harness.child import (ChildOutcome, full_reference, new_cache, outcome_of, prefill, prefill_and_decode,
+                                 prefill_from_segments, restore_child, run_child)
 from kmesh.harness.modelsetup import ModelSetup, begin_with_setup, equivalence_setup
 from kmesh.harness.workload import Child
 from kmesh.kv.sources import InProcessSegments

@@ -20,15 +20,8 @@ from typing import Any, ContextManager
 import torch
 
 from kmesh.bench import Intervals
-from kmesh.harness.child import (
-    ChildContext,
-    ChildOutcome,
-    ChildStateError,
-    new_cache,
-    outcome_of,
-    prefill_and_decode,
-    restore_child,
-)
+from kmesh.harness.child import (ChildContext, ChildOutcome, ChildStateError, new_cache, outcome_of, prefill_and_decode,
+                                 restore_child)
 from kmesh.harness.workload import Child
 from kmesh.model.runner import KVCache
 from kmesh.stages.storage.objects import ObjectSet, read_verified

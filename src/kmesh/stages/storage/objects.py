@@ -18,13 +18,8 @@ import torch
 
 from kmesh.harness.leader import Export
 from kmesh.kv.catalog import Catalog, CatalogEntry
-from kmesh.kv.errors import (
-    SegmentCorruptError,
-    SegmentLayoutError,
-    SegmentLoadError,
-    SegmentMissingError,
-    SegmentTruncatedError,
-)
+from kmesh.kv.errors import (SegmentCorruptError, SegmentLayoutError, SegmentLoadError, SegmentMissingError,
+                             SegmentTruncatedError)
 from kmesh.storage import errors as se
 from kmesh.storage.objfile import Header, ObjectFile, write_object
 from kmesh.storage.routes import Route
