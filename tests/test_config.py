@@ -33,8 +33,8 @@ def test_default_and_cuda_profiles_validate():
 
 
 def test_bad_type_names_the_field(tree):
-    _edit(tree, lambda d: d["timing"].__setitem__("pairs", "seven"))
-    with pytest.raises(ConfigError, match=r"'timing\.pairs'.*not of type 'integer'"):
+    _edit(tree, lambda d: d["timing"].__setitem__("warmup", "one"))
+    with pytest.raises(ConfigError, match=r"'timing\.warmup'.*not of type 'integer'"):
         load_config(root=tree)
 
 
@@ -45,10 +45,10 @@ def test_unknown_key_names_the_key(tree):
 
 
 def test_out_of_range_and_bad_pattern(tree):
-    _edit(tree, lambda d: d["timing"].__setitem__("pairs", 1))
-    with pytest.raises(ConfigError, match=r"'timing\.pairs'.*minimum"):
+    _edit(tree, lambda d: d["timing"].__setitem__("warmup", -1))
+    with pytest.raises(ConfigError, match=r"'timing\.warmup'.*minimum"):
         load_config(root=tree)
-    _edit(tree, lambda d: (d["timing"].__setitem__("pairs", 7), d["kernels"].__setitem__("gencode", "-arch=sm_90")))
+    _edit(tree, lambda d: (d["timing"].__setitem__("warmup", 1), d["kernels"].__setitem__("gencode", "-arch=sm_90")))
     with pytest.raises(ConfigError, match=r"'kernels\.gencode'"):
         load_config(root=tree)
 
@@ -128,7 +128,8 @@ def test_overlay_changes_sizes_and_is_recorded(tmp_path):
 
     plain = load_config(profile="cpu")
     reduced = load_config(profile="cpu", overlays=["config/overlays/test.yaml"])
-    assert reduced.data["timing"]["pairs"] < plain.data["timing"]["pairs"]
+    assert reduced.data["timing"]["warmup"] < plain.data["timing"]["warmup"]
+    assert reduced.data["reliability"]["crash"]["kills"] < plain.data["reliability"]["crash"]["kills"]
     assert reduced.data["overlays"] == ["config/overlays/test.yaml"] and "overlays" not in plain.data
     assert reduced.digest() != plain.digest()   # the config hash in every result says an overlay ran
     # an overlay never widens what a stage may skip
@@ -150,3 +151,56 @@ def test_overlay_cannot_allow_skips_or_switch_profile(tmp_path, text, why):
         load_config(profile="cpu", overlays=[bad])
     with pytest.raises(ConfigError, match="overlay file not found"):
         load_config(profile="cpu", overlays=[tmp_path / "missing.yaml"])
+
+
+def test_overlays_are_found_by_name_and_an_unknown_name_lists_them():
+    from kmesh.config import load_config, overlay_file
+
+    assert overlay_file("long") == "config/overlays/long.yaml"
+    assert overlay_file("config/overlays/test.yaml") == "config/overlays/test.yaml"
+    assert load_config(profile="cpu", overlays=["test"]).data["overlays"] == ["config/overlays/test.yaml"]
+    with pytest.raises(ConfigError, match=r"overlay file not found: lon .*'long'.*'test'"):
+        overlay_file("lon")
+
+
+def test_the_long_overlay_puts_back_every_size_the_cpu_profile_reduces():
+    """Smaller, not fewer: every size the cpu profile sets below config.yaml's is the long overlay's again, or
+    longer (the long forms: soak, fuzz, kills)."""
+    import yaml
+
+    from kmesh.config import deep_merge, load_config
+
+    base = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cpu = load_config(profile="cpu").data
+    long = load_config(profile="cpu", overlays=["long"]).data
+
+    def numbers(d, path=()):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from numbers(v, (*path, k))
+            elif isinstance(v, (int, float, list)) and not isinstance(v, bool):
+                yield (*path, k), v
+
+    def at(d, path):
+        for k in path:
+            d = d[k]
+        return d
+
+    reduced = [p for p, v in numbers(deep_merge(base, {})) if p[0] != "allow_skips" and _has(cpu, p)
+               and at(cpu, p) != v]
+    assert reduced, "the cpu profile reduces nothing"
+    for p in reduced:
+        if p[-1] in ("device", "threads_bind"):
+            continue
+        assert _has(long, p), p
+        want, got = at(base, p), at(long, p)
+        assert got == want or (isinstance(got, (int, float)) and got > want) or p[-1] == "rate_ops_per_s", \
+            (".".join(map(str, p)), "config.yaml", want, "long", got, "cpu", at(cpu, p))
+
+
+def _has(d, path):
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return False
+        d = d[k]
+    return True

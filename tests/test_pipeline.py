@@ -61,7 +61,9 @@ def _planned_threads(text: str) -> dict[str, int]:
 
 
 # Snakemake exports a job's threads as OMP_NUM_THREADS: a stage rule that declares none runs torch on one thread
-LIGHT_STAGES = {"sources", "kernels", "model", "report"}
+# the stages that keep one core busy or mostly wait (workflow/rules/common.smk ONE_CORE_STAGES); the rest declare 2
+LIGHT_STAGES = {"sources", "kernels", "model", "drain", "ownership", "synthetic", "integrity", "restore_bench",
+                "remote", "reliability", "report"}
 
 
 def test_stages_that_compute_declare_two_threads_and_make_test_caps_them(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,27 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_times(args: argparse.Namespace) -> int:
+    import platform
+
+    from kmesh.stage_times import markdown, recorded, span, variant, write_committed
+    from kmesh.stages import STAGES
+
+    key = variant(args.profile, args.overlay)
+    times = recorded(Path(args.results_dir), args.profile, key)
+    if not times:
+        print(f"[kmesh] no stage results of {key} under {args.results_dir}/{args.profile}", file=sys.stderr)
+        return 1
+    print(markdown(times, STAGES))
+    print(f"\nfirst start to last end: {span(times):.0f} s ({key}, {len({t.rev for t in times.values()})} revision(s): "
+          f"{', '.join(sorted({t.rev for t in times.values()}))})")
+    if args.write:
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
+        write_committed(times, key, machine, args.note)
+        print(f"[kmesh] wrote {key} into the committed table")
+    return 0
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from kmesh import diagnostics
 
@@ -108,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--profile", choices=["cpu", "cuda"], default=None)
     n.add_argument("--config", default=None)
     n.set_defaults(func=cmd_render)
+
+    t = sub.add_parser("times", help="each stage's wall and CPU seconds from a results folder's records (Markdown)")
+    t.add_argument("--results-dir", default="results")
+    t.add_argument("--profile", choices=["cpu", "cuda"], default="cpu")
+    t.add_argument("--overlay", action="append", default=[], metavar="NAME",
+                   help="the overlay the run used (test, long): only its records are read")
+    t.add_argument("--write", action="store_true", help="also put them into docs/measurements/stage-times.json")
+    t.add_argument("--note", default="", help="with --write: how the run was made (command, machine state)")
+    t.set_defaults(func=cmd_times)
 
     g = sub.add_parser("diagnose", help="run one measurement diagnostic (kmesh.diagnostics); none named: list them")
     g.add_argument("name", nargs="?", help="which diagnostic (leave out to list them)")

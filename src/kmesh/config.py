@@ -167,6 +167,23 @@ def read_overlay(path: Path) -> dict[str, Any]:
     return data
 
 
+OVERLAYS_DIR = Path("config") / "overlays"
+
+
+def overlay_file(name: str | os.PathLike[str], root: Path | None = None) -> str:
+    """An overlay as given (a path) or by name: `long` is config/overlays/long.yaml. Returned as given where it names
+    a file, else as the path relative to the root; an unknown name says which overlays there are."""
+    root = root or find_root()
+    given = Path(name)
+    if (given if given.is_absolute() else root / given).is_file():
+        return str(name)
+    by_name = OVERLAYS_DIR / f"{name}.yaml"
+    if given.suffix == "" and len(given.parts) == 1 and (root / by_name).is_file():
+        return str(by_name)
+    known = sorted(p.stem for p in (root / OVERLAYS_DIR).glob("*.yaml"))
+    raise ConfigError(f"overlay file not found: {name} (an overlay is a file or one of the names {known})")
+
+
 def load_config(
     profile: str | None = None,
     config_path: str | os.PathLike[str] | None = None,
@@ -191,7 +208,8 @@ def load_config(
     if not prof_file.is_file():
         raise ConfigError(f"profile file not found: {prof_file}")
     data = deep_merge(data, yaml.safe_load(prof_file.read_text()) or {})
-    for overlay in overlays:
+    for given in overlays:
+        overlay = overlay_file(given, root)
         path = Path(overlay) if Path(overlay).is_absolute() else root / overlay
         data = deep_merge(data, read_overlay(path))
         data.setdefault("overlays", []).append(str(overlay))

@@ -4,12 +4,16 @@ Snakemake prints every job with all its inputs, and each stage lists dozens of c
 a child process, writes everything it prints to `<results_dir>/<profile>/logs/snakemake.log` (a dry run:
 `snakemake-dry-run.log`), follows that text line by line and prints at most three lines per stage:
 
-    [kmesh] sources        started
+    [kmesh] sources        started  expect ~7 s, 8 cases (last run here)
+    [kmesh] equivalence    running  12/24 cases done, now rag-quality   1 min 30 s of ~2 min 50 s
     [kmesh] sources        ok      8 passed, 0 failed, 0 skipped       7.1 s      6 CPU-s  [1/2]
     [kmesh] kernels        FAILED  1 passed, 4 failed, 4 skipped       3.0 s  log results/cpu/logs/kernels.log
     [kmesh]   first failure: compile:blake3: nvcc_ok, cubin_written
 
-and one closing line. The counts of a finished stage come from its result.json summary, its CPU seconds (its own
+and one closing line. A start line says what the stage is expected to take (kmesh.stage_times: the last run's record
+in the same results folder, else the committed table); while a stage runs, a line every PROGRESS_EVERY_S seconds
+says how many of its cases are done (the case lines `kmesh run` prints to the stage's log, kmesh.result). The counts
+of a finished stage come from its result.json summary, its CPU seconds (its own
 and its reaped children's) from the result's provenance; Snakemake deletes the
 outputs of a failed job, so a failed stage's counts come from the summary line `kmesh run` wrote to its log.
 Snakemake's own exit status is returned.
@@ -26,12 +30,14 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from kmesh.errors import ConfigError
+from kmesh.stage_times import Expectation, expectations
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 TAG = "[kmesh]"
@@ -62,6 +68,10 @@ LOG_SUFFIX = " (check log file(s) for error details)"
 STAGE_SUMMARY = re.compile(r"^\[kmesh\] \S+ \(\S+\): (?P<passed>\d+) passed, (?P<failed>\d+) failed, "
                            r"(?P<skipped>\d+) skipped")
 STAGE_FAILURE = re.compile(r"^\[kmesh\]\s+FAILED (?P<what>.+)$")
+# What a stage prints as each case starts and ends (kmesh.result.CASE_STARTED / CASE_ENDED).
+CASE_STARTED = re.compile(r"^\[kmesh\] case (?P<number>\d+) started: (?P<id>.+)$")
+CASE_ENDED = re.compile(r"^\[kmesh\] case (?P<number>\d+) (?:passed|failed|skipped): (?P<id>.+) \(")
+PROGRESS_EVERY_S = 30.0   # a running stage's progress line at least this often
 
 
 @dataclass(frozen=True)
@@ -231,6 +241,21 @@ class SnakemakeLog:
         return []
 
 
+def case_progress(lines: list[str]) -> tuple[int, str | None]:
+    """(cases ended, the case running now or None) from a stage's log lines."""
+    done, current = 0, None
+    for line in lines:
+        ended = CASE_ENDED.match(line)
+        if ended:
+            done += 1
+            current = None
+            continue
+        started = CASE_STARTED.match(line)
+        if started:
+            current = started["id"]
+    return done, current
+
+
 def format_seconds(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f} s"
@@ -265,8 +290,12 @@ class Console:
     """Prints the compact lines for the events of one Snakemake run (the clock is a parameter for the tests)."""
 
     def __init__(self, out: TextIO, workdir: Path, log_path: Path, dry_run: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 expected: dict[str, Expectation] | None = None) -> None:
         self.out = out
+        self.expected = dict(expected or {})
+        self._lock = threading.RLock()   # the progress ticker reads the running jobs from its own thread
+        self._last_line: dict[str, float] = {}
         self.workdir = workdir
         self.log_path = log_path
         self.dry_run = dry_run
@@ -277,7 +306,8 @@ class Console:
         self.failed: list[tuple[str, Path | None]] = []
 
     def say(self, text: str) -> None:
-        print(f"{TAG} {text}".rstrip(), file=self.out, flush=True)
+        with self._lock:
+            print(f"{TAG} {text}".rstrip(), file=self.out, flush=True)
 
     @staticmethod
     def shown(path: Path) -> str:
@@ -292,16 +322,45 @@ class Console:
         self.say(f"{what}: Snakemake's full log -> {self.shown(self.log_path)}")
 
     def handle(self, event: Event) -> None:
+        with self._lock:
+            self._handle(event)
+
+    def _handle(self, event: Event) -> None:
         if self.dry_run:
             return  # the jobs of a dry run are a plan; the closing lines summarise it
         if isinstance(event, JobStarted):
-            self.running[event.jobid] = (event, self.clock())
+            now = self.clock()
+            self.running[event.jobid] = (event, now)
+            self._last_line[event.jobid] = now
             if event.outputs:  # a job without outputs (rule all) is only the target list
-                self.say(f"{event.rule:<{RULE_WIDTH}}  started")
+                e = self.expected.get(event.rule)
+                hint = f"expect ~{format_seconds(e.wall_s)}, {e.cases} cases ({e.source})" if e else ""
+                self.say(f"{event.rule:<{RULE_WIDTH}}  started  {hint}")
         elif isinstance(event, JobFinished):
             self._finished(event)
         elif isinstance(event, JobFailed):
             self._failed(event)
+
+    def tick(self, every_s: float = PROGRESS_EVERY_S) -> None:
+        """A progress line for each stage that has run `every_s` seconds since its last line: its cases done (of
+        the expected count), the case it is in, its time so far (of the expected)."""
+        if self.dry_run:
+            return
+        with self._lock:
+            self._tick(every_s)
+
+    def _tick(self, every_s: float) -> None:
+        now = self.clock()
+        for jobid, (job, t0) in list(self.running.items()):
+            if not job.outputs or now - self._last_line.get(jobid, t0) < every_s:
+                continue
+            self._last_line[jobid] = now
+            done, current = case_progress(_read_lines(self._path(job.logs[0]))) if job.logs else (0, None)
+            e = self.expected.get(job.rule)
+            of = f"/{e.cases}" if e else ""
+            now_in = f", now {current}" if current else ""
+            took = format_seconds(now - t0) + (f" of ~{format_seconds(e.wall_s)}" if e else "")
+            self.say(f"{job.rule:<{RULE_WIDTH}}  running  {done}{of} cases done{now_in}  {took}")
 
     def _finished(self, event: JobFinished) -> None:
         started, t0 = self.running.pop(event.jobid, (None, 0.0))
@@ -417,9 +476,8 @@ def read_invocation(args: list[str]) -> Invocation:
                       configfiles=tuple(Path(p) for p in parsed.configfile or ()), config=config)
 
 
-def log_path(invocation: Invocation) -> Path:
-    """`<results_dir>/<profile>/logs/snakemake.log` of the config Snakemake will see (config.yaml < --configfile
-    < --config, merged as Snakemake merges them)."""
+def pipeline_config(invocation: Invocation) -> dict[str, Any]:
+    """The config Snakemake will see: config.yaml < --configfile < --config, merged as Snakemake merges them."""
     import yaml
 
     from kmesh.config import PROFILES, deep_merge
@@ -436,9 +494,26 @@ def log_path(invocation: Invocation) -> Path:
     profile = data.get("profile", "cpu")
     if profile not in PROFILES:  # checked here so that no results/<typo>/ folder is made for the log
         raise ConfigError(f"config field 'profile': {profile!r} is not one of {list(PROFILES)}")
+    return data
+
+
+def results_root(invocation: Invocation, data: dict[str, Any]) -> Path:
     results = Path(str(data.get("results_dir", "results")))
+    return results if results.is_absolute() else invocation.workdir / results
+
+
+def log_path(invocation: Invocation) -> Path:
+    """`<results_dir>/<profile>/logs/snakemake.log` of the config Snakemake will see."""
+    data = pipeline_config(invocation)
     name = "snakemake-dry-run.log" if invocation.dry_run else "snakemake.log"
-    return (results if results.is_absolute() else invocation.workdir / results) / profile / "logs" / name
+    return results_root(invocation, data) / data.get("profile", "cpu") / "logs" / name
+
+
+def expected_times(invocation: Invocation) -> dict[str, Expectation]:
+    """What each stage of this run is expected to take (read before Snakemake deletes the outputs it reruns)."""
+    data = pipeline_config(invocation)
+    overlays = [str(data["overlay"])] if data.get("overlay") else []
+    return expectations(results_root(invocation, data), str(data.get("profile", "cpu")), overlays)
 
 
 def run_pipeline(args: list[str], out: TextIO | None = None) -> int:
@@ -450,12 +525,19 @@ def run_pipeline(args: list[str], out: TextIO | None = None) -> int:
     path = log_path(invocation)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Output paths in Snakemake's log are relative to its working directory.
-    console = Console(out, invocation.workdir, path, invocation.dry_run)
+    console = Console(out, invocation.workdir, path, invocation.dry_run, expected=expected_times(invocation))
     log = SnakemakeLog()
     console.begin()
+    stop_ticks = threading.Event()
+
+    def ticks() -> None:
+        while not stop_ticks.wait(PROGRESS_EVERY_S / 6):
+            console.tick()
+
     with path.open("w") as log_file:
         proc = subprocess.Popen([*SNAKEMAKE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", bufsize=1)
+        threading.Thread(target=ticks, name="pipeline-progress", daemon=True).start()
         assert proc.stdout is not None
         interrupted = False
         while True:
@@ -474,5 +556,6 @@ def run_pipeline(args: list[str], out: TextIO | None = None) -> int:
         for event in log.close():
             console.handle(event)
         returncode = proc.wait()
+        stop_ticks.set()
     console.end(log, returncode)
     return returncode

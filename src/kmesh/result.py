@@ -37,6 +37,10 @@ from kmesh.errors import ResultError
 from kmesh.jsonfile import read_json_schema, write_json_atomic
 
 SCHEMA = "kmesh.result/1"
+# What a stage prints (to stderr, its log under the pipeline) as each case starts and ends: the pipeline's console
+# follows these lines to say how far a long stage is (kmesh.console).
+CASE_STARTED = "[kmesh] case {number} started: {id}"
+CASE_ENDED = "[kmesh] case {number} {outcome}: {id} ({seconds:.1f} s)"
 
 
 def to_jsonable(v: Any) -> Any:
@@ -133,6 +137,8 @@ class Result:
             raise ValueError(f"duplicate case id {case_id!r}")
         c = Case(case_id, dict(params or {}))
         self.cases.append(c)
+        number = len(self.cases)
+        print(CASE_STARTED.format(number=number, id=case_id), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             yield c
@@ -143,6 +149,9 @@ class Result:
             c.error = f"{type(e).__name__}: {e}\n" + "".join(tb[-3:])
         finally:
             c.seconds = time.perf_counter() - t0
+            outcome = {True: "passed", False: "failed", None: "skipped"}[c.passed]
+            print(CASE_ENDED.format(number=number, outcome=outcome, id=case_id, seconds=c.seconds),
+                  file=sys.stderr, flush=True)
 
     def skip_case(self, case_id: str, params: dict[str, Any] | None, reason: str) -> Case:
         """Record a case that does not run here as skipped with `reason`, under the id it has when it runs."""

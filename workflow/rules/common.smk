@@ -3,24 +3,34 @@ import glob
 
 from snakemake.utils import validate
 
+import kmesh.config
 import kmesh.stages
 
 validate(config, "../../config/config.schema.yaml")
 
 PROFILE = config.get("profile", "cpu")
 RESULTS = config.get("results_dir", "results")
-# A reduced-size overlay over the profile (make test: config/overlays/test.yaml); an input of every stage.
-OVERLAY = config.get("overlay")
+# An overlay over the profile, by file or name (make test: test; the long forms: long); an input of every stage.
+OVERLAY = kmesh.config.overlay_file(config["overlay"]) if config.get("overlay") else None
 # A stage needs a GPU only on the cuda profile. None (not 0) drops the `gpu` resource: executor plugins read its
 # presence (the Kubernetes one would request `nvidia.com/gpu: 0` and add the GPU toleration for `gpu=0`).
 GPU = 1 if PROFILE == "cuda" else None
-# Threads a stage declares. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS, so a rule that
-# declares none runs torch on ONE thread (every stage did until 2026-12-03: half of the 2-core machine idle). The
-# stages that compute or time declare 2: torch's threads, the pinned vLLM engines' binding (threads_bind "0-1"),
-# the SLURM profile's cpus_per_task. On the 2-core machine no other stage then runs beside one, so no stage's
-# timings share the cores with another's work. sources, kernels (one nvcc at a time), model (a file conversion)
-# and report declare 1 and may run side by side.
+# Threads a stage declares: the cores it keeps busy, so that Snakemake runs beside each other only stages that fit
+# the machine together. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS (torch's intra-op
+# threads). The stages that compute or time on both cores declare 2 (STAGE_THREADS: torch's threads, the pinned
+# vLLM engines' binding threads_bind "0-1"): nothing runs beside them on the 2-core machine. The stages that keep
+# one core busy or mostly wait (their CPU seconds about their wall seconds or less: docs/testing.md's table) declare
+# 1 and may run two at a time (ONE_CORE_STAGES; kernels runs one nvcc at a time). Their timed
+# pairs may then share the machine with another stage's work; each arm of a pair does, in balanced order.
 STAGE_THREADS = 2
+ONE_CORE_STAGES = ["sources", "kernels", "model", "drain", "ownership", "synthetic", "integrity", "restore_bench",
+                   "remote", "reliability", "report"]
+
+
+def stage_threads(stage):
+    return 1 if stage in ONE_CORE_STAGES else STAGE_THREADS
+
+
 # The stages whose results `rule all` and the report read, in pipeline order (every stage of kmesh.stages.STAGES, the
 # one list of the stages, but the report itself). The Snakefile includes each stage's rule file from the same list.
 STAGES = [s for s in kmesh.stages.STAGES if s != "report"]

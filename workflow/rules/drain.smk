@@ -7,7 +7,7 @@ rule drain:
         result=result("drain"),
     log:
         logfile("drain"),
-    threads: STAGE_THREADS
+    threads: stage_threads("drain")
     resources:
         gpu=GPU,
         mem_mb=2000,

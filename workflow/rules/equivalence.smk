@@ -9,7 +9,7 @@ rule equivalence:
         result=result("equivalence"),
     log:
         logfile("equivalence"),
-    threads: STAGE_THREADS
+    threads: stage_threads("equivalence")
     resources:
         gpu=GPU,
         mem_mb=6000,

@@ -4,12 +4,11 @@ rule group:
     input:
         code=stage_code("group"),
         equivalence=result("equivalence"),
-        integrity=result("integrity"),   # pipeline order (DESIGN §3)
     output:
         result=result("group"),
     log:
         logfile("group"),
-    threads: STAGE_THREADS
+    threads: stage_threads("group")
     resources:
         gpu=GPU,
         mem_mb=6000,

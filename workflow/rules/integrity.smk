@@ -4,14 +4,12 @@ rule integrity:
     input:
         code=stage_code("integrity"),
         kernels=result("kernels"),
-        equivalence=result("equivalence"),
-        storage=result("storage"),   # pipeline order (DESIGN §3)
         cu=sorted(glob.glob("kernels/sha256*.cu") + glob.glob("kernels/blake3*.cu") + glob.glob("kernels/*.cuh")),
     output:
         result=result("integrity"),
     log:
         logfile("integrity"),
-    threads: STAGE_THREADS
+    threads: stage_threads("integrity")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -8,7 +8,7 @@ rule kernels:
         result=result("kernels"),
     log:
         logfile("kernels"),
-    threads: 1
+    threads: stage_threads("kernels")
     resources:
         gpu=GPU,
         mem_mb=2000,

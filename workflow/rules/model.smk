@@ -20,7 +20,7 @@ rule model:
         **_CONVERTED,
     log:
         logfile("model"),
-    threads: 1
+    threads: stage_threads("model")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -8,7 +8,7 @@ rule ownership:
         result=result("ownership"),
     log:
         logfile("ownership"),
-    threads: STAGE_THREADS
+    threads: stage_threads("ownership")
     resources:
         gpu=GPU,
         mem_mb=3000,

@@ -13,7 +13,7 @@ rule peers:
         result=result("peers"),
     log:
         logfile("peers"),
-    threads: STAGE_THREADS
+    threads: stage_threads("peers")
     resources:
         gpu=None,   # the pinned vLLM and LMCache run on the CPU
         mem_mb=14000,   # four engines at once (~2.6 GB RSS each, 3.2 with KMesh's repair runner) + LMCache's 0.5 GiB L1

@@ -9,7 +9,7 @@ rule reliability:
         result=result("reliability"),
     log:
         logfile("reliability"),
-    threads: STAGE_THREADS
+    threads: stage_threads("reliability")
     resources:
         gpu=None,   # the service and the CPU vLLM engine: no GPU on either profile
         mem_mb=6000,

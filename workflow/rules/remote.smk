@@ -1,16 +1,16 @@
 # The remote tier on Mooncake Store (issue 25): its master started on loopback, two service processes standing for
 # two hosts; host A's leader publishes, host B's children fetch once, verified; four arms in matched rounds (remote,
-# disk, RAM, full recompute) and the store's failures. After storage: the same workload, the next tier down.
+# disk, RAM, full recompute) and the store's failures. The same workload as storage, the next tier down.
 rule remote:
     input:
         code=stage_code("remote"),
         model=result("model"),
-        storage=result("storage"),   # pipeline order (DESIGN §3)
+        equivalence=result("equivalence"),   # pipeline order: KMesh's own data path proven first (DESIGN §3)
     output:
         result=result("remote"),
     log:
         logfile("remote"),
-    threads: STAGE_THREADS
+    threads: stage_threads("remote")
     resources:
         gpu=GPU,   # the children run where the equivalence workload runs (the store client itself is CPU code)
         mem_mb=6000,

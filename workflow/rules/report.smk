@@ -17,7 +17,7 @@ rule report:
         ),
     log:
         logfile("report"),
-    threads: 1
+    threads: stage_threads("report")
     resources:
         gpu=None,
         mem_mb=2000,

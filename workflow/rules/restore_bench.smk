@@ -6,12 +6,11 @@ rule restore_bench:
         code=stage_code("restore_bench"),
         equivalence=result("equivalence"),
         kernels=result("kernels"),
-        vllm=result("vllm"),   # pipeline order (DESIGN §3)
     output:
         result=result("restore_bench"),
     log:
         logfile("restore_bench"),
-    threads: STAGE_THREADS
+    threads: stage_threads("restore_bench")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -8,7 +8,7 @@ rule sources:
         pins=f"{RESULTS}/sources/pins.json",
     log:
         logfile("sources"),
-    threads: 1
+    threads: stage_threads("sources")
     resources:
         gpu=None,
         mem_mb=1000,

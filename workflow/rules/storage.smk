@@ -9,7 +9,7 @@ rule storage:
         result=result("storage"),
     log:
         logfile("storage"),
-    threads: STAGE_THREADS
+    threads: stage_threads("storage")
     resources:
         gpu=GPU,
         mem_mb=6000,

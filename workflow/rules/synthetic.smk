@@ -7,7 +7,7 @@ rule synthetic:
         result=result("synthetic"),
     log:
         logfile("synthetic"),
-    threads: STAGE_THREADS
+    threads: stage_threads("synthetic")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -12,7 +12,7 @@ rule vllm:
         result=result("vllm"),
     log:
         logfile("vllm"),
-    threads: STAGE_THREADS
+    threads: stage_threads("vllm")
     resources:
         gpu=None,   # the pinned vLLM is the CPU engine; a 0 would still ask Kubernetes for a GPU
         mem_mb=12000,   # three engines at once (~2.6 GB RSS each, 3.2 with a repair runner) + the stage's runner

@@ -202,7 +202,7 @@ _PATH_BOXES = (
     ("leader", "leader (model process)\nprefill, then export:\none object per shared segment\nkmesh.harness.leader"),
     ("service", "cache service (own process)\nshared originals:\nRAM tier over disk tier\nkmesh.service"),
     ("child", "child request\nload into its staging memory,\nverify digest, private copy,\n"
-              "restore + RoPE shift, repair\nkmesh.child, kmesh.kv.restore"),
+              "restore + RoPE shift, repair\nkmesh.kv.load, kmesh.kv.restore"),
     ("engine", "engine: vLLM 0.32\nKMeshConnector writes\nthe K/V into vLLM's\npaged cache; vLLM decodes\n"
                "kmesh.vllm.connector"),
 )

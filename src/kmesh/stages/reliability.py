@@ -148,7 +148,8 @@ def _churn(res: Result, cfg: Config, sec: dict[str, Any], work: Path, seed: int)
         extra = {"staging_blocks": int(vsec["staging_blocks"]), "retry_s": float(vsec["retry_s"]),
                  "repair": dict(vsec["repair"]), "repair_model": str(model)}
         f = run_churn(model, ChurnSpec(**{**sec, "seed": seed, "dtype": vsec["dtype"],
-                                          "threads_bind": str(vsec["threads_bind"])}), work / "churn", extra)
+                                          "threads_bind": str(sec.get("threads_bind", vsec["threads_bind"]))}),
+                              work / "churn", extra)
         case.record("figures", f)
         case.check("every_kill_mid_request", f["kills"] == int(sec["kills"]) == f["killed_while_running"],
                    {"kills": f["kills"], "while_running": f["killed_while_running"]})
