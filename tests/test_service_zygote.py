@@ -265,3 +265,20 @@ def test_a_child_runs_torch_with_the_threads_its_environment_asks_for_as_a_spawn
     want = json.loads(spawned.stdout)
     assert forked["threads"] == want["threads"] == int(threads.get("MKL_NUM_THREADS", threads["OMP_NUM_THREADS"]))
     assert (forked["tasks"] > 1) == (forked["threads"] > 1)    # a second thread ran the product where one should
+
+
+def test_a_zygote_forks_under_snakemakes_thread_variables():
+    """Snakemake exports a job's threads in every BLAS pool's variable. numpy's OpenBLAS starts its pool at import as
+    OPENBLAS_NUM_THREADS asks: a zygote importing so had threads and was refused, and each vLLM engine of a stage
+    imported vLLM itself (three engines 17 -> 49 s under make pipeline). The zygote imports with one."""
+    env = {**os.environ, **{name: "2" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                   "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                                                   "NUMEXPR_NUM_THREADS")}}
+    zy = Zygote(env, ("numpy",))      # raises ZygoteError where its import left a thread pool
+    try:
+        child = zy.spawn("json.tool:main", env, argv=[])
+        child.stdin.write("[1]\n")
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+    finally:
+        zy.close()

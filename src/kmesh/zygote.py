@@ -44,7 +44,9 @@ from typing import Any
 from kmesh.errors import KMeshError
 
 _FD_VAR = "KMESH_ZYGOTE_FD"
-_THREADS_VAR = "KMESH_ZYGOTE_ONE_THREAD"    # the zygote imported with one OpenMP thread: children set theirs
+_THREADS_VAR = "KMESH_ZYGOTE_ONE_THREAD"
+BLAS_POOL_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
+                  "BLIS_NUM_THREADS")    # the zygote imported with one OpenMP thread: children set theirs
 _MAX_MSG = 1 << 20
 MAX_KEEP_FDS = 8         # descriptors a child may keep at the caller's numbers (Popen's pass_fds)
 _FD_PARKING = 512        # where a child's descriptors wait before they are placed at their numbers
@@ -115,6 +117,11 @@ class Zygote:
             # torch's import runs an OpenMP region: with more than one thread that starts a pool no fork can copy
             # (the zygote would be refused). It imports with one; each child sets what its environment asks for.
             own.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", _THREADS_VAR: "1"})
+        # The BLAS libraries numpy loads start their pools at import as these ask (Snakemake sets every one of them
+        # to a job's threads): with more than one the zygote would be refused and every engine would import vLLM
+        # itself (found under Snakemake: three engines 17 -> 49 s). The children's numpy BLAS stays at one thread;
+        # their compute is torch's, whose threads each child sets.
+        own.update({name: "1" for name in BLAS_POOL_VARS if _positive(env.get(name)) > 1})
         self.proc = subprocess.Popen([sys.executable, "-m", "kmesh.zygote", *preload],
                                      env=own, pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr)
