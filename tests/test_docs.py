@@ -95,7 +95,7 @@ def test_committed_dag_draws_the_rule_files_edges():
 def test_rule_edges_are_read_from_the_inputs():
     edges = {(e.source, e.target): e for e in diagrams.rule_edges(RULES)}
     assert ("sources", "kernels") in edges and not edges["sources", "kernels"].order_only
-    assert edges["equivalence", "remote"].order_only         # listed "# pipeline order" in remote.smk
+    assert edges["group", "vllm"].order_only and not edges["model", "vllm"].order_only   # "# pipeline order"
     assert {s for s, t in edges if t == "report"} == rule_file_stages() - {"report"}
     inputs = {t for _, t in edges}
     assert inputs == rule_file_stages() - {"sources"}       # every stage but the root reads a result

@@ -5,7 +5,6 @@ rule remote:
     input:
         code=stage_code("remote"),
         model=result("model"),
-        equivalence=result("equivalence"),   # pipeline order: KMesh's own data path proven first (DESIGN §3)
     output:
         result=result("remote"),
     log:
