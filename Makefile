@@ -15,9 +15,13 @@ unexport PYTHONDONTWRITEBYTECODE
 env:
 	scripts/setup-env.sh
 
-# One console line per stage as it starts and ends; Snakemake's full output: results/<profile>/logs/snakemake.log.
-pipeline: env  ## run every stage on the CPU profile, then tables + plots
-	python -m kmesh pipeline --cores all $(SNAKEMAKE_ARGS)
+# One console line per stage as it starts (with its expected time) and ends, a progress line every 30 s while a stage
+# runs; Snakemake's full output: results/<profile>/logs/snakemake.log. PROFILE_OVERLAY=long: the long forms
+# (config/overlays/long.yaml) into results/long (another --config in SNAKEMAKE_ARGS replaces this one: name both there).
+PROFILE_OVERLAY ?=
+OVERLAY_CONFIG := $(if $(PROFILE_OVERLAY),--config overlay=$(PROFILE_OVERLAY) results_dir=results/$(PROFILE_OVERLAY))
+pipeline: env  ## run every stage on the CPU profile (~10 min on 2 cores), then tables + plots; PROFILE_OVERLAY=long: the long forms
+	python -m kmesh pipeline --cores all $(OVERLAY_CONFIG) $(SNAKEMAKE_ARGS)
 
 # Every stage AND the whole suite (scripts/test.sh): the cpu pipeline at config/overlays/test.yaml's reduced sizes
 # into results/test beside the suite, then tests/test_stage_results.py fails on a missing, stale or failed stage.
