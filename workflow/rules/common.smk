@@ -17,16 +17,16 @@ OVERLAY = kmesh.config.overlay_file(config["overlay"]) if config.get("overlay") 
 GPU = 1 if PROFILE == "cuda" else None
 # Threads a stage declares: the cores it keeps busy, so that Snakemake runs beside each other only stages that fit
 # the machine together. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS (torch's intra-op
-# threads). Only the stages whose vLLM engines bind both cores (threads_bind "0-1": peers, vllm) declare 2
-# (STAGE_THREADS); nothing runs beside them on the 2-core machine. Every other stage declares 1 and may run beside
-# another: torch's second thread on SmolLM2-sized work mostly spin-waits (measured on the 2-core machine: the
-# equivalence stage alone 153 -> 104 CPU-s and 122 -> 106 s at one thread; at 2 threads the model stages kept
-# 1.5-1.6 of the 2 cores busy), so two one-thread stages side by side finish sooner than the two one after the other
-# at 2 threads. Their timed pairs then share the machine with another stage's work; each arm of a pair does, in
-# balanced order (never compare a stage's absolute times across runs). Each result's provenance records torch_threads.
+# threads). The stages that compute on the model or bind vLLM engines to both cores (threads_bind "0-1") declare 2
+# (STAGE_THREADS): nothing runs beside them on the 2-core machine. At 2 threads they keep 1.5-1.6 of the 2 cores
+# busy, and at one thread beside another stage they took longer (make pipeline at 1f61510 vs its parent: equivalence
+# 2 min 54 s -> 4 min 3 s, group 68 s -> 100 s: docs/testing.md). The stages that keep one core busy or mostly wait
+# declare 1 (ONE_CORE_STAGES) and run two at a time: reliability and remote beside each other and the short stages
+# while the first model stage waits for drain and ownership. Their timed pairs then share the machine with another
+# stage's work; each arm of a pair does, in balanced order (never compare a stage's absolute times across runs).
 STAGE_THREADS = 2
-ONE_CORE_STAGES = ["sources", "kernels", "model", "drain", "ownership", "synthetic", "equivalence", "storage",
-                   "integrity", "remote", "group", "restore_bench", "reliability", "report"]
+ONE_CORE_STAGES = ["sources", "kernels", "model", "drain", "ownership", "synthetic", "integrity", "restore_bench",
+                   "remote", "reliability", "report"]
 
 
 def stage_threads(stage):
