@@ -255,9 +255,15 @@ def test_cli_hands_every_argument_after_pipeline_to_snakemake(monkeypatch):
     assert seen == [["-n", "--config", "profile=cuda", "--", "target"]]
 
 
-def test_make_pipeline_runs_the_console():
-    recipe = re.search(r"^pipeline:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert recipe and recipe[1] == "python -m kmesh pipeline --cores all $(SNAKEMAKE_ARGS)"
+@pytest.mark.parametrize(("make_args", "command"), [
+    ([], "python -m kmesh pipeline --cores all"),
+    (["PROFILE_OVERLAY=long"], "python -m kmesh pipeline --cores all --config overlay=long results_dir=results/long"),
+    (["SNAKEMAKE_ARGS=-n"], "python -m kmesh pipeline --cores all -n")])
+def test_make_pipeline_runs_the_console(make_args, command):
+    """make's own dry run of the recipe: the console, and the long overlay into its own results dir."""
+    out = subprocess.run(["make", "-n", "--no-print-directory", "pipeline", *make_args], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert command in [" ".join(line.split()) for line in out.splitlines()], out
 
 
 # --- end to end: the real pipeline on its fast stages -----------------------------------------------------------

@@ -26,6 +26,8 @@ GPU_ONLY = {"attention_variants": ["--out"], "blend_profile": ["--out"], "decode
             "cufile_registration": [], "kernel_pair": []}
 TINY_QWEN2 = ("{num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
               "num_key_value_heads: 2, head_dim: 16, vocab_size: 300, max_position_embeddings: 512, dtype: float32}")
+# One token a byte: a fact sentence needs segments longer than the cpu profile's SmolLM2-token ones.
+BYTE_WORKLOAD = "{prompt_tokens: 512, segment_tokens: [128, 112, 96, 80], children: 4, block_size: 16}"
 
 
 def _kmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -110,6 +112,7 @@ def test_decode_reproducibility_names_an_unknown_child(tmp_path):
                                                    "--set", f"results_dir={tmp_path}",
                                                    "--set", "equivalence.model=qwen2_random",
                                                    "--set", "equivalence.byte_token_offset=0",
+                                                   "--set", f"equivalence.workload={BYTE_WORKLOAD}",
                                                    "--set", f"model.qwen2_random={TINY_QWEN2}"])
 
 
@@ -209,7 +212,7 @@ def test_service_load_on_the_cpu_profile(tmp_path):
     out_json = tmp_path / "sl.json"
     out = _kmesh("diagnose", "service_load", "--profile", "cpu", "--rounds", "2", "--warmup", "1",
                  "--out", str(out_json), "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",
-                 "--set", "equivalence.byte_token_offset=0",
+                 "--set", "equivalence.byte_token_offset=0", "--set", f"equivalence.workload={BYTE_WORKLOAD}",
                  "--set", f"model.qwen2_random={TINY_QWEN2.replace('512', '2048')}",
                  "--set", "equivalence.rag.workload={chunks: 4, chunk_tokens: 256, prompt_tokens: 1120, children: 2, "
                           "block_size: 16, leader_preamble_tokens: 16}", timeout=300)

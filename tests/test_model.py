@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kmesh.config import load_config
+from kmesh.config import load_config, overlay_file
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.errors import ModelError
 from kmesh.model.manifest import manifest_problem, read_manifest, write_manifest
@@ -173,8 +173,11 @@ def test_digest_sees_a_single_bit():
 
 
 def test_configured_shape_is_qwen2_5_0_5b():
-    sec = load_config(profile="cpu").section("model")["qwen2_random"]
+    """The long overlay runs Qwen2.5-0.5B's whole shape; the cpu profile the same layer with fewer of them."""
+    short = qwen2_random.qwen2_config(load_config(profile="cpu").section("model")["qwen2_random"])
+    sec = load_config(profile="cpu", overlays=[overlay_file("long")]).section("model")["qwen2_random"]
     cfg = qwen2_random.qwen2_config(sec)
+    assert short.num_hidden_layers < 24 and short.hidden_size == cfg.hidden_size and short.head_dim == cfg.head_dim
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.rope_parameters["rope_theta"]) == (24, 896, 14, 2, 64, 1e6)
     meta = qwen2_random._skeleton(cfg, torch.device("meta"), torch.bfloat16)
