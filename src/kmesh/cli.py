@@ -69,10 +69,17 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_times(args: argparse.Namespace) -> int:
     import platform
 
-    from kmesh.stage_times import markdown, recorded, span, variant, write_committed
+    from kmesh.stage_times import from_committed, markdown, recorded, span, variant, write_committed
     from kmesh.stages import STAGES
 
     key = variant(args.profile, args.overlay)
+    if args.committed:
+        times = from_committed(key)
+        if not times:
+            print(f"[kmesh] the committed table holds no {key}", file=sys.stderr)
+            return 1
+        print(markdown(times, STAGES))
+        return 0
     times = recorded(Path(args.results_dir), args.profile, key)
     if not times:
         print(f"[kmesh] no stage results of {key} under {args.results_dir}/{args.profile}", file=sys.stderr)
@@ -137,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overlay", action="append", default=[], metavar="NAME",
                    help="the overlay the run used (test, long): only its records are read")
     t.add_argument("--write", action="store_true", help="also put them into docs/measurements/stage-times.json")
+    t.add_argument("--committed", action="store_true",
+                   help="print the committed table's records of this profile and overlay instead (docs/testing.md)")
     t.add_argument("--note", default="", help="with --write: how the run was made (command, machine state)")
     t.set_defaults(func=cmd_times)
 

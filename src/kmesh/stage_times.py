@@ -104,8 +104,10 @@ def expectations(results_dir: Path, profile: str, overlays: Iterable[str] = (),
 
 
 def markdown(times: dict[str, StageTime], order: Iterable[str]) -> str:
-    """The table docs/testing.md carries: one row per stage in pipeline order, then the sums."""
-    rows = ["| stage | wall | CPU | CPU / wall | cases | threads |", "|---|---:|---:|---:|---:|---:|"]
+    """The table docs/testing.md carries: one row per stage in pipeline order (with when it started, seconds after the
+    first stage did: what ran beside what), then the sums and the span."""
+    rows = ["| stage | starts at | wall | CPU | CPU / wall | cases | threads |", "|---|---:|---:|---:|---:|---:|---:|"]
+    first = min((datetime.fromisoformat(t.started).timestamp() for t in times.values()), default=0.0)
     wall = cpu = 0.0
     for stage in order:
         t = times.get(stage)
@@ -114,10 +116,18 @@ def markdown(times: dict[str, StageTime], order: Iterable[str]) -> str:
         wall += t.wall_s
         cpu += t.cpu_s or 0.0
         ratio = f"{t.cpu_s / t.wall_s:.2f}" if t.cpu_s is not None and t.wall_s > 0 else ""
-        rows.append(f"| {stage} | {t.wall_s:.0f} s | {'' if t.cpu_s is None else f'{t.cpu_s:.0f} s'} | {ratio} | "
-                    f"{t.cases} | {t.threads if t.threads is not None else ''} |")
-    rows.append(f"| sum | {wall:.0f} s | {cpu:.0f} s | | | |")
+        at = datetime.fromisoformat(t.started).timestamp() - first
+        rows.append(f"| {stage} | {at:.0f} s | {t.wall_s:.0f} s | {'' if t.cpu_s is None else f'{t.cpu_s:.0f} s'} | "
+                    f"{ratio} | {t.cases} | {t.threads if t.threads is not None else ''} |")
+    rows.append(f"| sum | | {wall:.0f} s | {cpu:.0f} s | | | |")
+    rows.append(f"| first start to last end | | {span(times):.0f} s | | | | |")
     return "\n".join(rows)
+
+
+def from_committed(key: str, path: Path = COMMITTED) -> dict[str, StageTime]:
+    """One variant's stage times as the committed table holds them (empty where it holds none)."""
+    stages = committed(path).get(key, {}).get("stages", {})
+    return {stage: StageTime(**row) for stage, row in stages.items()}
 
 
 def span(times: dict[str, StageTime]) -> float:
