@@ -173,3 +173,29 @@ def test_architecture_page_shows_the_package_picture_and_names_every_package():
     for p in (ROOT / "src" / "kmesh").iterdir():
         if p.is_dir() and p.name != "__pycache__":
             assert f"`{p.name}`" in text, f"docs/architecture.md does not name the package {p.name}"
+
+
+def test_readme_quotes_the_last_recorded_run_of_each_command():
+    """README's times of the two commands come from docs/measurements/two-commands.json, the last run of each."""
+    from kmesh.console import format_seconds
+
+    record = json.loads((ROOT / "docs" / "measurements" / "two-commands.json").read_text())
+    rows = {line.split("|")[1].strip(): line for line in README.read_text().splitlines() if line.startswith("| `make ")}
+    for command in ("make pipeline", "make test"):
+        last = [run for run in record["runs"] if run["command"] == command][-1]
+        row = next((line for name, line in rows.items() if name.startswith(f"`{command}`")), "")
+        quoted = f"{format_seconds(last['wall_s'])} at {last['rev']}"
+        assert quoted in row, f"README's row of {command} does not say {quoted!r} (two-commands.json): {row!r}"
+        met = last["wall_s"] <= record["budget_s"][command]
+        assert ("over the 10 min budget" in row) != met, f"README's row of {command} says met/missed wrongly: {row!r}"
+
+
+def test_docs_testing_lists_every_recorded_run_of_the_two_commands():
+    from kmesh.console import format_seconds
+
+    record = json.loads((ROOT / "docs" / "measurements" / "two-commands.json").read_text())
+    text = (ROOT / "docs" / "testing.md").read_text()
+    for run in record["runs"]:
+        met = "met" if run["wall_s"] <= record["budget_s"][run["command"]] else "missed"
+        row = f"| `{run['command']}` | {run['rev']} | {run['date']} | {format_seconds(run['wall_s'])} | {met} |"
+        assert row in text, f"docs/testing.md lacks the run {row}"
