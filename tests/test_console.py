@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kmesh import cli
+from kmesh import cli, stage_times
 from kmesh.console import (Console, JobFailed, JobFinished, JobStarted, SnakemakeLog, format_seconds, log_path,
                            read_invocation)
 from kmesh.errors import ConfigError
@@ -289,7 +289,10 @@ def test_a_real_run_prints_a_few_lines_and_keeps_the_full_log(results):
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"[kmesh] pipeline: Snakemake's full log -> {results}/cpu/logs/snakemake.log"
-    assert lines[1] == "[kmesh] sources        started"
+    committed = stage_times.from_committed("cpu").get("sources")   # a fresh folder: the committed table's figure
+    assert lines[1] == "[kmesh] sources        started" + (
+        f"  expect ~{format_seconds(committed.wall_s)}, {committed.cases} cases (committed table at {committed.rev})"
+        if committed else "")
     ok_line = r"\[kmesh\] sources        ok      \d+ passed, 0 failed, \d+ skipped +[\d.]+ s +\d+ CPU-s  \[1/1\]"
     assert re.fullmatch(ok_line, lines[2]), lines[2]
     assert lines[3].startswith("[kmesh] pipeline ok: 1 stage ran in ")
