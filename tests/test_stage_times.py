@@ -77,3 +77,15 @@ def test_docs_testing_carries_the_committed_tables(key):
     block = re.search(rf"<!-- stage-times {re.escape(key)} -->\n(.*?)\n<!-- /stage-times -->", text, re.S)
     assert block, f"docs/testing.md has no table of {key} (<!-- stage-times {key} --> ... <!-- /stage-times -->)"
     assert block[1] == stage_times.markdown(stage_times.from_committed(key), STAGES)
+
+
+def test_the_times_command_prints_a_folders_records_and_refuses_an_empty_one(tmp_path, capsys):
+    from kmesh import cli
+
+    _result(tmp_path, "drain", "2026-12-07T10:00:00+00:00", "2026-12-07T10:00:30+00:00", 30.0, [])
+    assert cli.main(["times", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| drain | 0 s | 30 s | 30 s | 1.00 | 2 | 2 |" in out and "cpu, revision(s) abcdef0" in out
+    assert cli.main(["times", "--results-dir", str(tmp_path), "--overlay", "long"]) == 1
+    assert "no stage results of cpu+long" in capsys.readouterr().err
+    assert cli.main(["times", "--committed", "--overlay", "no-such-overlay"]) == 1

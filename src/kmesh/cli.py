@@ -69,7 +69,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_times(args: argparse.Namespace) -> int:
     import platform
 
-    from kmesh.stage_times import from_committed, markdown, recorded, span, variant, write_committed
+    from kmesh.stage_times import from_committed, markdown, recorded, variant, write_committed
     from kmesh.stages import STAGES
 
     key = variant(args.profile, args.overlay)
@@ -85,8 +85,7 @@ def cmd_times(args: argparse.Namespace) -> int:
         print(f"[kmesh] no stage results of {key} under {args.results_dir}/{args.profile}", file=sys.stderr)
         return 1
     print(markdown(times, STAGES))
-    print(f"\nfirst start to last end: {span(times):.0f} s ({key}, {len({t.rev for t in times.values()})} revision(s): "
-          f"{', '.join(sorted({t.rev for t in times.values()}))})")
+    print(f"\n{key}, revision(s) {', '.join(sorted({t.rev for t in times.values()}))}")
     if args.write:
         machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
         write_committed(times, key, machine, args.note)
