@@ -4,6 +4,7 @@ import glob
 from snakemake.utils import validate
 
 import kmesh.config
+import kmesh.stage_times
 import kmesh.stages
 
 validate(config, "../../config/config.schema.yaml")
@@ -17,20 +18,30 @@ OVERLAY = kmesh.config.overlay_file(config["overlay"]) if config.get("overlay") 
 GPU = 1 if PROFILE == "cuda" else None
 # Threads a stage declares: the cores it keeps busy, so that Snakemake runs beside each other only stages that fit
 # the machine together. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS (torch's intra-op
-# threads). The stages that compute on the model or bind vLLM engines to both cores (threads_bind "0-1") declare 2
-# (STAGE_THREADS): nothing runs beside them on the 2-core machine. At 2 threads they keep 1.5-1.6 of the 2 cores
-# busy, and at one thread beside another stage they took longer (make pipeline at 1f61510 vs its parent: equivalence
-# 2 min 54 s -> 4 min 3 s, group 68 s -> 100 s: docs/testing.md). The stages that keep one core busy or mostly wait
-# declare 1 (ONE_CORE_STAGES) and run two at a time: reliability and remote beside each other and the short stages
-# while the first model stage waits for drain and ownership. Their timed pairs then share the machine with another
-# stage's work; each arm of a pair does, in balanced order (never compare a stage's absolute times across runs).
-STAGE_THREADS = 2
-ONE_CORE_STAGES = ["sources", "kernels", "model", "drain", "ownership", "synthetic", "integrity", "restore_bench",
-                   "remote", "reliability", "report"]
+# threads). The stages that start vLLM engines bound to both cores (threads_bind "0-1": peers, vllm) declare 2
+# (ENGINE_THREADS): nothing runs beside them on the 2-core machine, and their engines run as a user runs vLLM, on
+# every core. Every other stage declares 1 and runs beside another: torch's second intra-op thread on SmolLM2-sized
+# work mostly spin-waits (equivalence at 2 threads kept 1.6 of the 2 cores busy for the work one thread does in
+# ~0.8 of the CPU time), so two one-thread stages side by side finish sooner than one after the other at two threads
+# (docs/testing.md, "Where the time goes"). Their timed pairs then share the machine with another stage's work; each
+# arm of a pair does, in balanced order (never compare a stage's absolute times across runs).
+ENGINE_THREADS = 2
+ENGINE_STAGES = ["peers", "vllm"]
 
 
 def stage_threads(stage):
-    return 1 if stage in ONE_CORE_STAGES else STAGE_THREADS
+    return ENGINE_THREADS if stage in ENGINE_STAGES else 1
+
+
+# Longest first: of the stages ready to run, Snakemake starts those of highest priority first. A stage's priority is
+# its wall time in the committed cpu table (docs/measurements/stage-times.json), so the longest one-core stage starts
+# as soon as its inputs exist and the short ones fill the other core beside it (longest-processing-time-first
+# scheduling); a stage that table lacks gets 0. Priorities order the jobs; they never change what a stage computes.
+_COMMITTED_WALL = {stage: t.wall_s for stage, t in kmesh.stage_times.from_committed("cpu").items()}
+
+
+def stage_priority(stage):
+    return int(_COMMITTED_WALL.get(stage, 0))
 
 
 # The stages whose results `rule all` and the report read, in pipeline order (every stage of kmesh.stages.STAGES, the

@@ -8,6 +8,7 @@ rule drain:
     log:
         logfile("drain"),
     threads: stage_threads("drain")
+    priority: stage_priority("drain")
     resources:
         gpu=GPU,
         mem_mb=2000,

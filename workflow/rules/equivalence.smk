@@ -4,12 +4,12 @@ rule equivalence:
     input:
         code=stage_code("equivalence"),
         model=result("model"),
-        ownership=result("ownership"),
     output:
         result=result("equivalence"),
     log:
         logfile("equivalence"),
     threads: stage_threads("equivalence")
+    priority: stage_priority("equivalence")
     resources:
         gpu=GPU,
         mem_mb=6000,

@@ -3,12 +3,13 @@
 rule group:
     input:
         code=stage_code("group"),
-        equivalence=result("equivalence"),
+        model=result("model"),
     output:
         result=result("group"),
     log:
         logfile("group"),
     threads: stage_threads("group")
+    priority: stage_priority("group")
     resources:
         gpu=GPU,
         mem_mb=6000,

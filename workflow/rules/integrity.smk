@@ -10,6 +10,7 @@ rule integrity:
     log:
         logfile("integrity"),
     threads: stage_threads("integrity")
+    priority: stage_priority("integrity")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -9,6 +9,7 @@ rule kernels:
     log:
         logfile("kernels"),
     threads: stage_threads("kernels")
+    priority: stage_priority("kernels")
     resources:
         gpu=GPU,
         mem_mb=2000,

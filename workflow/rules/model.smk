@@ -21,6 +21,7 @@ rule model:
     log:
         logfile("model"),
     threads: stage_threads("model")
+    priority: stage_priority("model")
     resources:
         gpu=GPU,
         mem_mb=4000,

@@ -9,6 +9,7 @@ rule ownership:
     log:
         logfile("ownership"),
     threads: stage_threads("ownership")
+    priority: stage_priority("ownership")
     resources:
         gpu=GPU,
         mem_mb=3000,

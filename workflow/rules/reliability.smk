@@ -10,6 +10,7 @@ rule reliability:
     log:
         logfile("reliability"),
     threads: stage_threads("reliability")
+    priority: stage_priority("reliability")
     resources:
         gpu=None,   # the service and the CPU vLLM engine: no GPU on either profile
         mem_mb=6000,

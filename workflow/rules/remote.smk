@@ -10,6 +10,7 @@ rule remote:
     log:
         logfile("remote"),
     threads: stage_threads("remote")
+    priority: stage_priority("remote")
     resources:
         gpu=GPU,   # the children run where the equivalence workload runs (the store client itself is CPU code)
         mem_mb=6000,

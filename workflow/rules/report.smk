@@ -18,6 +18,7 @@ rule report:
     log:
         logfile("report"),
     threads: stage_threads("report")
+    priority: stage_priority("report")
     resources:
         gpu=None,
         mem_mb=2000,

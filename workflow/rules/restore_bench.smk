@@ -4,13 +4,13 @@
 rule restore_bench:
     input:
         code=stage_code("restore_bench"),
-        equivalence=result("equivalence"),
         kernels=result("kernels"),
     output:
         result=result("restore_bench"),
     log:
         logfile("restore_bench"),
     threads: stage_threads("restore_bench")
+    priority: stage_priority("restore_bench")
     resources:
         gpu=GPU,
         mem_mb=4000,

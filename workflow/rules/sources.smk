@@ -9,6 +9,7 @@ rule sources:
     log:
         logfile("sources"),
     threads: stage_threads("sources")
+    priority: stage_priority("sources")
     resources:
         gpu=None,
         mem_mb=1000,

@@ -4,12 +4,13 @@
 rule storage:
     input:
         code=stage_code("storage"),
-        equivalence=result("equivalence"),
+        model=result("model"),
     output:
         result=result("storage"),
     log:
         logfile("storage"),
     threads: stage_threads("storage")
+    priority: stage_priority("storage")
     resources:
         gpu=GPU,
         mem_mb=6000,

@@ -8,6 +8,7 @@ rule synthetic:
     log:
         logfile("synthetic"),
     threads: stage_threads("synthetic")
+    priority: stage_priority("synthetic")
     resources:
         gpu=GPU,
         mem_mb=4000,
