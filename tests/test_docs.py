@@ -95,10 +95,22 @@ def test_committed_dag_draws_the_rule_files_edges():
 def test_rule_edges_are_read_from_the_inputs():
     edges = {(e.source, e.target): e for e in diagrams.rule_edges(RULES)}
     assert ("sources", "kernels") in edges and not edges["sources", "kernels"].order_only
-    assert edges["group", "vllm"].order_only and not edges["model", "vllm"].order_only   # "# pipeline order"
+    assert edges["peers", "vllm"].order_only and not edges["model", "vllm"].order_only   # "# order only"
     assert {s for s, t in edges if t == "report"} == rule_file_stages() - {"report"}
     inputs = {t for _, t in edges}
     assert inputs == rule_file_stages() - {"sources"}       # every stage but the root reads a result
+
+
+@pytest.mark.parametrize("stage", sorted(rule_file_stages() - {"report"}))
+def test_stage_page_names_the_rules_inputs(stage):
+    """A stage page's "Rule:" sentence names the stages its rule lists as inputs, no more, no fewer (an input
+    dropped or added in the rule file makes the page stale)."""
+    text = " ".join((ROOT / "docs" / "stages" / f"{stage}.md").read_text().split())
+    m = re.search(rf"`workflow/rules/{stage}\.smk` — ([^;]*);", text)
+    assert m, f"docs/stages/{stage}.md has no 'Rule: `workflow/rules/{stage}.smk` — inputs ...;' sentence"
+    named = set(re.findall(r"`(\w+)`", m.group(1))) & rule_file_stages()
+    declared = {e.source for e in diagrams.rule_edges(RULES) if e.target == stage}
+    assert named == declared, f"docs/stages/{stage}.md names {sorted(named)}, the rule reads {sorted(declared)}"
 
 
 def test_rule_stages_refuse_a_rule_file_with_another_rule(tmp_path):

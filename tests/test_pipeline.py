@@ -61,11 +61,11 @@ def _planned_threads(text: str) -> dict[str, int]:
 
 
 # Snakemake exports a job's threads as OMP_NUM_THREADS: a stage rule that declares none runs torch on one thread
-# the stages that compute on the model or bind vLLM engines to both cores (workflow/rules/common.smk); the rest: one
-TWO_THREAD_STAGES = {"equivalence", "storage", "group", "peers", "vllm"}
+# the stages that bind vLLM engines to both cores (workflow/rules/common.smk); the rest: one
+TWO_THREAD_STAGES = {"peers", "vllm"}
 
 
-def test_model_and_engine_stages_declare_two_threads_the_rest_one_and_make_test_caps_them(tmp_path):
+def test_engine_stages_declare_two_threads_the_rest_one_and_make_test_caps_them(tmp_path):
     full = _planned_threads(_snakemake("-n", "--forceall", "--cores", "2", tmp_path=tmp_path).stdout)
     assert set(full) >= set(STAGES), sorted(set(STAGES) - set(full))
     assert {s: full[s] for s in STAGES} == {s: 2 if s in TWO_THREAD_STAGES else 1 for s in STAGES}

@@ -5,7 +5,7 @@ packages (drawn from the package's own imports).
 
 There is no graphviz on the build machines, so both are laid out here and drawn with matplotlib. The DAG is read
 from workflow/rules/*.smk, never typed in: a rule's `input:` entries `result("X")` are its edges (an entry whose
-line says "pipeline order" only orders the jobs, the stage does not read that result), and `result(s) for s in
+line says "order only" only orders the jobs, the stage does not read that result), and `result(s) for s in
 STAGES` means every stage of common.smk's STAGES (kmesh.stages.STAGES but the report). Each stage box and each edge
 carries an SVG id (`stage__<name>`, `edge__<from>__<to>`), so a test can compare the committed SVG with the rule files.
 """
@@ -85,7 +85,7 @@ def rule_edges(rules_dir: Path = RULES_DIR) -> list[Edge]:
     edges: list[Edge] = []
     for target in rule_stages(rules_dir):
         for line in _input_lines((rules_dir / f"{target}.smk").read_text()):
-            order_only = "pipeline order" in line
+            order_only = "order only" in line
             sources = _RESULT_INPUT.findall(line)
             if re.search(r"result\(\w+\) for \w+ in STAGES", line):
                 sources += stages
@@ -145,7 +145,7 @@ def _arrow(ax: Any, start: tuple[float, float], end: tuple[float, float], gid: s
 
 def draw_dag(path: Path, rules_dir: Path = RULES_DIR) -> Path:
     """docs/dag.svg: stages top to bottom by depth. Inputs from the row above are straight arrows, longer ones run
-    in lanes on the left (dashed: pipeline order only); the report's inputs, every stage, share a lane on the right."""
+    in lanes on the left (dashed: order only); the report's inputs, every stage, share a lane on the right."""
     stages = rule_stages(rules_dir)
     edges = rule_edges(rules_dir)
     depth = layers(stages, edges)
@@ -188,7 +188,7 @@ def draw_dag(path: Path, rules_dir: Path = RULES_DIR) -> Path:
         for name, (x, y) in where.items():
             _box(ax, x, y, box_w, box_h, name, f"stage__{name}", weight="bold")
         bottom = -(max(rows) + 0.8) * row_gap
-        ax.text(0, bottom, "solid: the stage reads that result    dashed: listed for pipeline order only\n"
+        ax.text(0, bottom, "solid: the stage reads that result    dashed: listed for order only\n"
                 "grey (right): the report reads every stage's result\n"
                 "drawn from workflow/rules/*.smk (input: result(\"…\")) by kmesh.report.diagrams",
                 ha="center", va="center", fontsize=7.5, color="#555555")
