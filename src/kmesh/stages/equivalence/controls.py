@@ -147,8 +147,9 @@ def _settled(case: Case, ran: Ran, ref: ChildOutcome, expect: type, svc: Service
 
     `ref` is the child's full-recompute reference computed before the service started, before any control:
     the recompute in the partially written model state must equal it bit for bit — K/V of every layer,
-    next-token logits and greedy tokens. (A full recompute made after the control is recorded beside it: it
-    tells an environment that changed the decode apart from a fallback that went wrong.)"""
+    next-token logits and greedy tokens. (Where the tokens differ, the control makes a full recompute after it
+    and records whether the fallback's tokens equal that one: it tells an environment that changed the decode apart
+    from a fallback that went wrong.)"""
     out, ctx = ran.out, ran.ctx
     written = out.written_before_recompute
     want = None if written is None else expected_partial(child, written.numel(), FAIL_AT)
@@ -246,10 +247,11 @@ def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Ref
             if not service_alive:
                 case.record("gpu_context_teardown", gpu_teardown)
                 ok.append(_own_staging_released(case, ran.staging))
-            now = full_reference(setup.ctx, child)
-            case.record("tokens_equal_recompute_after_control", ran.out.tokens == now.tokens)
-            ok.append(_settled(case, ran, refs[RefKey(FULL, child.name)], expect, svc if service_alive else None,
-                               child))
+            ref = refs[RefKey(FULL, child.name)]
+            ok.append(_settled(case, ran, ref, expect, svc if service_alive else None, child))
+            if ran.out.tokens != ref.tokens:   # a diagnosis, made only where it is needed (see _settled)
+                now = full_reference(setup.ctx, child)
+                case.record("tokens_equal_recompute_after_control", ran.out.tokens == now.tokens)
             cause = (params or {}).get("cause")
             if cause is not None:   # the error the expected one wraps
                 ok.append(case.check("failed_by_the_expected_cause", f"{cause}:" in (ran.out.fallback or ""),

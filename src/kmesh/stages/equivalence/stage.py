@@ -59,7 +59,7 @@ from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
 from kmesh.stages.equivalence.ttft import ttft_cases
 
 
-def _runner_case(res: Result, setup: ModelSetup) -> None:
+def _runner_case(res: Result, setup: ModelSetup, refs: Refs) -> None:
     child = setup.workload.children[0]
     with res.case("runner-matches-transformers", {"model": setup.what, "tokens": len(child.ids)}) as case:
         ids = torch.tensor(child.ids, device=setup.device)
@@ -72,7 +72,7 @@ def _runner_case(res: Result, setup: ModelSetup) -> None:
                                 max_new_tokens=setup.ctx.max_new_tokens, do_sample=False, output_logits=True,
                                 return_dict_in_generate=True, pad_token_id=model.config.eos_token_id or 0, **stop)
             hf_tokens = hf.sequences[0, len(ids):].tolist()
-        ref = full_reference(setup.ctx, child)
+        ref = refs[RefKey(FULL, child.name)]   # the runner's full prefill and decode of this child
         diff = float((ref.logits.double() - hf_logits.double()).abs().max())
         scale = float(hf_logits.double().abs().max())
         bound = float(setup.sec["runner_logits_bound"])
@@ -241,9 +241,9 @@ def run(cfg: Config) -> Result:
         return res
     res.extra.update(model=setup.what, device=str(setup.device), children=len(setup.workload.children),
                      layers=setup.runner.num_layers)
-    _runner_case(res, setup)
-    _workload_case(res, setup)
     refs: Refs = {RefKey(FULL, child.name): full_reference(setup.ctx, child) for child in setup.workload.children}
+    _runner_case(res, setup, refs)
+    _workload_case(res, setup)
     catalog = setup.export.catalog
     with ServiceSide.start(setup.export, setup.device, float(setup.sec["heartbeat_timeout_s"]),
                            int(setup.sec["chunk_bytes"])) as svc:
