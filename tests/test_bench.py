@@ -181,3 +181,54 @@ def test_parts_timed_in_one_arm_only_are_refused():
     t = run_pairs(fn, ("A", "B"), children=[0], pairs=3, warmup=0, progress=False)
     with pytest.raises(TimingError, match="not timed in arm"):
         t.summary()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_williams_orders_balance_positions_and_who_goes_first(n):
+    from itertools import combinations
+
+    from kmesh.bench import williams_orders
+
+    rows = williams_orders(n)
+    assert len(rows) == (n if n % 2 == 0 else 2 * n) and all(sorted(r) == list(range(n)) for r in rows)
+    for pos in range(n):                         # every arm in every position equally often
+        assert sorted(r[pos] for r in rows) == sorted(list(range(n)) * (len(rows) // n))
+    for a, b in combinations(range(n), 2):       # in every pairing each arm first in half the rows
+        assert 2 * sum(r.index(a) < r.index(b) for r in rows) == len(rows)
+
+
+def test_balanced_rounds_put_every_arm_first_and_record_positions():
+    """Four arms (the peers'): over one cycle (4 rounds) every arm runs first once; a pairing's design says it is
+    balanced and how often A went first; by_position shows a carry-over (here: the arm after "L" is slower)."""
+    def run_arm(arm, round_index):
+        return {"t": [1.0]}
+
+    arms = ("V", "P", "L", "K")
+    seen = []
+
+    def timed(arm, round_index):
+        seen.append((round_index, arm))
+        return {"t": [1.0]}
+
+    rounds = rotate(arms, pairs=4, warmup=1, run_arm=timed, design="balanced")
+    orders = [r["order"] for r in rounds.records]
+    assert sorted(o[0] for o in orders) == sorted(arms) and all(sorted(o) == sorted(arms) for o in orders)
+    assert orders[0] == ["V", "P", "K", "L"]
+    d = rounds.paired("V", "L").to_dict()["design"]
+    assert d["order"] == "balanced (Williams design), A first in 2 of 4 pairs"
+    pos = rounds.by_position("t")
+    assert {arm: sum(v["rounds"] for v in p.values()) for arm, p in pos.items()} == dict.fromkeys(arms, 4)
+    assert all(set(p) == {"0", "1", "2", "3"} for p in pos.values())
+    two = rotate(("A", "B"), pairs=4, warmup=0, run_arm=run_arm, design="balanced")
+    assert [r["order"] for r in two.records] == [r["order"] for r in rotate(("A", "B"), 4, 0, run_arm).records]
+    with pytest.raises(TimingError, match="unknown round design"):
+        rotate(arms, pairs=1, warmup=0, run_arm=run_arm, design="random")
+
+
+def test_by_position_reads_a_carry_over():
+    from kmesh.bench import Rounds
+
+    r = Rounds(("A", "B"), warmup=0, balanced=True)
+    r.records = [{"order": ["A", "B"], "A": {"t": [1.0]}, "B": {"t": [3.0]}},   # B after A: slow
+                 {"order": ["B", "A"], "A": {"t": [1.0]}, "B": {"t": [2.0]}}]
+    assert r.by_position("t")["B"] == {"0": {"rounds": 1, "median": 2.0}, "1": {"rounds": 1, "median": 3.0}}

@@ -146,3 +146,99 @@ def test_stage_whose_engines_cannot_start_skips_the_rest_saying_why_and_leaves_n
     assert all(by_id[c].skipped.startswith("setup did not pass") for c in ENGINE_CASES[1:])
     assert not res.summary()["ok"]
     assert _left_processes(os.getpid()) == [], "an engine or server process outlived the stage"
+
+
+class _Checks:
+    """A case stand-in: the checks and records a helper makes."""
+
+    def __init__(self) -> None:
+        self.checks: dict[str, bool] = {}
+        self.records: dict[str, object] = {}
+
+    def check(self, name: str, ok: bool, value: object = None) -> bool:
+        self.checks[name] = bool(ok)
+        return bool(ok)
+
+    def record(self, name: str, value: object) -> None:
+        self.records[name] = value
+
+
+class _SpecPeer:
+    def __init__(self, connector: str) -> None:
+        self.connector = connector
+
+    def engine_spec(self) -> dict:
+        return {"kv_transfer_config": {"kv_connector": self.connector}}
+
+
+def _applied(**over: object) -> dict:
+    base = {"model": "/m", "dtype": "torch.float32", "enforce_eager": True, "max_model_len": 2048, "seed": 0,
+            "max_num_batched_tokens": 2048, "enable_prefix_caching": False, "block_size": 16,
+            "kv_cache_memory_bytes": 1 << 28, "compilation_mode": "NONE", "kv_connector": None,
+            "kv_load_failure_policy": None, "threads_bind": "0-1", "torch_compile_disable": "1"}
+    return {**base, **over}
+
+
+def _engine_infos(**per_arm: dict) -> dict:
+    infos = {"vllm": _applied(), "vllm-prefix": _applied(enable_prefix_caching=True),
+             "lmcache": _applied(kv_connector="LMCacheMPConnector", kv_load_failure_policy="recompute"),
+             "kmesh": _applied(kv_connector="KMeshConnector", kv_load_failure_policy="recompute")}
+    for arm, over in per_arm.items():
+        infos[arm] = {**infos[arm], **over}
+    return {arm: {"applied": a} for arm, a in infos.items()}
+
+
+@pytest.mark.parametrize("arm, over, failing", [
+    (None, {}, set()),
+    ("kmesh", {"enforce_eager": False}, {"same_applied_settings_but_connector_and_prefix_cache"}),
+    ("lmcache", {"threads_bind": "0"}, {"same_applied_settings_but_connector_and_prefix_cache"}),
+    ("vllm-prefix", {"enable_prefix_caching": False}, {"prefix_cache_on_only_in_vllm_prefix"}),
+    ("kmesh", {"enable_prefix_caching": True}, {"prefix_cache_on_only_in_vllm_prefix"}),
+    ("lmcache", {"kv_connector": "KMeshConnector"}, {"each_peer_runs_its_connector"}),
+    ("vllm", {"kv_connector": "KMeshConnector"}, {"each_peer_runs_its_connector"}),
+])
+def test_the_engines_applied_settings_are_compared_as_each_reports_them(arm, over, failing):
+    """setup's fairness checks read what each engine process applied (its vllm_config), so one arm running with
+    another setting than the others fails by name; vLLM's prefix cache is on in vllm-prefix alone."""
+    from kmesh.stages.peers.stage import _applied_settings
+
+    case = _Checks()
+    peers = {"lmcache": _SpecPeer("LMCacheMPConnector"), "kmesh": _SpecPeer("KMeshConnector")}
+    _applied_settings(case, _engine_infos(**({arm: over} if arm else {})), peers)
+    assert {name for name, ok in case.checks.items() if not ok} == failing
+    assert set(case.records["applied_settings"]) == {"vllm", "vllm-prefix", "lmcache", "kmesh"}
+
+
+def test_an_engine_that_reports_nothing_fails_the_comparison():
+    from kmesh.stages.peers.stage import _applied_settings
+
+    case = _Checks()
+    infos = {arm: {} for arm in ("vllm", "vllm-prefix", "lmcache", "kmesh")}
+    _applied_settings(case, infos, {"lmcache": _SpecPeer("LMCacheMPConnector"), "kmesh": _SpecPeer("KMeshConnector")})
+    assert case.checks["same_applied_settings_but_connector_and_prefix_cache"] is False
+
+
+def test_kill_evidence_needs_sigkill_and_every_address_closed(tmp_path):
+    """`<peer>_server_was_killed` reads the exit status and whether the server's addresses still accept: a process
+    that ended otherwise, or a port or socket still answering, is not a landed kill."""
+    import socket
+
+    from kmesh.stages.peers.servers import accepts, kill_evidence
+
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    port = tcp.getsockname()[1]
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(tmp_path / "s.sock")
+    unix.bind(path)
+    unix.listen()
+    assert accepts(socket.AF_INET, ("127.0.0.1", port)) and accepts(socket.AF_UNIX, path)
+    assert kill_evidence(-9, {"tcp": True})["landed"] is False
+    tcp.close()
+    unix.close()                                  # the socket file stays, nothing accepts on it
+    assert not accepts(socket.AF_INET, ("127.0.0.1", port)) and not accepts(socket.AF_UNIX, path)
+    assert kill_evidence(-9, {"tcp": False, "unix": False}) == {
+        "exit_status": -9, "killed_by_sigkill": True, "still_accepting": {}, "landed": True}
+    assert kill_evidence(0, {"tcp": False})["landed"] is False       # it exited on its own
+    assert kill_evidence(None, {})["landed"] is False                 # it never ran

@@ -136,3 +136,42 @@ def test_remote_tables_read_the_stage_summary(tmp_path):
     timings = {"remote_vs_full": {"raw": raw}, "remote_vs_disk": {"raw": [{"remote": {"first-token": [0.8]},
                                                                           "disk": {"first-token": [0.7]}}]}}
     assert plots.remote_plot(timings, tmp_path / "r", ["png"], "remote")[0].stat().st_size > 1000
+
+
+def _peers_rounds() -> dict:
+    """ttft timings as the peers stage writes them: four arms' shared rounds, drawn as pairings."""
+    from kmesh.bench import Rounds
+
+    arms = ("vllm", "vllm-prefix", "lmcache", "kmesh")
+    ms = {"vllm": 0.100, "vllm-prefix": 0.030, "lmcache": 0.050, "kmesh": 0.020}
+    rounds = Rounds(arms, warmup=0)
+    for i in range(3):
+        order = list(arms) if i % 2 == 0 else list(reversed(arms))
+        rounds.records.append({"order": order, **{a: {"ttft": [ms[a] * (1 + 0.01 * i)]} for a in arms}})
+    pairings = [("vllm", "vllm-prefix"), ("vllm", "lmcache"), ("vllm", "kmesh"), ("vllm-prefix", "lmcache"),
+                ("vllm-prefix", "kmesh"), ("lmcache", "kmesh")]
+    return {f"ttft_exact_{a}_vs_{b}": rounds.paired(a, b).to_dict() for a, b in pairings}
+
+
+def test_peers_table_and_plot_carry_vllm_prefix(tmp_path):
+    from kmesh.report import plots, tables
+
+    ttft = {"vllm": {"median_ms": 100.0},
+            "vllm-prefix": {"median_ms": 30.0, "median_ratio_vs_vllm": 0.3, "pairs_faster_than_vllm": 3, "pairs": 3},
+            "lmcache": {"median_ms": 50.0, "median_ratio_vs_vllm": 0.5, "pairs_faster_than_vllm": 3, "pairs": 3,
+                        "median_ratio_vs_vllm_prefix": 1.667},
+            "kmesh": {"median_ms": 20.0, "median_ratio_vs_vllm": 0.2, "pairs_faster_than_vllm": 3, "pairs": 3,
+                      "median_ratio_vs_vllm_prefix": 0.667},
+            "reused_per_request": {"vllm-prefix": [304], "lmcache": [256], "kmesh": [319]}}
+    exact = {"arms": {a: {"tokens_equal": {"cold": True, "repeat": True}, "reused": {"repeat": n}}
+                      for a, n in (("vllm-prefix", 304), ("lmcache", 256), ("kmesh", 319))}}
+    frame = tables.peers_frame({"exact": exact, "ttft_exact": ttft})
+    rows = {r["arm"]: r for r in frame.to_dict("records") if r["workload"].startswith("exact")}
+    assert list(rows) == ["vllm", "vllm-prefix", "lmcache", "kmesh"]
+    assert rows["vllm-prefix"]["tokens reused (own count)"] == 304 and rows["vllm-prefix"]["ratio vs vllm"] == "0.300"
+    assert rows["kmesh"]["ratio vs vllm-prefix"] == "0.667" and rows["vllm-prefix"]["ratio vs vllm-prefix"] == "—"
+    # a result from before vllm-prefix existed: three arms, no row invented for the fourth
+    old = {a: v for a, v in ttft.items() if a != "vllm-prefix"}
+    assert "vllm-prefix" not in set(tables.peers_frame({"exact": {"arms": {}}, "ttft_exact": old})["arm"])
+    written = plots.peers_plot(_peers_rounds(), tmp_path / "peers", ["png"], "peers")
+    assert written and all(p.stat().st_size > 0 for p in written)

@@ -5,7 +5,10 @@ Design, stated in every table the report renders:
   children; the arm that goes first alternates (pair 0: A first, pair 1: B first, ...).
 - Several arms compared with one of them (e.g. full vs repair and full vs end-to-end) may share rounds
   (kmesh.bench.rotate): each round runs every arm once, in the listed order, then reversed in the next round,
-  so within every pairing drawn from the rounds the arm that goes first alternates just the same.
+  so within every pairing drawn from the rounds the arm that goes first alternates just the same. Where every arm
+  must also take every position (a carry-over from the arm before, e.g. a server's asynchronous store, would
+  otherwise always fall on the same arm), the rounds follow a balanced design instead (`design="balanced"`:
+  Williams squares, every arm in every position and first in every pairing equally often per cycle).
 - Each arm's run of one child records named intervals, possibly nested (read ⊂ restore ⊂ outer).
   A part that occurs several times in one child run is summed (e.g. four object reads).
 - Per pair and part: the median over children for each arm. Across pairs: the median of the n
@@ -107,6 +110,7 @@ class PairedTiming:
     parents: dict[str, str | None] = field(default_factory=dict)
     warmup: int = 0
     shared_with: tuple[str, ...] = ()   # the other arms that ran in the same rounds (kmesh.bench.rotate)
+    balanced: bool = False              # rounds of rotate's balanced design: the first arm balanced, not alternating
 
     def parts(self) -> list[str]:
         seen: list[str] = []
@@ -131,8 +135,11 @@ class PairedTiming:
 
     def to_dict(self) -> dict[str, Any]:
         first = self.pairs[0]["order"][0] if self.pairs else self.arm_a
-        design: dict[str, Any] = {"pairs": len(self.pairs), "warmup": self.warmup,
-                                  "order": f"alternating, {'A' if first == self.arm_a else 'B'} first in pair 0",
+        order = f"alternating, {'A' if first == self.arm_a else 'B'} first in pair 0"
+        if self.balanced:
+            a_first = sum(p["order"][0] == self.arm_a for p in self.pairs)
+            order = f"balanced (Williams design), A first in {a_first} of {len(self.pairs)} pairs"
+        design: dict[str, Any] = {"pairs": len(self.pairs), "warmup": self.warmup, "order": order,
                                   "per_pair": "median over children", "nesting": self.parents}
         if self.shared_with:
             design["rounds_shared_with"] = list(self.shared_with)
@@ -151,6 +158,18 @@ class Rounds:
     arms: tuple[str, ...]
     warmup: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    balanced: bool = False
+
+    def by_position(self, part: str) -> dict[str, dict[str, Any]]:
+        """Per arm and position in the round (0 = first): how many rounds, and the median of the arm's per-round
+        value (median over children) there: a carry-over from the arm before shows as a position effect."""
+        out: dict[str, dict[str, Any]] = {}
+        for arm in self.arms:
+            at: dict[int, list[float]] = {}
+            for r in self.records:
+                at.setdefault(r["order"].index(arm), []).append(statistics.median(r[arm][part]))
+            out[arm] = {str(pos): {"rounds": len(v), "median": statistics.median(v)} for pos, v in sorted(at.items())}
+        return out
 
     def paired(self, arm_a: str, arm_b: str) -> PairedTiming:
         """The matched pairs of two of the arms, one pair per round (the rounds' other arms named in the design)."""
@@ -160,11 +179,30 @@ class Rounds:
         pairs = [{"order": [a for a in r["order"] if a in (arm_a, arm_b)], arm_a: r[arm_a], arm_b: r[arm_b]}
                  for r in self.records]
         return PairedTiming(arm_a, arm_b, pairs, warmup=self.warmup,
-                            shared_with=tuple(a for a in self.arms if a not in (arm_a, arm_b)))
+                            shared_with=tuple(a for a in self.arms if a not in (arm_a, arm_b)),
+                            balanced=self.balanced)
+
+
+def williams_orders(n: int) -> list[list[int]]:
+    """The round orders of a Williams design over n arms (indices): each row a permutation, every arm in every
+    position equally often and, for every two arms, each first equally often over the rows (n rows for even n; for
+    odd n the square's rows each followed by its mirror, 2n rows). n = 2: [0, 1], [1, 0]."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:                # 0, 1, n-1, 2, n-2, ...
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows = [row for r in rows for row in (r, r[::-1])]
+    return rows
 
 
 def rotate(arms: tuple[str, ...], pairs: int, warmup: int, run_arm: ArmRun, progress: bool = False,
-           label: str | None = None) -> Rounds:
+           label: str | None = None, design: str = "reversing") -> Rounds:
     """`warmup + pairs` rounds, in each `run_arm(arm, round)` once per arm: in the listed order in even rounds,
     reversed in odd ones, so for ANY two arms the one that goes first alternates from round to round (the first
     listed of the two first in the first kept round); the warm-up rounds' times are discarded.
@@ -172,16 +210,26 @@ def rotate(arms: tuple[str, ...], pairs: int, warmup: int, run_arm: ArmRun, prog
     `run_arm` returns the arm's seconds per part, one value per child (a whole-group arm may return a list of
     one); `round` runs from 0, the first `warmup` rounds being the discarded ones. Rounds.paired draws the pairs
     of two arms; the caller sets each timing's `parents` (nesting) if its parts nest.
+
+    `design="balanced"`: the kept rounds follow williams_orders (the warm-up rounds the design's last rows), so every
+    arm takes every position equally often per cycle (n rounds for an even number of arms, 2n for odd); with two
+    arms the same order as "reversing".
     """
     if pairs < 1:
         raise TimingError("pairs must be ≥ 1")
     if len(arms) < 2 or len(set(arms)) != len(arms):
         raise TimingError(f"rounds need at least two distinct arms, got {list(arms)}")
-    result = Rounds(tuple(arms), warmup)
+    if design not in ("reversing", "balanced"):
+        raise TimingError(f"unknown round design {design!r}: reversing or balanced")
+    result = Rounds(tuple(arms), warmup, balanced=design == "balanced")
+    rows = williams_orders(len(arms))
     from kmesh.progress import track
 
     for index in track(range(warmup + pairs), label or "rounds " + " / ".join(arms), enabled=progress):
-        order = list(arms) if (index - warmup) % 2 == 0 else list(reversed(arms))
+        if result.balanced:
+            order = [arms[i] for i in rows[(index - warmup) % len(rows)]]
+        else:
+            order = list(arms) if (index - warmup) % 2 == 0 else list(reversed(arms))
         record: dict[str, Any] = {"order": order}
         for arm in order:
             record[arm] = run_arm(arm, index)

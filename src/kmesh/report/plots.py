@@ -194,14 +194,14 @@ def bandwidth_plot(shapes: dict[str, dict[str, Any]], base: Path, formats: Itera
 def peers_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], title: str) -> list[Path]:
     """TTFT per arm and workload: every timed request (dots) and the median (bar), from the stage's paired rounds
     (timings ttft_<workload>_<A>_vs_<B>; each arm's values read from its pairing with another arm)."""
-    arms = ("vllm", "lmcache", "kmesh")
-    colors = {"vllm": "#7f8c8d", "lmcache": "#2874a6", "kmesh": "#c0392b"}
+    colors = {"vllm": "#7f8c8d", "vllm-prefix": "#b7950b", "lmcache": "#2874a6", "kmesh": "#c0392b"}
+    # the arms drawn: those a pairing with vllm names (results from before vllm-prefix have three)
+    arms = ("vllm", *(a for a in colors if a != "vllm" and any(k.endswith(f"_vllm_vs_{a}") for k in timings)))
     workloads = [w for w in ("exact", "interior") if f"ttft_{w}_vllm_vs_lmcache" in timings]
     fig, ax = plt.subplots(figsize=(max(4, 2.6 * len(workloads) + 1), 3.4))
     for wi, w in enumerate(workloads):
         for ai, arm in enumerate(arms):
-            key = next(k for k in (f"ttft_{w}_vllm_vs_lmcache", f"ttft_{w}_vllm_vs_kmesh") if arm in
-                       timings[k]["arms"].values())
+            key = f"ttft_{w}_vllm_vs_{'lmcache' if arm == 'vllm' else arm}"
             values = [1e3 * statistics.median(p[arm]["ttft"]) for p in timings[key]["raw"]]
             x = wi * (len(arms) + 1) + ai
             ax.bar(x, statistics.median(values), color=colors[arm], alpha=0.6, label=arm if wi == 0 else None)

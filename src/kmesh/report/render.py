@@ -72,9 +72,10 @@ def render_all(cfg: Config) -> list[Path]:
                                           "pairs, alternating order, medians of per-pair values).")
         if stage == "peers" and r["summary"].get("ttft_exact"):
             written += tables.write_table(tables.peers_frame(r["summary"]), tdir / "peers", fmts,
-                                          "Stage peers: vLLM alone vs vLLM + LMCache (its MP server) vs vLLM + KMesh, "
-                                          "same engine and prompts; reuse as each system counts it; TTFT medians of "
-                                          "rotating-order rounds, ratios = medians of per-pair ratios.")
+                                          "Stage peers: vLLM alone (a recompute; vllm-prefix: its own prefix cache "
+                                          "on, as its users run it) vs vLLM + LMCache (its MP server) vs vLLM + "
+                                          "KMesh, same engine and prompts; reuse as each system counts it; TTFT "
+                                          "medians of balanced-order rounds, ratios = medians of per-pair ratios.")
             written += tables.write_table(tables.peers_faults_frame(r["summary"]), tdir / "peers_faults", fmts,
                                           "Stage peers: the same fault scenarios against LMCache's server and "
                                           "KMesh's service (what each server holds, by its own status API).")

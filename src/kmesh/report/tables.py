@@ -503,13 +503,14 @@ def reliability_frame(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PEER_ARMS = ("vllm", "lmcache", "kmesh")
+PEER_ARMS = ("vllm", "vllm-prefix", "lmcache", "kmesh")
 
 
 def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The peers stage's table: per workload × arm, tokens equal to vllm's, tokens reused (each system's own count),
-    TTFT median, its paired ratio vs vllm and the pairs it won (summary keys exact, interior, ttft_exact,
-    ttft_interior)."""
+    TTFT median, its paired ratios vs vllm (a recompute) and vs vllm-prefix (plain vLLM with its prefix cache, as its
+    users run it) and the pairs it won against vllm (summary keys exact, interior, ttft_exact, ttft_interior; a
+    result from before vllm-prefix existed has no such rows)."""
     rows = []
     exact = (summary.get("exact") or {}).get("arms", {})
     interior = summary.get("interior") or {}
@@ -517,6 +518,8 @@ def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ttft = summary.get(ttft_key) or {}
         reused_timed = ttft.get("reused_per_request", {})
         for arm in PEER_ARMS:
+            if arm not in ttft and arm not in exact:
+                continue
             t = ttft.get(arm, {})
             if workload.startswith("exact"):
                 e = exact.get(arm, {})
@@ -532,6 +535,8 @@ def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
                          "reused in timed requests": ", ".join(str(v) for v in reused_timed.get(arm, [])) or "—",
                          "TTFT median [ms]": _fmt(t.get("median_ms")),
                          "ratio vs vllm": _fmt(t.get("median_ratio_vs_vllm"), 3) if arm != "vllm" else "1",
+                         "ratio vs vllm-prefix": (_fmt(t.get("median_ratio_vs_vllm_prefix"), 3)
+                                                  if "median_ratio_vs_vllm_prefix" in t else "—"),
                          "pairs won vs vllm": (f"{t.get('pairs_faster_than_vllm')}/{t.get('pairs')}"
                                                if arm != "vllm" else "—")})
     return pd.DataFrame(rows)

@@ -7,7 +7,9 @@
 Each engine lives in its own process (vLLM keeps one KV-transfer agent per process, and the cross-process
 claim is only honest between processes), is started once and reused for every request of its arm. Both arms
 run with the same pinned settings: VLLM_CPU_OMP_THREADS_BIND (a configured connector otherwise changes
-vLLM's thread binding and with it bf16 numerics), enforce_eager, one small KV cache, prefix caching off.
+vLLM's thread binding and with it bf16 numerics), enforce_eager, one small KV cache, prefix caching off (an arm that
+measures vLLM as its users run it turns it on: `prefix_caching=True`, vLLM's default). Each engine reports the
+settings it applied, as its own process sees them (`info["applied"]`), so arms are compared by what they ran.
 """
 from __future__ import annotations
 
@@ -85,12 +87,15 @@ def engine_env(threads_bind: str = "0-1") -> dict[str, str]:
 
 
 def llm_kwargs(model_dir: str, connector: dict[str, Any] | None, dtype: str = "float32",
-               max_model_len: int = 2048, kv_transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+               max_model_len: int = 2048, kv_transfer: dict[str, Any] | None = None,
+               prefix_caching: bool = False) -> dict[str, Any]:
     """vLLM's LLM(...) arguments of every arm: `connector` is KMeshConnector's extra config; `kv_transfer` a whole
-    kv_transfer_config of another connector (a peer's, e.g. LMCacheMPConnector); at most one of the two."""
+    kv_transfer_config of another connector (a peer's, e.g. LMCacheMPConnector); at most one of the two.
+    `prefix_caching`: vLLM's own prefix cache (its default on; off where a connector's loads are measured, so that
+    a repeat is served by the connector, not by the engine's cache)."""
     if connector is not None and kv_transfer is not None:
         raise EngineError("an engine takes one connector: KMesh's (connector=) or another (kv_transfer=), not both")
-    kw: dict[str, Any] = dict(model=model_dir, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+    kw: dict[str, Any] = dict(model=model_dir, dtype=dtype, enforce_eager=True, enable_prefix_caching=prefix_caching,
                               distributed_executor_backend="uni", max_model_len=max_model_len,
                               max_num_batched_tokens=max_model_len, seed=0, max_logprobs=20,
                               kv_cache_memory_bytes=KV_CACHE_BYTES)
@@ -106,7 +111,7 @@ class EngineProcess:
                  threads_bind: str = "0-1", log_path: Path | None = None, start_timeout_s: float = 240.0,
                  wait: bool = True, kv_transfer: dict[str, Any] | None = None,
                  workarounds: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 zygote: bool | None = None) -> None:
+                 zygote: bool | None = None, prefix_caching: bool = False) -> None:
         """`zygote`: fork the engine from this process's engine zygote (kmesh.zygote; ~12 of an engine start's
         ~21 CPU-s are vLLM's imports, which the zygote has done once); None: unless KMESH_ENGINE_ZYGOTE=0."""
         unknown = [w for w in workarounds if w not in WORKAROUNDS]
@@ -116,7 +121,8 @@ class EngineProcess:
         if not (Path(model_dir) / "config.json").is_file():
             raise EngineError(f"no model in {model_dir}: it has no config.json (the model stage converts SmolLM2 "
                               "there: kmesh run model)")
-        self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype, kv_transfer=kv_transfer),
+        self.spec = {"llm": llm_kwargs(str(model_dir), connector, dtype, kv_transfer=kv_transfer,
+                                       prefix_caching=prefix_caching),
                      "workarounds": list(workarounds)}
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
@@ -281,8 +287,27 @@ def _output(o: Any) -> dict[str, Any]:
     params = o.kv_transfer_params or {}
     # what another connector returned (e.g. LMCache's cached_token_stats), as JSON can carry it
     peer = json.loads(json.dumps({k: v for k, v in params.items() if k != "kmesh"}, default=str))
+    # cached_tokens: the prompt tokens vLLM's own prefix cache served (its RequestOutput.num_cached_tokens)
     return {"tokens": list(c.token_ids), "text": c.text, "logprobs": lp, "kmesh": params.get("kmesh"),
-            "peer": peer or None}
+            "peer": peer or None, "cached_tokens": o.num_cached_tokens}
+
+
+def _applied(llm: Any) -> dict[str, Any]:
+    """The engine settings this process runs with, read from its own vllm_config (not from what it was asked)."""
+    cfg = llm.llm_engine.vllm_config
+    kv = cfg.kv_transfer_config
+    return {"model": str(cfg.model_config.model), "dtype": str(cfg.model_config.dtype),
+            "enforce_eager": bool(cfg.model_config.enforce_eager),
+            "max_model_len": int(cfg.model_config.max_model_len), "seed": cfg.model_config.seed,
+            "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+            "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+            "block_size": cfg.cache_config.block_size,
+            "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+            "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
+            "kv_connector": None if kv is None else kv.kv_connector,
+            "kv_load_failure_policy": None if kv is None else getattr(kv, "kv_load_failure_policy", None),
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "torch_compile_disable": os.environ.get("TORCH_COMPILE_DISABLE")}
 
 
 def _serve() -> int:
@@ -300,7 +325,7 @@ def _serve() -> int:
 
                 llm = LLM(**msg["llm"])
                 conn = _connector()
-                result: Any = {"pid": os.getpid(), "connector": conn is not None}
+                result: Any = {"pid": os.getpid(), "connector": conn is not None, "applied": _applied(llm)}
             elif op == "generate":
                 from vllm.inputs import TokensPrompt
 

