@@ -211,3 +211,17 @@ def test_docs_testing_lists_every_recorded_run_of_the_two_commands():
         met = "met" if run["wall_s"] <= record["budget_s"][run["command"]] else "missed"
         row = f"| `{run['command']}` | {run['rev']} | {run['date']} | {format_seconds(run['wall_s'])} | {met} |"
         assert row in text, f"docs/testing.md lacks the run {row}"
+
+
+def test_readme_peers_table_is_generated_from_the_committed_result():
+    """README's peers figures are kmesh.report.tables.peers_markdown of the result file its marker names, never
+    typed by hand (a rerun committed under docs/measurements moves the marker and the table together)."""
+    from kmesh.report.tables import peers_markdown
+
+    text = README.read_text()
+    m = re.search(r"<!-- peers-table (\S+) -->\n(.*?)\n<!-- /peers-table -->", text, re.S)
+    assert m, "README has no <!-- peers-table FILE --> ... <!-- /peers-table --> block"
+    result = json.loads((ROOT / "docs" / m.group(1)).read_text())
+    assert result["stage"] == "peers" and result["summary"]["ok"] is True
+    assert m.group(2) == peers_markdown(result), "README's peers table differs from its committed result"
+    assert result["provenance"]["kmesh"]["rev"][:7] in m.group(1) and not result["provenance"]["kmesh"]["dirty"]

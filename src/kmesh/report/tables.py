@@ -542,6 +542,21 @@ def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def peers_markdown(result: dict[str, Any]) -> str:
+    """README's peers table: peers_frame of a committed peers result (its TTFT, reuse and agreement columns)."""
+    df = peers_frame(result["summary"])
+    keep = {"workload": "workload", "arm": "arm", "tokens equal vllm": "tokens equal vLLM",
+            "tokens reused (own count)": "reused", "TTFT median [ms]": "TTFT [ms]", "ratio vs vllm": "vs vllm",
+            "ratio vs vllm-prefix": "vs vllm-prefix", "pairs won vs vllm": "pairs won vs vllm"}
+    rows = ["| " + " | ".join(keep.values()) + " |", "|" + "---|" * len(keep)]
+    last = None
+    for r in df.to_dict("records"):
+        cells = [("" if r["workload"] == last else r["workload"]), *(str(r[c]) for c in list(keep)[1:])]
+        last = r["workload"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def peers_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """One row per fault scenario × system (summary key faults): kept serving, tokens right, what the server holds
     afterwards (its own status), how it recovered."""
