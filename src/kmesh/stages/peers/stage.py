@@ -147,8 +147,9 @@ def run(cfg: Config) -> Result:
 
 
 def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dict[str, Peer]) -> None:
-    """The comparison's fairness, checked before any engine runs: the same vLLM settings for every arm but the
-    connector, the same failure policy for both connectors, LMCache's server on loopback with its telemetry off."""
+    """The comparison's fairness as far as it shows before any engine runs: the same failure policy for both
+    connectors, LMCache's server on loopback with its telemetry off; what each arm asks vLLM for is recorded (what
+    the engines applied is compared in setup, from their own reports)."""
     with res.case("arms-alike", {}) as case:
         specs = {"vllm": llm_kwargs(str(model_dir), None, common["dtype"]),
                  PREFIX: llm_kwargs(str(model_dir), None, common["dtype"], prefix_caching=True),
