@@ -220,7 +220,7 @@ def test_an_engine_that_reports_nothing_fails_the_comparison():
 
 def test_kill_evidence_needs_sigkill_and_every_address_closed(tmp_path):
     """`<peer>_server_was_killed` reads the exit status and whether the server's addresses still accept: a process
-    that ended otherwise, or a port or socket still answering, is not a landed kill."""
+    that ended otherwise, or a port or socket still answering, is not a server gone."""
     import socket
 
     from kmesh.stages.peers.servers import accepts, kill_evidence
@@ -234,11 +234,11 @@ def test_kill_evidence_needs_sigkill_and_every_address_closed(tmp_path):
     unix.bind(path)
     unix.listen()
     assert accepts(socket.AF_INET, ("127.0.0.1", port)) and accepts(socket.AF_UNIX, path)
-    assert kill_evidence(-9, {"tcp": True})["landed"] is False
+    assert kill_evidence(-9, {"tcp": True})["server_gone"] is False
     tcp.close()
     unix.close()                                  # the socket file stays, nothing accepts on it
     assert not accepts(socket.AF_INET, ("127.0.0.1", port)) and not accepts(socket.AF_UNIX, path)
     assert kill_evidence(-9, {"tcp": False, "unix": False}) == {
-        "exit_status": -9, "killed_by_sigkill": True, "still_accepting": {}, "landed": True}
-    assert kill_evidence(0, {"tcp": False})["landed"] is False       # it exited on its own
-    assert kill_evidence(None, {})["landed"] is False                 # it never ran
+        "exit_status": -9, "killed_by_sigkill": True, "still_accepting": {}, "server_gone": True}
+    assert kill_evidence(0, {"tcp": False})["server_gone"] is False       # it exited on its own
+    assert kill_evidence(None, {})["server_gone"] is False                 # it never ran

@@ -20,11 +20,11 @@ GPU = 1 if PROFILE == "cuda" else None
 # the machine together. Snakemake exports a job's threads as OMP_NUM_THREADS / MKL_NUM_THREADS (torch's intra-op
 # threads). The stages that start vLLM engines bound to both cores (threads_bind "0-1": peers, vllm) declare 2
 # (ENGINE_THREADS): nothing runs beside them on the 2-core machine, and their engines run as a user runs vLLM, on
-# every core. Every other stage declares 1 and runs beside another: torch's second intra-op thread on SmolLM2-sized
-# work mostly spin-waits (equivalence at 2 threads kept 1.6 of the 2 cores busy for the work one thread does in
-# ~0.8 of the CPU time), so two one-thread stages side by side finish sooner than one after the other at two threads
-# (docs/testing.md, "Where the time goes"). Their timed pairs then share the machine with another stage's work; each
-# arm of a pair does, in balanced order (never compare a stage's absolute times across runs).
+# every core. Every other stage declares 1 and runs beside another: the work is about the same either way
+# (equivalence 303 CPU-s at one thread, 316 at two), but two one-thread stages side by side keep both cores busy
+# where one two-thread stage kept ~1.6 of them, so the pipeline ends sooner (docs/testing.md, "How the stages share
+# the 2 cores"). Their timed pairs then share the machine with another stage's work; each arm of a pair does, in
+# balanced order (never compare a stage's absolute times across runs).
 ENGINE_THREADS = 2
 ENGINE_STAGES = ["peers", "vllm"]
 

@@ -33,10 +33,11 @@ def accepts(family: int, address: Any, timeout_s: float = 1.0) -> bool:
 
 
 def kill_evidence(returncode: int | None, addresses: dict[str, bool]) -> dict[str, Any]:
-    """What shows a SIGKILL landed: the process's exit status (-9) and none of its addresses still accepting."""
+    """What shows a SIGKILL ended the server: its exit status (-9) and none of its addresses still accepting. (Not
+    that the kill came during a load: that needs the loads' own counters.)"""
     return {"exit_status": returncode, "killed_by_sigkill": returncode == -signal.SIGKILL,
             "still_accepting": {name: up for name, up in addresses.items() if up},
-            "landed": returncode == -signal.SIGKILL and not any(addresses.values())}
+            "server_gone": returncode == -signal.SIGKILL and not any(addresses.values())}
 
 
 class Peer:

@@ -572,7 +572,7 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
             row["engine_alive"] = eng.proc.poll() is None
             rows[name] = row
             # the exit status says SIGKILL, and neither its port(s) nor its socket accept a connection any more
-            case.check(f"{name}_server_was_killed", killed["landed"], value=killed)
+            case.check(f"{name}_server_was_killed", killed["server_gone"], value=killed)
         km = rows["kmesh"]
         case.check("kmesh_engine_kept_serving_right_tokens",
                    km["engine_alive"] and km["during"].get("tokens_right") is True
