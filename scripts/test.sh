@@ -49,8 +49,6 @@ KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 nice -n "${KMESH_SUITE_NICE:-0}" 
 suite=$?
 wait "$slurm"
 slurm_rc=$?
-echo "--- the SLURM profile's test beside the suite ($slurm_log) ---"
-tail -n 15 "$slurm_log"
 wait "$pipeline"
 stages=$?
 echo "--- the pipeline beside the suite ($console) ---"
@@ -59,6 +57,10 @@ KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$ov
   python -m pytest -q -p no:cacheprovider tests/test_stage_results.py
 checked=$?
 rm -rf "$stage_tmp"
+# Last, so that a CI page showing only the output's tail shows why the SLURM test failed (CI at f770335 showed only
+# "slurm test exit 1": its tail was printed before the pipeline's console and cut).
+echo "--- the SLURM profile's test beside the suite ($slurm_log) ---"
+if ((slurm_rc)); then tail -n 60 "$slurm_log"; else tail -n 3 "$slurm_log"; fi
 echo "[kmesh] make test: suite exit $suite, slurm test exit $slurm_rc, pipeline exit $stages," \
   "stage results exit $checked, $(( $(date +%s) - start )) s"
 exit $(( suite || slurm_rc || stages || checked ))
