@@ -30,6 +30,9 @@ Cases:
   ttft-<T>                     time to first token, matched pairs (kmesh.bench): repair only vs full recompute,
                                end to end (request to first token through a real service: kmesh.stages.
                                equivalence.endtoend) vs full recompute, and full vs transformers' own forward
+  repair-self-consistent,      the repair held to its algorithm (kmesh.stages.equivalence.invariants): a child restored
+  repair-matches-float64       from its own full prefill gives that prefill back; every repaired child's recomputed
+                               rows, selection and logits replayed in float64 by an independent reference
   rag-workload, rag-quality,   the RAG-shaped workload and the repair strategies' quality/speed frontier: full,
   rag-ttft                     naive, stock, stock-matched, repair x ratios, epic x k (kmesh.stages.equivalence.rag)
 """
@@ -53,6 +56,7 @@ from kmesh.model.quality import (arm_quality, compare_states, identical, reprodu
 from kmesh.model.runner import transformers_sdpa_policy
 from kmesh.result import Result
 from kmesh.stages.equivalence import controls
+from kmesh.stages.equivalence.invariants import invariant_cases
 from kmesh.stages.equivalence.onepath import one_path_cases
 from kmesh.stages.equivalence.rag import FrontierArm, expected_recomputed, rag_cases
 from kmesh.stages.equivalence.refs import FULL, REPAIR, RefKey, Refs
@@ -271,6 +275,7 @@ def run(cfg: Config) -> Result:
                      tokens_equal=agg["tokens_equal"], identical_children=agg["identical_children"],
                      failure_controls_passed=agg["failure_controls_passed"])
     res.extra["quality"], res.extra["repair_vs_stock_matched"] = _quality_case(res, setup, refs)
+    invariant_cases(res, setup, refs)
     res.extra["end_of_turn_ids"] = list(setup.ctx.stop_ids)
     res.extra["ttft"] = ttft_cases(res, setup)
     res.extra["rag"] = rag_cases(res, setup)
