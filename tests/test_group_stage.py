@@ -43,7 +43,8 @@ def env():
     export = export_segments(runner, lc, w, b"group-stage-test")
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
     sec = {"children": 3, "scaling": {"sizes": [1, 3], "pairs": 1, "warmup": 0}, "batched_tolerance": 1e-4,
-           "failure": {"child": "B", "after_layer": 0}}
+           "failure": {"child": "B", "after_layer": 0},
+           "invariants": {"children": 2, "rows_rel_bound": 1e-4, "logits_rel_bound": 1e-4}}
     s = SimpleNamespace(runner=runner, workload=w, export=export, ctx=ctx, device=torch.device("cpu"), sec=sec,
                         group=w.children, cfg=SimpleNamespace(section=lambda name: {"pairs": 1, "warmup": 0}))
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)
@@ -133,8 +134,8 @@ def test_bench_helpers(env):
 
     res = Result("group", "cpu", {}, [])
     unbatched = run_group(env.s, env.svc, env.s.group).outcomes
-    bound = group_bench.batched_agreement(res, env.s, env.serial, unbatched)
-    assert bound["rotation_bit_identical"] and bound["tokens_equal"]
+    bound, batched = group_bench.batched_agreement(res, env.s, env.serial, unbatched)
+    assert bound["rotation_bit_identical"] and bound["tokens_equal"] and set(batched) == set(unbatched)
     # one meaning everywhere: mask_comparisons made, masks_equal found equal (2 children x 4 layers here)
     assert bound["masks_equal"] == bound["mask_comparisons"] == len(unbatched) * env.s.runner.num_layers
     assert bound["max_abs_diff"] <= 1e-4
@@ -172,7 +173,7 @@ def test_rotation_check_fails_on_any_backend_when_a_byte_differs(env, monkeypatc
     s = SimpleNamespace(**{**vars(env.s), "ctx": dataclasses.replace(env.s.ctx, restore_backend="cuda")})
     res = Result("group", "cuda", {}, [])
     unbatched = run_group(env.s, env.svc, env.s.group).outcomes
-    bound = group_bench.batched_agreement(res, s, env.serial, unbatched)
+    bound, _ = group_bench.batched_agreement(res, s, env.serial, unbatched)
     (case,) = res.cases
     assert case.checks["rotation_bit_identical"]["ok"] is False and "rotation_recorded" not in case.checks
     assert case.checks["rotation_bit_identical"]["value"] == {ch.name: 1 for ch in env.s.group}
@@ -267,3 +268,27 @@ def test_rag_scaling_on_the_rag_shape(env):
     assert case.params["segments"] == 4 and "group_rag_2_serial_vs_batched" in res.timings
     assert out["goal_batched_2x_at_2"]["goal"] == 2.0 and "serial_iqr_over_median" in out["goal_batched_2x_at_2"]
     assert case.checks["batched_logits_max_abs_diff"]["value"] <= 1e-3
+
+
+def test_invariants_case_replays_both_paths_and_names_a_wrong_row(env):
+    """repair-matches-float64 (issue 50): the layer-major and batched outcomes of the first members replayed in
+    float64; one recomputed row's K changed in the batched outcome fails `recomputed_rows_kv_within_bound` by name."""
+    from kmesh.result import Result
+    from kmesh.stages.group.stage import _invariants_case
+
+    unbatched = run_group(env.s, env.svc, env.s.group).outcomes
+    res = Result("group", "cpu", {}, [])
+    _, batched = group_bench.batched_agreement(res, env.s, env.serial, unbatched)
+    _invariants_case(res, env.s, unbatched, batched)
+    case = res.cases[-1]
+    assert case.id == "repair-matches-float64" and case.passed, (case.checks, case.error)
+    assert set(case.checks["recomputed_rows_kv_within_bound"]["value"]) == {
+        "layer-major/A", "layer-major/B", "batched/A", "batched/B"}
+    wrong = dataclasses.replace(batched["B"], k=batched["B"].k.clone())
+    row = int(wrong.masks[2].nonzero()[0])
+    wrong.k[2, row] += 0.25
+    res = Result("group", "cpu", {}, [])
+    _invariants_case(res, env.s, unbatched, {**batched, "B": wrong})
+    (case,) = res.cases
+    assert not case.passed and not case.checks["recomputed_rows_kv_within_bound"]["ok"]
+    assert case.checks["selection_is_reference_top_k"]["ok"] and case.checks["masks_follow_rule"]["ok"]

@@ -150,11 +150,13 @@ class Arms:
 # -- batched agreement -----------------------------------------------------------------------------------------
 
 def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOutcome],
-                      unbatched: dict[str, ChildOutcome]) -> dict[str, Any]:
-    """`unbatched`: the group-layer-major case's outcomes (unbatched, bit-identical to `serial`, checked again)."""
+                      unbatched: dict[str, ChildOutcome]) -> tuple[dict[str, Any], dict[str, ChildOutcome]]:
+    """`unbatched`: the group-layer-major case's outcomes (unbatched, bit-identical to `serial`, checked again).
+    Returns the case's figures and the batched outcomes (empty if the case failed before them)."""
     children = setup.group
     catalog, runner, ctx = setup.export.catalog, setup.runner, setup.ctx
     out: dict[str, Any] = {}
+    got: dict[str, ChildOutcome] = {}
     with res.case("batched-agreement", {"children": [ch.name for ch in children]}) as case:
         # rotation: the batched layer-wise restore writes exactly what per-member restore() writes
         per_member = {ch.name: new_cache(ctx, ch) for ch in children}
@@ -174,7 +176,6 @@ def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOut
         restore = LayerwiseRestore(runner, restore_parts(setup, children, caches, setup.export.raw))
         group_out = blend_group(runner, members, ctx.repair, batched=True, restore=restore,
                                 attention=batched_attention(setup))
-        got = {}
         for member, child in zip(members, children):
             result = group_out.results[member.name]
             tokens = runner.decode(member.cache, len(member.ids), result.logits, ctx.max_new_tokens)
@@ -200,7 +201,7 @@ def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOut
                "tolerance_rel": tol, "mask_comparisons": sum(x["layers"] for x in cmps.values()),
                "masks_equal": sum(x["mask_equal_layers"] for x in cmps.values()),
                "tokens_equal": all(x["tokens_equal"] for x in cmps.values())}
-    return out
+    return out, got
 
 
 # -- peak memory --------------------------------------------------------------------------------------------------

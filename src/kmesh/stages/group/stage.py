@@ -22,6 +22,8 @@ Cases:
                         handle open and nothing pending
   batched-agreement     batched group math (kmesh.model.group) vs the unbatched layer-major path: rotation and
                         deviation bit-identical; K/V/logits bound measured; masks and tokens equal
+  repair-matches-float64  the first members' layer-major and batched outcomes replayed in float64 by an
+                        independent reference (kmesh.harness.invariants): recomputed rows, selection, logits
   scaling-<N>           matched rounds per group size (kmesh.stages.group.bench): serial, layer-major and
                         batched in every round; serial vs layer-major, serial vs batched over the same serial
                         runs; every arm's spread; peak memory per arm
@@ -40,11 +42,13 @@ import torch
 from kmesh.config import Config
 from kmesh.errors import KMeshError
 from kmesh.harness.child import ChildOutcome, full_reference, run_child
+from kmesh.harness.invariants import REFERENCE, check_replays, replay_outcome
 from kmesh.harness.modelsetup import ModelSetup, SetupSpec, begin_with_setup, build_setup
 from kmesh.harness.service_side import ServiceSide
 from kmesh.harness.workload import Child, RagSpec, build_rag
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
 from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.reference.decoder import Float64Decoder
 from kmesh.result import Case, Result
 from kmesh.stages.group import bench
 from kmesh.stages.group.path import GroupRun, run_group
@@ -214,6 +218,28 @@ def _originals_case(res: Result, setup: GroupSetup, svc: ServiceSide) -> bool:
     return ok
 
 
+def _invariants_case(res: Result, setup: GroupSetup, layer_major: dict[str, ChildOutcome],
+                     batched: dict[str, ChildOutcome]) -> None:
+    """repair-matches-float64: the first `invariants.children` members' layer-major and batched outcomes replayed
+    in float64 (kmesh.harness.invariants): the group's two repair paths held to the algorithm, not to each other."""
+    sec = setup.sec["invariants"]
+    members = list(setup.group)[: int(sec["children"])]
+    rows_bound, logits_bound = float(sec["rows_rel_bound"]), float(sec["logits_rel_bound"])
+    band = float(sec.get("tie_band_factor", 4.0))
+    params = {"members": [m.name for m in members], "paths": ["layer-major", "batched"], "reference": REFERENCE,
+              "rows_rel_bound": rows_bound, "logits_rel_bound": logits_bound, "tie_band_factor": band}
+    with res.case("repair-matches-float64", params) as case:
+        runs = {(path, m): outs.get(m.name) for path, outs in (("layer-major", layer_major), ("batched", batched))
+                for m in members}
+        missing = sorted(f"{path}/{m.name}" for (path, m), o in runs.items() if o is None)
+        if not case.check("every_outcome_present", not missing, value=missing):
+            return
+        dec = Float64Decoder(setup.runner.model, setup.runner.rope, setup.runner.device)
+        report = {f"{path}/{m.name}": replay_outcome(dec, setup.ctx, setup.export, m, o, band)
+                  for (path, m), o in runs.items() if o is not None}
+        check_replays(case, report, rows_bound, logits_bound)
+
+
 def run(cfg: Config) -> Result:
     res, setup = begin_with_setup("group", cfg, make_setup, model=cfg.section("group")["model"])
     if setup is None:
@@ -238,8 +264,9 @@ def run(cfg: Config) -> Result:
                      masks_equal=agg.get("masks_equal"),
                      kv_layer_comparisons=agg.get("kv_layer_comparisons"), max_abs_diff=agg.get("max_abs_diff"),
                      originals_unchanged=unchanged, **fail)
-    res.extra["batched_bound"] = bench.batched_agreement(res, setup, inproc,
-                                                         group_run.outcomes if group_run else {})
+    res.extra["batched_bound"], batched = bench.batched_agreement(res, setup, inproc,
+                                                                  group_run.outcomes if group_run else {})
+    _invariants_case(res, setup, group_run.outcomes if group_run else {}, batched)
     res.extra["scaling"] = bench.scaling(res, setup)
     res.extra["bytes_held"] = bench.bytes_held(res, setup, store_bytes)
     res.extra["rag_scaling"] = _rag_scaling(res, setup)   # group.rag is required: its cases cannot be configured away
