@@ -51,6 +51,9 @@ class Repaired:
     segment: KVSegment          # K/V of positions [0, E) in the model's dtype
     logits: torch.Tensor        # next-token logits after the span (for agreement checks)
     recomputed: list[int]       # per layer
+    masks: torch.Tensor | None = None       # bool [layers, E]: the positions recomputed at each layer
+    restored: torch.Tensor | None = None    # bool [E]: the positions that held restored K/V
+    before: KVSegment | None = None         # keep_restored: K/V of [0, E) as restored, before the repair
 
 
 def kv_digest(seg: KVSegment) -> str:
@@ -71,19 +74,22 @@ def _to_dtype(seg: KVSegment, dtype_name: str, torch_dtype: torch.dtype) -> KVSe
 
 @torch.no_grad()
 def repair_span(model: RepairModel, ids: Sequence[int], span_raw: torch.Tensor, span_layout: KVLayout,
-                restored: torch.Tensor, config: RepairConfig) -> Repaired:
+                restored: torch.Tensor, config: RepairConfig, keep_restored: bool = False) -> Repaired:
     """Repair the span `ids` (= prompt[0:E]): `span_raw` (slot = position, `span_layout`) holds restored K/V at the
     positions `restored` marks; they move into the model's own cache in its dtype, every other position starts as
-    poison (a position nobody wrote cannot pass), and repair() recomputes what it must. K/V of every position."""
+    poison (a position nobody wrote cannot pass), and repair() recomputes what it must. K/V of every position, and
+    with `keep_restored` a copy of the span as restored (what a check of the repair compares with)."""
     E = len(ids)
     cache = model.new_cache(E, fill=float("nan"))
     pos = restored.nonzero().flatten()
     if len(pos):
         seg = _to_dtype(capture(span_raw, span_layout, pos, pos), model.dtype_name, model.dtype)
         restore(cache.raw, cache.layout, seg, pos, pos, model.rope)          # model cache: slot = position
-    out = repair(model, torch.tensor(list(ids)), cache, restored, config, arm="repair")
     every = torch.arange(E)
-    return Repaired(capture(cache.raw, cache.layout, every, every), out.logits, out.counts())
+    before = capture(cache.raw, cache.layout, every, every) if keep_restored else None
+    out = repair(model, torch.tensor(list(ids)), cache, restored, config, arm="repair")
+    return Repaired(capture(cache.raw, cache.layout, every, every), out.logits, out.counts(), out.masks.clone(),
+                    restored.clone(), before)
 
 
 def write_span(engine_raw: torch.Tensor, engine_layout: KVLayout, seg: KVSegment, slots: torch.Tensor,

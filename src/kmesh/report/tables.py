@@ -509,19 +509,30 @@ PEER_ARMS = ("vllm", "vllm-prefix", "lmcache", "kmesh")
 def peers_frame(summary: dict[str, Any]) -> pd.DataFrame:
     """The peers stage's table: per workload × arm, tokens equal to vllm's, tokens reused (each system's own count),
     TTFT median, its paired ratios vs vllm (a recompute) and vs vllm-prefix (plain vLLM with its prefix cache, as its
-    users run it) and the pairs it won against vllm (summary keys exact, interior, ttft_exact, ttft_interior; a
-    result from before vllm-prefix existed has no such rows)."""
+    users run it) and the pairs it won against vllm (summary keys exact, interior, ttft_cross_engine, ttft_exact,
+    ttft_interior; a result from before vllm-prefix or the cross-engine case existed has no such rows). The
+    cross-engine rows come first: a prompt stored by another engine process is the reuse only an external cache
+    gives (vllm-prefix's own cache never saw it)."""
     rows = []
     exact = (summary.get("exact") or {}).get("arms", {})
     interior = summary.get("interior") or {}
-    for workload, ttft_key in (("exact prefix (repeat)", "ttft_exact"), ("interior segments", "ttft_interior")):
+    for workload, ttft_key in (("stored by another engine process", "ttft_cross_engine"),
+                               ("exact prefix (repeat)", "ttft_exact"), ("interior segments", "ttft_interior")):
         ttft = summary.get(ttft_key) or {}
+        if not ttft and ttft_key == "ttft_cross_engine":     # a result from before that case
+            continue
         reused_timed = ttft.get("reused_per_request", {})
         for arm in PEER_ARMS:
             if arm not in ttft and arm not in exact:
                 continue
             t = ttft.get(arm, {})
-            if workload.startswith("exact"):
+            if ttft_key == "ttft_cross_engine":
+                equal = (f"first token {ttft.get('first_token_equal_vllm', {}).get(arm)}/{ttft.get('rounds')}"
+                         if arm != "vllm" else "reference")
+                timed = [v for v in reused_timed.get(arm, []) if v is not None]
+                reused = (f"{min(timed)}–{max(timed)}" if timed and min(timed) != max(timed)
+                          else (timed[0] if timed else 0)) if arm != "vllm" else 0
+            elif workload.startswith("exact"):
                 e = exact.get(arm, {})
                 equal = ("yes" if all(e.get("tokens_equal", {}).values()) else "no") if arm != "vllm" else "reference"
                 reused = e.get("reused", {}).get("repeat") if arm != "vllm" else 0

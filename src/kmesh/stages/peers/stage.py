@@ -20,6 +20,10 @@ repeat is served by the connector, whose loads are what is measured. Both connec
                  connector's report; vllm-prefix: vLLM's num_cached_tokens) — asserted > 0 for all three on the repeat
   ttft-exact     time to first token of the repeated prompt, the four arms in balanced rounds (kmesh.bench.rotate):
                  matched pairs per arm pair, medians of paired differences and ratios
+  ttft-cross-engine  the reuse only an external cache gives: each round a prompt the peers' first engines stored,
+                 requested by each peer's SECOND engine process, beside vllm and vllm-prefix (whose own prefix cache
+                 never saw it: a new process, or the same one after a restart); balanced rounds; every second-engine
+                 request reused by each peer's own count, LMCache's server counted the same hits
   interior       the equivalence workload's leader saves its segments, children place them elsewhere with private
                  text: LMCache can reuse only a chunk-aligned prefix (what it reused is counted, from its own numbers);
                  KMesh restores and repairs. Quality vs vllm's full computation per arm (tokens, first divergence,
@@ -58,7 +62,8 @@ ARM_SETTINGS = ("kv_connector", "kv_load_failure_policy", "enable_prefix_caching
 # the pairings drawn from the shared rounds: every arm against the recompute and against vllm-prefix, and the peers
 PAIRINGS = (("vllm", PREFIX), ("vllm", "lmcache"), ("vllm", "kmesh"), (PREFIX, "lmcache"), (PREFIX, "kmesh"),
             ("lmcache", "kmesh"))
-ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "interior", "ttft-interior", "fault-second-engine",
+ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "ttft-cross-engine", "interior", "ttft-interior",
+                "fault-second-engine",
          "fault-engine-killed-while-storing", "fault-server-killed-mid-load", "fault-server-restarted")
 CASES = ("arms-alike", *ENGINE_CASES)
 
@@ -69,7 +74,16 @@ class Arms:
     def __init__(self, peers: dict[str, Peer]) -> None:
         self.peers = peers
         self.engines: dict[str, EngineProcess | None] = {a: None for a in ARMS}
+        self.second: dict[str, EngineProcess] = {}     # each peer's second engine process (spawned once)
         self.extra: list[EngineProcess] = []
+
+    def second_engines(self) -> dict[str, EngineProcess]:
+        """Each peer's second engine process, started on the first call (both at once) and kept."""
+        if not self.second:
+            spawned = {name: peer.engine("second", wait=False) for name, peer in self.peers.items()}
+            self.extra.extend(spawned.values())
+            self.second = {name: eng.ready() for name, eng in spawned.items()}
+        return self.second
 
     def close(self) -> None:
         for eng in [*self.extra, *self.engines.values()]:
@@ -135,6 +149,7 @@ def run(cfg: Config) -> Result:
         exact = _exact(res, sec, workload, arms)
         summary["exact"] = exact.get("summary")
         summary["ttft_exact"] = _ttft_exact(res, cfg, sec, arms, exact)
+        summary["ttft_cross_engine"] = _ttft_cross_engine(res, cfg, sec, workload, arms)
         interior = _interior(res, sec, workload, tok, arms)
         summary["interior"] = interior
         summary["ttft_interior"] = _ttft_interior(res, cfg, sec, workload, arms)
@@ -354,6 +369,79 @@ def _ttft_exact(res: Result, cfg: Config, sec: dict[str, Any], arms: Arms, exact
     return out
 
 
+def _cross_prompts(sec: dict[str, Any], workload: Workload, count: int) -> list[list[int]]:
+    """`count` prompts of peers.exact.prompt_tokens real tokens no engine has seen as a prefix: consecutive windows of
+    the workload's tokens read backwards (the forward text is the exact and interior prompts')."""
+    pool = [t for ids in [workload.leader_ids, *[c.ids for c in workload.children]] for t in ids][::-1]
+    n = int(sec["exact"]["prompt_tokens"])
+    if len(pool) < count * n:
+        raise ValueError(f"{count} cross-engine prompts of {n} tokens exceed the workload's {len(pool)} tokens")
+    return [pool[i * n:(i + 1) * n] for i in range(count)]
+
+
+def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: Workload,
+                       arms: Arms) -> dict[str, Any]:
+    """The reuse only an external cache can give: each round a prompt the peers' FIRST engines stored (untimed), then
+    requested by each peer's SECOND engine process, beside vllm (recompute) and vllm-prefix (its own prefix cache has
+    never seen the prompt: what plain vLLM gives a new process, or the same one after a restart)."""
+    out: dict[str, Any] = {}
+    pairs, warmup = _rounds(cfg, sec, "exact")
+    prompts = _cross_prompts(sec, workload, pairs + warmup)
+    with res.case("ttft-cross-engine", {"prompt_tokens": len(prompts[0]), "rounds": len(prompts), "arms": list(ARMS),
+                                        "what": "a prompt stored by each peer's first engine, requested by its "
+                                                "second engine process"}) as case:
+        second = arms.second_engines()
+        heads = [tuple(p[:16]) for p in prompts]
+        case.check("every_round_a_prompt_of_its_own", len(set(heads)) == len(heads))
+        lm = arms.peers["lmcache"]
+        mark = lm.server.mark()
+        for ids in prompts:                              # stored by the first engines, before any timed request
+            for name in PEERS:
+                _request(arms.peers[name], arms.engines[name], [ids], 1)
+        stored = lm.server.counted(mark, settle_s=0.5)
+        case.check("lmcache_server_stored_every_prompt", stored.get("l1_write_chunks", 0) >= len(prompts),
+                   value=stored)
+        reused: dict[str, dict[int, int | None]] = {a: {} for a in REUSERS}
+        first: dict[str, dict[int, list[int]]] = {a: {} for a in ARMS}
+        engines = {**{a: arms.engines[a] for a in ("vllm", PREFIX)}, **second}
+
+        def request(arm: str, index: int) -> None:
+            peer = arms.peers.get(arm)
+            o = engines[arm].ttft_output(prompts[index], peer.params() if peer else None)
+            first[arm][index] = list(o["tokens"][:1])
+            if arm in reused:
+                reused[arm][index] = _reused(arms, arm, o)
+
+        mark = lm.server.mark()
+        timings, positions = _timed_rounds(cfg, sec, arms, request, "peers ttft-cross-engine", "exact")
+        for name, t in timings.items():
+            res.timings[f"ttft_cross_engine_{name}"] = t
+        counted = lm.server.counted(mark)
+        out = _ttft_row(timings)
+        out["per_position"] = positions
+        out["reused_per_request"] = {a: list(v.values()) for a, v in reused.items()}
+        out["engines"] = {a: engines[a].pid for a in ARMS}
+        # the first token of every timed request (warm-up rounds too) against vllm's for the same prompt
+        out["first_token_equal_vllm"] = {a: sum(first[a][i] == first["vllm"][i] for i in first["vllm"])
+                                         for a in ARMS if a != "vllm"}
+        out["rounds"] = len(first["vllm"])
+        case.check("first_token_equal_vllm_every_request",
+                   all(n == out["rounds"] for n in out["first_token_equal_vllm"].values()),
+                   value=out["first_token_equal_vllm"])
+        for name in PEERS:
+            case.check(f"{name}_second_engine_reused_every_prompt",
+                       all((n or 0) > 0 for n in reused[name].values()) and len(reused[name]) == len(prompts),
+                       value=reused[name])
+        case.check("vllm_prefix_had_nothing_to_reuse", all(n == 0 for n in reused[PREFIX].values()),
+                   value=reused[PREFIX])
+        case.check("lmcache_server_counted_every_hit", counted.get("lookup_hit_tokens") == sum(
+            n or 0 for n in reused["lmcache"].values()), value={"counted": counted, "reported": reused["lmcache"]})
+        case.check("peers_second_engines_are_other_processes",
+                   all(second[n].pid != arms.engines[n].pid for n in PEERS), value=out["engines"])
+        case.record("table", out)
+    return out
+
+
 def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, arms: Arms) -> dict[str, Any]:
     n_new = int(sec["max_new_tokens"])
     kids = workload.children[:int(sec["interior"]["quality_children"])]
@@ -485,10 +573,7 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
 
     with res.case("fault-second-engine", {"what": "a second engine process of each peer requests the prompt the "
                                                   "first one stored"}) as case:
-        spawned = {name: peer.engine("second", wait=False) for name, peer in arms.peers.items()}
-        arms.extra.extend(spawned.values())
-        for name, eng in spawned.items():
-            second[name] = eng.ready()
+        second.update(arms.second_engines())       # started by ttft-cross-engine (or now, if it did not run)
         rows = {}
         for name, peer in arms.peers.items():
             got = ask(name, second[name], prompt)

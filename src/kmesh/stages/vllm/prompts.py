@@ -46,7 +46,8 @@ def runner_repair(runner: LayerRunner, ids: Sequence[int], span: Span, span_end:
     if not 0 < span_end < T:
         raise ValueError(f"the repaired span must end inside the {T}-token prompt (before its last token), "
                          f"got {span_end}")
-    rep = repair_span(runner, list(ids[:span_end]), span.raw, span.layout, span.restored, config)
+    rep = repair_span(runner, list(ids[:span_end]), span.raw, span.layout, span.restored, config,
+                      keep_restored=True)
     cache = runner.new_cache(T + max_new_tokens, fill=float("nan"))      # poison: nothing unwritten can pass
     span = torch.arange(span_end)
     restore(cache.raw, cache.layout, rep.segment, span, span, runner.rope)   # slot = position, no shift

@@ -19,6 +19,9 @@ right after them; all pinned alike (thread binding, enforce_eager and torch.comp
                     K/V are the runner's), every token's logprob within vllm.logprob_bound; repairs matched to
                     children by request id. Recorded, not asserted: agreement with plain vLLM's full recompute
                     (tokens, first divergence, first-token top-k logprobs, answer)
+  repair-matches-float64  the interior case's repairs (the connector's own repair_span over the stored segments)
+                    replayed in float64 by an independent reference (kmesh.harness.invariants): recomputed rows,
+                    selection, forced positions, untouched restored rows, logits
   negative-control-exact     the control engine's warm requests for the exact-reuse prompts: it reports the
                     full blocks supplied but never wrote them; the exact-reuse checks run on its outputs must
                     fail (output differs from plain vLLM's): the engine reads what the connector supplies
@@ -43,9 +46,11 @@ from typing import Any
 import torch
 
 from kmesh.bench import Intervals, run_pairs
+from kmesh.harness.invariants import REFERENCE, check_replays, replay_span
 from kmesh.config import Config
 from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
 from kmesh.kv.repair import kv_digest
+from kmesh.reference.decoder import Float64Decoder
 from kmesh.model.blend import RepairConfig
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
@@ -61,7 +66,7 @@ from kmesh.harness.outputs import RunnerDecode, agreement, child_spans, repairs_
 
 # Every case that needs the engine (all but arrangement-refusals): with vllm.enabled false each one is a skip
 # naming the switch, allowed only where the profile says why (tests/test_skips.py keeps this list complete).
-ENGINE_CASES = ("setup", "arrangement", "exact-reuse", "interior", "negative-control-exact",
+ENGINE_CASES = ("setup", "arrangement", "exact-reuse", "interior", "repair-matches-float64", "negative-control-exact",
                 "negative-control-interior", "corrupt-object", "ttft", "service-down", "service-back", "engine-exit")
 
 
@@ -144,6 +149,7 @@ def run(cfg: Config) -> Result:
         fulls = {ch.name: runner_full(runner, ch.ids, max_new_tokens) for ch in workload.children}
         exact = _exact(res, workload, base, kmesh, fulls, max_new_tokens, bound)
         interior = _interior(res, sec, workload, tok, base, kmesh, runner, fulls, sock, bound)
+        _invariants_case(res, sec, workload, runner, interior.get("refs") or {})
         summary.update(exact.pop("summary"))
         summary.update(interior.pop("summary"))
         summary["negative_controls"] = {"fault": CONTROL_FAULT,
@@ -272,6 +278,26 @@ def span_end(child: Any) -> int:
     """The span the connector repairs and hands over: up to the end of the last segment, short of the last
     prompt token (the engine computes at least that one)."""
     return min(child.placements[-1].end, len(child.ids) - 1)
+
+
+def _invariants_case(res: Result, sec: dict[str, Any], workload: Workload, runner: Any,
+                     refs: dict[str, RunnerDecode]) -> None:
+    """repair-matches-float64: the interior case's repairs (kmesh.kv.repair.repair_span, the connector's own code, over
+    the segments as the engine stored them) replayed in float64 (kmesh.harness.invariants)."""
+    inv = sec["invariants"]
+    rows_bound, logits_bound = float(inv["rows_rel_bound"]), float(inv["logits_rel_bound"])
+    band = float(inv.get("tie_band_factor", 4.0))
+    config = RepairConfig.from_dict(sec["repair"])
+    params = {"children": [ch.name for ch in workload.children], "reference": REFERENCE, "repair": sec["repair"],
+              "rows_rel_bound": rows_bound, "logits_rel_bound": logits_bound, "tie_band_factor": band}
+    with res.case("repair-matches-float64", params) as case:
+        have = [ch.name for ch in workload.children if ch.name in refs and refs[ch.name].repair is not None]
+        if not case.check("every_interior_repair_present", len(have) == len(workload.children), value=have):
+            return
+        dec = Float64Decoder(runner.model, runner.rope, runner.device)
+        report = {ch.name: replay_span(dec, ch.ids[:span_end(ch)], refs[ch.name].repair, config, band)
+                  for ch in workload.children}
+        check_replays(case, report, rows_bound, logits_bound)
 
 
 def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, base: EngineProcess,
