@@ -96,7 +96,8 @@ class LMCacheServer:
                 "--http-host", HOST, "--http-port", str(self.http_port),
                 "--supported-transfer-mode", str(s["transfer_mode"]), "--chunk-size", str(int(s["chunk_size"])),
                 "--l1-size-gb", str(float(s["l1_size_gb"])), "--eviction-policy", str(s["eviction_policy"]),
-                "--worker-reap-timeout-seconds", str(float(s["worker_reap_timeout_s"]))]
+                "--worker-reap-timeout-seconds", str(float(s["worker_reap_timeout_s"])),
+                *(["--engine-type", str(s["engine_type"])] if s.get("engine_type") else [])]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -166,6 +167,10 @@ class LMCacheServer:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise PeerServerError(f"LMCache GET {path}: HTTP {e.code}") from e
+
+    def raw_status(self) -> dict[str, Any]:
+        """LMCache's own /status, whole (its engine type and every module's report)."""
+        return self._get("/status")
 
     def status(self) -> dict[str, Any]:
         """LMCache's own /status, reduced to what the stage reads: sessions, engine instances, L1 objects/bytes."""

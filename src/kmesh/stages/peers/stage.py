@@ -28,6 +28,9 @@ repeat is served by the connector, whose loads are what is measured. Both connec
                  text: LMCache can reuse only a chunk-aligned prefix (what it reused is counted, from its own numbers);
                  KMesh restores and repairs. Quality vs vllm's full computation per arm (tokens, first divergence,
                  answer exact-match), recorded; asserted: every arm served every child, KMesh supplied each child's span
+  lmcache-blend  LMCache's own CacheBlend tried as its users configure it (its MP server with --engine-type blend, its
+                 MP connector) on the interior children: the error it gave, or what it reused by its own counts and
+                 whether its blend module ever saw the engine; recorded as the outcome, never assumed
   ttft-interior  time to first token of children never requested before (one fresh child per round, the same child
                  for every arm of the round), the four arms in balanced rounds
   fault-*        the same scenario against both servers; KMesh's outcome asserted (it is ours), LMCache's recorded:
@@ -49,6 +52,7 @@ from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_m
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Result
+from kmesh.stages.peers.lmcache_server import PeerServerError
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.harness.outputs import agreement, child_spans, repairs_by_request, save_spans
@@ -62,17 +66,20 @@ ARM_SETTINGS = ("kv_connector", "kv_load_failure_policy", "enable_prefix_caching
 # the pairings drawn from the shared rounds: every arm against the recompute and against vllm-prefix, and the peers
 PAIRINGS = (("vllm", PREFIX), ("vllm", "lmcache"), ("vllm", "kmesh"), (PREFIX, "lmcache"), (PREFIX, "kmesh"),
             ("lmcache", "kmesh"))
-ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "ttft-cross-engine", "interior", "ttft-interior",
+ENGINE_CASES = ("setup", "exact-reuse", "ttft-exact", "ttft-cross-engine", "interior", "lmcache-blend",
+                "ttft-interior",
                 "fault-second-engine",
          "fault-engine-killed-while-storing", "fault-server-killed-mid-load", "fault-server-restarted")
 CASES = ("arms-alike", *ENGINE_CASES)
 
 
 class Arms:
-    """The four arms' engines and the two peers' servers, one place to close them all."""
+    """The four arms' engines and the two peers' servers (and LMCache's blend attempt), one place to close them all."""
 
-    def __init__(self, peers: dict[str, Peer]) -> None:
+    def __init__(self, peers: dict[str, Peer], blend: LMCachePeer) -> None:
         self.peers = peers
+        self.blend = blend                              # LMCache's server with --engine-type blend (lmcache-blend)
+        self.blend_engine: EngineProcess | None = None
         self.engines: dict[str, EngineProcess | None] = {a: None for a in ARMS}
         self.second: dict[str, EngineProcess] = {}     # each peer's second engine process (spawned once)
         self.extra: list[EngineProcess] = []
@@ -85,14 +92,35 @@ class Arms:
             self.second = {name: eng.ready() for name, eng in spawned.items()}
         return self.second
 
+    def start_blend(self) -> dict[str, Any]:
+        """Start the blend attempt's server and (not waiting) its engine; never raises: what failed is the outcome."""
+        try:
+            out: dict[str, Any] = {"server_start_s": self.blend.start()}
+            self.blend_engine = self.blend.engine("blend", wait=False)
+            return out
+        except (PeerServerError, EngineError) as e:
+            return {"error": f"{type(e).__name__}: {str(e)[-800:]}"}
+
+    def blend_ready(self, start: dict[str, Any]) -> dict[str, Any]:
+        """Wait for the blend attempt's engine; a failure to come up is recorded in `start` and the engine dropped."""
+        if self.blend_engine is not None:
+            try:
+                self.blend_engine.ready()
+                start["engine_start_s"] = self.blend_engine.start_s
+            except EngineError as e:
+                start["error"] = f"{type(e).__name__}: {str(e)[-800:]}"
+                self.blend_engine.kill()
+                self.blend_engine = None
+        return start
+
     def close(self) -> None:
-        for eng in [*self.extra, *self.engines.values()]:
+        for eng in [*self.extra, *self.engines.values(), self.blend_engine]:
             if eng is not None:
                 try:
                     eng.close(timeout_s=30)
                 except EngineError:
                     eng.kill()
-        for peer in self.peers.values():
+        for peer in [*self.peers.values(), self.blend]:
             peer.stop()
 
 
@@ -110,13 +138,17 @@ def run(cfg: Config) -> Result:
         res.extra["engine"] = "disabled by peers.enabled (this host has no vLLM/LMCache)"
         res.disabled("peers.enabled", False, ENGINE_CASES)
         return res
-    arms = Arms(peers)
+    # LMCache's own CacheBlend, as its users would ask for it: its MP server with --engine-type blend and its MP
+    # connector in the engine (issue 45 finding 2; its issue #5101 says the MP blend client side is missing)
+    arms = Arms(peers, LMCachePeer(model_dir, workdir / "lmcache-blend", common,
+                                   {**sec["lmcache"], "engine_type": "blend"}))
     summary: dict[str, Any] = {"arms": list(ARMS)}
     try:
         with res.case("setup", {"model": str(model_dir), **common}) as case:
             from transformers import AutoTokenizer
 
             starts = {name: peer.start() for name, peer in peers.items()}
+            blend_start = arms.start_blend()
             arms.engines.update({"vllm": EngineProcess(model_dir, None, log_path=workdir / "engine-vllm.log",
                                                        wait=False, **common),
                                  PREFIX: EngineProcess(model_dir, None, log_path=workdir / f"engine-{PREFIX}.log",
@@ -125,6 +157,7 @@ def run(cfg: Config) -> Result:
             tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)   # while the engines start
             for eng in arms.engines.values():          # all start at once (each closed by arms.close() if one fails)
                 eng.ready()
+            case.record("lmcache_blend_start", arms.blend_ready(blend_start))
             info = {arm: arms.engines[arm].info for arm in ARMS}
             case.record("server_start_s", starts)
             case.record("engine_start_s", {arm: arms.engines[arm].start_s for arm in ARMS})
@@ -150,15 +183,32 @@ def run(cfg: Config) -> Result:
         summary["exact"] = exact.get("summary")
         summary["ttft_exact"] = _ttft_exact(res, cfg, sec, arms, exact)
         summary["ttft_cross_engine"] = _ttft_cross_engine(res, cfg, sec, workload, arms)
-        interior = _interior(res, sec, workload, tok, arms)
+        interior, interior_ref = _interior(res, sec, workload, tok, arms)
         summary["interior"] = interior
+        summary["lmcache_blend"] = _lmcache_blend(res, sec, workload, tok, arms, blend_start, interior_ref)
         summary["ttft_interior"] = _ttft_interior(res, cfg, sec, workload, arms)
         summary["faults"] = _faults(res, sec, arms, exact, summary["ttft_exact"] or {})
     finally:
         arms.close()
+        _keep_logs_of_a_failure(res, cfg, workdir)
         shutil.rmtree(workdir, ignore_errors=True)
     res.extra.update(summary)
     return res
+
+
+def _keep_logs_of_a_failure(res: Result, cfg: Config, workdir: Path) -> None:
+    """A run with a failed case keeps its engines' and servers' logs (results/<profile>/peers/logs/), which the
+    temporary work directory would take with it: what LMCache or vLLM said is what explains a failure."""
+    if all(c.passed is not False for c in res.cases):
+        return
+    dest = cfg.stage_dir("peers") / "logs"
+    dest.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for log in sorted(workdir.rglob("*.log")):
+        name = str(log.relative_to(workdir)).replace("/", "--")
+        shutil.copyfile(log, dest / name)
+        kept.append(name)
+    res.extra["failure_logs"] = {"dir": str(dest), "files": kept}
 
 
 def _arms_alike(res: Result, model_dir: Path, common: dict[str, Any], peers: dict[str, Peer]) -> None:
@@ -442,10 +492,13 @@ def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: 
     return out
 
 
-def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, arms: Arms) -> dict[str, Any]:
+def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any,
+              arms: Arms) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(per-arm rows, vllm's outputs for the children: the reference)."""
     n_new = int(sec["max_new_tokens"])
     kids = workload.children[:int(sec["interior"]["quality_children"])]
     out: dict[str, Any] = {}
+    ref: list[dict[str, Any]] = []
     with res.case("interior", {"segments": [s.tokens for s in workload.segments], "children": len(kids),
                                "prompt_tokens": [len(c.ids) for c in kids], "max_new_tokens": n_new}) as case:
         _save_leader(arms, workload)
@@ -472,6 +525,54 @@ def _interior(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, ar
                 case.check(f"{name}_reuse_counted_for_every_child", all(r is not None for r in reused), value=reused)
         case.record("per_arm", rows)
         out = {arm: {k: v for k, v in r.items() if k != "children"} for arm, r in rows.items()}
+    return out, ref
+
+
+def _lmcache_blend(res: Result, sec: dict[str, Any], workload: Workload, tok: Any, arms: Arms,
+                   start: dict[str, Any], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """LMCache's CacheBlend tried as its users would configure it on the interior workload: its MP server with
+    --engine-type blend, its MP connector in an engine of the same settings, the leader then the children. The
+    outcome is what happened: the error it gave, or what it reused by its own counts and whether the server's blend
+    module ever saw the engine (its /status: registered_cb_rope_instances)."""
+    kids = workload.children[:int(sec["interior"]["quality_children"])]
+    peer, eng = arms.blend, arms.blend_engine
+    out: dict[str, Any] = {"server_command": peer.server.command()[1:], "start": start}
+    with res.case("lmcache-blend", {"what": "LMCache's MP server with --engine-type blend and LMCacheMPConnector, "
+                                            "the interior workload's leader then its children",
+                                    "server_command": out["server_command"]}) as case:
+        if eng is None:
+            out.update(available=False, outcome=f"not available: {start.get('error')}")
+            case.record("outcome", out["outcome"])
+            case.check("attempt_failed_with_an_error_recorded", bool(start.get("error")), value=start)
+            return out
+        status = peer.server.raw_status()
+        case.check("server_runs_its_blend_module", status.get("engine_type") is not None
+                   and "registered_cb_rope_instances" in status, value=sorted(status))
+        if not kids or len(ref) != len(kids):
+            case.check("interior_reference_present", False, value=len(ref))
+            return out
+        n_new = int(sec["max_new_tokens"])
+        mark = peer.server.mark()
+        _request(peer, eng, [list(workload.leader_ids)], 1)
+        got = _request(peer, eng, [list(c.ids) for c in kids], n_new)
+        counted = peer.server.counted(mark, settle_s=1.0)
+        after = peer.server.raw_status()
+        reused = [peer.reused(o) for o in got]
+        rows = _quality_rows(tok, kids, got, ref, reused)
+        blend_seen = after.get("registered_cb_rope_instances") or []
+        prefix_only = all((n or 0) % int(sec["lmcache"]["chunk_size"]) == 0 for n in reused)
+        out.update(available=True, reused=reused, counted=counted, cb_rope_instances=blend_seen,
+                   tokens_equal_vllm=rows["tokens_equal_vllm"], count=rows["count"],
+                   outcome=(f"ran; reused {sum(n or 0 for n in reused)} of {sum(len(c.ids) for c in kids)} prompt "
+                            f"tokens by its own count ({'whole chunks only' if prefix_only else 'not whole chunks'}); "
+                            f"its blend module saw {len(blend_seen)} engine instance(s)"))
+        case.record("per_child", rows["children"])
+        case.record("outcome", out["outcome"])
+        case.check("blend_engine_served_every_child", len(got) == len(kids) and all(o["tokens"] for o in got),
+                   value=len(got))
+        case.check("server_counted_what_the_connector_reported",
+                   counted.get("lookup_hit_tokens") == sum(n or 0 for n in reused),
+                   value={"counted": counted, "reported": reused})
     return out
 
 
