@@ -83,3 +83,29 @@ def test_ordinary_client_cannot_shutdown_evict_or_see_all_while_admin_can() -> N
         assert not token_file.exists() and not h.socket_path.exists()
     finally:
         h.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_service_counts_each_clients_completed_copies() -> None:
+    """Per client, the copies the service itself completed (what a connector's own report of what it loaded is
+    cross-checked against, issue 45 finding 6): done loads and saves with their bytes; a refused load adds nothing."""
+    from kmesh.service.errors import ObjectMissingError
+
+    h = Harness(heartbeat_timeout_s=30.0)
+    try:
+        _, _ = h.worker_with_original(1, b"shared", LAYOUT, N, seed=3, name="owner")
+        b = h.worker(instance=2, name="reader")
+        b.call("alloc", name="kv", nbytes=N, seed=5)
+        ref = b.call("register", name="kv", alloc_id=1, generation=1, layout=LAYOUT)
+        for _ in range(2):
+            req = b.call("load", reg=ref["reg"], key=b"shared", offset=0)
+            h.accepted(N)
+            h.finish()
+            assert b.call("wait", req=req)["state"] == "done"
+        with pytest.raises(ObjectMissingError):
+            b.call("load", reg=ref["reg"], key=b"nobody-saved-this", offset=0)
+        done = {c["name"]: c["copies_done"] for c in h.status()["clients"]}
+        assert done["owner"] == {"loads": 0, "load_bytes": 0, "saves": 1, "save_bytes": N}
+        assert done["reader"] == {"loads": 2, "load_bytes": 2 * N, "saves": 0, "save_bytes": 0}
+    finally:
+        h.close()

@@ -401,7 +401,11 @@ def test_descriptions_show_state_work_and_mapping_truthfully() -> None:
     assert d["history"] == [["registered", "register"], ["active", "activate"], ["closing", "closed by client"]]
     assert reg(r, c, alloc=2).describe()["mapped"] is False
     assert c.describe() == {"client": c.client_id, "instance": 5, "name": "vllm-0", "pid": 42, "uid": 1000,
-                            "live": True, "lost_reason": None, "connected": True, "regs": sorted(c.regs)}
+                            "live": True, "lost_reason": None, "connected": True, "regs": sorted(c.regs),
+                            "copies_done": {"loads": 0, "load_bytes": 0, "saves": 0, "save_bytes": 0}}
+    c.count_copy("load", 4096)
+    c.count_copy("save", 100)
+    assert c.describe()["copies_done"] == {"loads": 1, "load_bytes": 4096, "saves": 1, "save_bytes": 100}
     r.detach_connection(c)
     cd = c.describe()
     assert (cd["live"], cd["lost_reason"], cd["connected"]) == (False, "disconnect", False)

@@ -108,6 +108,9 @@ class CopyOps:
             st.store.release(job.obj)
         job.store_settled = True
         job.state = state
+        owner = st.registry.clients.get(job.client_id)
+        if state == "done" and owner is not None:
+            owner.count_copy(job.kind, job.nbytes)
 
     def _settle(self, job: CopyJob) -> None:
         st = self.state

@@ -97,11 +97,20 @@ class Client:
     live: bool = True
     lost_reason: str | None = None
     regs: set[int] = field(default_factory=set)
+    # copies this client's requests completed ("done": every byte in place), counted by the service itself: what a
+    # client's own report of what it loaded or saved is cross-checked against
+    copies_done: dict[str, int] = field(default_factory=lambda: {"loads": 0, "load_bytes": 0, "saves": 0,
+                                                                 "save_bytes": 0})
+
+    def count_copy(self, kind: str, nbytes: int) -> None:
+        """One completed copy of `kind` ("load" or "save") of `nbytes` bytes."""
+        self.copies_done[f"{kind}s"] += 1
+        self.copies_done[f"{kind}_bytes"] += nbytes
 
     def describe(self) -> dict[str, Any]:
         return {"client": self.client_id, "instance": self.instance, "name": self.name, "pid": self.peer.pid,
                 "uid": self.peer.uid, "live": self.live, "lost_reason": clip(self.lost_reason),
-                "connected": self.conn_id is not None, "regs": sorted(self.regs)}
+                "connected": self.conn_id is not None, "regs": sorted(self.regs), "copies_done": dict(self.copies_done)}
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,18 @@ class KMeshPeer(Peer):
         report = out.get("kmesh")
         return None if report is None else int(report["tokens_supplied"])
 
+    def copies_of(self, pid: int) -> dict[str, int]:
+        """The copies the service itself completed for the engine process `pid` (summed over its clients): loads and
+        load bytes (the records it read and the payloads it restored), saves and save bytes."""
+        with self.service.admin_client(name="kmesh-peers-stage") as admin:
+            st = admin.status("all")
+        out = {"loads": 0, "load_bytes": 0, "saves": 0, "save_bytes": 0}
+        for c in st["clients"]:
+            if c.get("pid") == pid:
+                for k in out:
+                    out[k] += int(c.get("copies_done", {}).get(k, 0))
+        return out
+
     def holdings(self, pids: dict[str, int]) -> dict[str, Any]:
         if not self.alive():
             return {"server": "down"}

@@ -188,7 +188,8 @@ def run(cfg: Config) -> Result:
                 res.skip_case(case_id, {}, "setup did not pass (see its error): no engines to run this case on")
             return res
         workload = build(HFTokenizer(tok), cfg.seed, WorkloadSpec(**_interior_spec(cfg, sec)))
-        exact = _exact(res, sec, workload, arms)
+        per_token = kv_bytes_per_token(model_dir, str(sec["dtype"]))
+        exact = _exact(res, sec, workload, arms, per_token)
         summary["exact"] = exact.get("summary")
         summary["ttft_exact"] = _ttft_exact(res, cfg, sec, arms, exact)
         interior, interior_ref = _interior(res, sec, workload, tok, arms)
@@ -196,7 +197,7 @@ def run(cfg: Config) -> Result:
         summary["lmcache_blend"] = _lmcache_blend(res, sec, workload, tok, arms, blend_start, interior_ref)
         arms.close_blend()                          # its engine's memory and CPU free before anything else is timed
         summary["ttft_interior"] = _ttft_interior(res, cfg, sec, workload, arms)
-        summary["ttft_cross_engine"] = _ttft_cross_engine(res, cfg, sec, workload, arms)
+        summary["ttft_cross_engine"] = _ttft_cross_engine(res, cfg, sec, workload, arms, per_token)
         summary["faults"] = _faults(res, sec, arms, exact, summary["ttft_exact"] or {})
     finally:
         arms.close()
@@ -303,7 +304,24 @@ def _request(peer: Peer | None, eng: EngineProcess, prompts: list[list[int]], ma
                      "logprobs": logprobs}, timeout_s=timeout_s)["outputs"]
 
 
-def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> dict[str, Any]:
+def _copies(arms: Arms, name: str, eng: EngineProcess) -> dict[str, int] | None:
+    """KMesh's service's own count of the copies it completed for `eng` (None for the other arms)."""
+    peer = arms.peers.get(name)
+    return peer.copies_of(eng.pid) if isinstance(peer, KMeshPeer) and peer.alive() else None
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Bytes of K and V one token takes in the engine's cache: 2 × layers × KV heads × head size × dtype size."""
+    from transformers import AutoConfig
+
+    import torch
+
+    c = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head * getattr(torch, dtype).itemsize
+
+
+def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms, per_token: int) -> dict[str, Any]:
     prompt, suffixed = _exact_prompts(sec, workload)
     n_new, bound = int(sec["max_new_tokens"]), float(sec["logprob_bound"])
     out: dict[str, Any] = {"prompt": prompt, "suffixed": suffixed}
@@ -317,11 +335,15 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
             got, counted, seconds = {}, {}, {}
             for step, ids in (("cold", prompt), ("repeat", prompt), ("suffix", suffixed)):
                 mark = peer.server.mark() if name == "lmcache" else None
+                copies = _copies(arms, name, eng)
                 t0 = time.perf_counter()
                 got[step] = _request(peer, eng, [ids], n_new)[0]
                 seconds[step] = time.perf_counter() - t0
                 if mark is not None:
                     counted[step] = peer.server.counted(mark)
+                if copies is not None:
+                    after = _copies(arms, name, eng) or {}
+                    counted[step] = {k: after[k] - copies[k] for k in after}
             agree = {step: agreement(o, ref[1 if step == "suffix" else 0]) for step, o in got.items()}
             reused = {step: _reused(arms, name, o) for step, o in got.items()}
             case.check(f"{name}_tokens_equal_vllm", all(a.within(bound) for a in agree.values()),
@@ -330,7 +352,16 @@ def _exact(res: Result, sec: dict[str, Any], workload: Workload, arms: Arms) -> 
             case.check(f"{name}_cold_request_reused_nothing", reused["cold"] == 0, value=reused["cold"])
             row = {"reused": reused, "tokens_equal": {s: a.tokens_equal for s, a in agree.items()},
                    "max_logprob_diff": max(a.max_logprob_diff for a in agree.values()), "request_s": seconds}
-            if counted:
+            if counted and name == "kmesh":
+                # the service's own count of what it delivered to this engine backs what its connector reported
+                need = {step: (reused[step] or 0) * per_token for step in counted}
+                backed = all(counted[st]["load_bytes"] >= need[st] for st in counted)
+                case.check("kmesh_service_delivered_what_its_connector_reported",
+                           backed and counted["repeat"]["loads"] > 0,
+                           value={"service_counted": counted, "bytes_for_the_reported_tokens": need,
+                                  "kv_bytes_per_token": per_token})
+                row["server_counted"] = counted
+            elif counted:
                 # the server's own numbers for the same requests: lookup hits as the connector reported them
                 case.check("lmcache_server_counted_the_hit",
                            counted["repeat"].get("lookup_hit_tokens") == reused["repeat"], value=counted)
@@ -439,8 +470,8 @@ def _cross_prompts(sec: dict[str, Any], workload: Workload, count: int) -> list[
     return [pool[i * n:(i + 1) * n] for i in range(count)]
 
 
-def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: Workload,
-                       arms: Arms) -> dict[str, Any]:
+def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: Workload, arms: Arms,
+                       per_token: int) -> dict[str, Any]:
     """The reuse only an external cache can give: each round a prompt the peers' FIRST engines stored (untimed), then
     requested by each peer's SECOND engine process, beside vllm (recompute) and vllm-prefix (its own prefix cache has
     never seen the prompt: what plain vLLM gives a new process, or the same one after a restart)."""
@@ -473,7 +504,9 @@ def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: 
                 reused[arm][index] = _reused(arms, arm, o)
 
         mark = lm.server.mark()
+        km_before = _copies(arms, "kmesh", second["kmesh"]) or {}
         timings, positions = _timed_rounds(cfg, sec, arms, request, "peers ttft-cross-engine", "exact")
+        km_after = _copies(arms, "kmesh", second["kmesh"]) or {}
         for name, t in timings.items():
             res.timings[f"ttft_cross_engine_{name}"] = t
         counted = lm.server.counted(mark)
@@ -496,6 +529,11 @@ def _ttft_cross_engine(res: Result, cfg: Config, sec: dict[str, Any], workload: 
                    value=reused[PREFIX])
         case.check("lmcache_server_counted_every_hit", counted.get("lookup_hit_tokens") == sum(
             n or 0 for n in reused["lmcache"].values()), value={"counted": counted, "reported": reused["lmcache"]})
+        delivered = {k: km_after.get(k, 0) - km_before.get(k, 0) for k in km_after}
+        need = sum(n or 0 for n in reused["kmesh"].values()) * per_token
+        out["kmesh_service_counted"] = delivered
+        case.check("kmesh_service_delivered_what_its_connector_reported", delivered.get("load_bytes", 0) >= need > 0,
+                   value={"service_counted": delivered, "bytes_for_the_reported_tokens": need})
         case.check("peers_second_engines_are_other_processes",
                    all(second[n].pid != arms.engines[n].pid for n in PEERS), value=out["engines"])
         case.record("table", out)
