@@ -197,7 +197,7 @@ def peers_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], titl
     colors = {"vllm": "#7f8c8d", "vllm-prefix": "#b7950b", "lmcache": "#2874a6", "kmesh": "#c0392b"}
     # the arms drawn: those a pairing with vllm names (results from before vllm-prefix have three)
     arms = ("vllm", *(a for a in colors if a != "vllm" and any(k.endswith(f"_vllm_vs_{a}") for k in timings)))
-    workloads = [w for w in ("exact", "interior") if f"ttft_{w}_vllm_vs_lmcache" in timings]
+    workloads = [w for w in ("cross_engine", "exact", "interior") if f"ttft_{w}_vllm_vs_lmcache" in timings]
     fig, ax = plt.subplots(figsize=(max(4, 2.6 * len(workloads) + 1), 3.4))
     for wi, w in enumerate(workloads):
         for ai, arm in enumerate(arms):
@@ -206,7 +206,8 @@ def peers_plot(timings: dict[str, Any], base: Path, formats: Iterable[str], titl
             x = wi * (len(arms) + 1) + ai
             ax.bar(x, statistics.median(values), color=colors[arm], alpha=0.6, label=arm if wi == 0 else None)
             ax.scatter([x] * len(values), values, s=12, color=colors[arm])
-    ax.set_xticks([wi * (len(arms) + 1) + 1 for wi in range(len(workloads))], workloads)
+    names = {"cross_engine": "another engine's", "exact": "exact repeat", "interior": "interior"}
+    ax.set_xticks([wi * (len(arms) + 1) + 1 for wi in range(len(workloads))], [names[w] for w in workloads])
     ax.set_ylabel("time to first token [ms]")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=10)

@@ -478,6 +478,11 @@ def vllm_frame(summary: dict[str, Any]) -> pd.DataFrame:
         (f"TTFT vLLM+KMesh, median ms ({t.get('tokens_supplied')} supplied)", t.get("median_kmesh_ms")),
         ("TTFT median paired ratio KMesh / vLLM", t.get("median_ratio_kmesh_over_vllm")),
         ("TTFT pairs KMesh faster", f"{t.get('kmesh_faster_pairs')} of {t.get('pairs')}" if t else None),
+        ("TTFT vLLM with its own prefix cache (a same-engine repeat), median ms", t.get("median_vllm_prefix_ms")),
+        ("TTFT median paired ratio KMesh / vLLM with its prefix cache", t.get("median_ratio_kmesh_over_vllm_prefix")),
+        ("TTFT pairs KMesh faster than vLLM with its prefix cache",
+         f"{t.get('kmesh_faster_pairs_vs_vllm_prefix')} of {t.get('pairs')}"
+         if t and "kmesh_faster_pairs_vs_vllm_prefix" in t else None),
     ]
     return pd.DataFrame([{"measure": k, "value": v if isinstance(v, (bool, int, float, str, type(None))) else str(v)}
                          for k, v in rows])

