@@ -58,7 +58,8 @@ SERVICE_CODE = ["service/*.py", "zygote.py", "storage/errors.py", "storage/remot
 KV_CODE = ["kv/*.py", "transfer/errors.py", "cuda/*.py", "sources/__init__.py", "sources/digest.py", "integrity/*.py"]
 # What a child request runs on (the harness's children, the model, the kv package, the cache service they load from):
 # the model stages share it.
-CHILD_CODE = ["model/*.py", "harness/*.py", *KV_CODE, *SERVICE_CODE]
+# harness/invariants.py replays repairs with the float64 references (reference/*.py)
+CHILD_CODE = ["model/*.py", "harness/*.py", "reference/*.py", *KV_CODE, *SERVICE_CODE]
 STAGE_CODE = {
     "sources": ["sources/*.py"],
     "kernels": [],

@@ -596,8 +596,7 @@ def _lmcache_blend(res: Result, sec: dict[str, Any], workload: Workload, tok: An
         status = peer.server.raw_status()
         case.check("server_runs_its_blend_module", status.get("engine_type") is not None
                    and "registered_cb_rope_instances" in status, value=sorted(status))
-        if not kids or len(ref) != len(kids):
-            case.check("interior_reference_present", False, value=len(ref))
+        if not case.check("interior_reference_present", bool(kids) and len(ref) == len(kids), value=len(ref)):
             return out
         n_new = int(sec["max_new_tokens"])
         mark = peer.server.mark()
