@@ -97,6 +97,14 @@ def written_slots(cache: KVCache) -> torch.Tensor:
     return written.cpu()
 
 
+def restored_mask(child: Child) -> torch.Tensor:
+    """bool [T]: the positions where the child placed a shared segment (all of them restored)."""
+    mask = torch.zeros(len(child.ids), dtype=torch.bool)
+    for p in child.placements:
+        mask[p.start:p.end] = True
+    return mask
+
+
 def restored_chunks(child: Child, restored: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of every segment the child placed that is wholly restored: the chunks the epic arm
     recomputes the heads of (a segment a failure left unrestored is no chunk; its positions are recomputed)."""

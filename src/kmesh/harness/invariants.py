@@ -21,21 +21,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from kmesh.harness.child import ChildContext, ChildOutcome, new_cache, prefill, restore_child
+from kmesh.harness.child import ChildContext, ChildOutcome, new_cache, prefill, restore_child, restored_mask
 from kmesh.harness.workload import Child
 from kmesh.kv.repair import Repaired
 from kmesh.model.blend import RepairConfig
 from kmesh.reference.decoder import Float64Decoder
 from kmesh.reference.repair import rel_err, replay
 from kmesh.result import Case
-
-
-def restored_mask(child: Child) -> torch.Tensor:
-    """bool [T]: the positions where the child placed a shared segment."""
-    mask = torch.zeros(len(child.ids), dtype=torch.bool)
-    for _, a, b in child.segment_slices():
-        mask[a:b] = True
-    return mask
 
 
 def ratio_sets(repair: RepairConfig) -> dict[str, tuple[float, ...]]:

@@ -33,7 +33,7 @@ import torch
 
 from kmesh.bench import Intervals, over_children, rotate
 from kmesh.errors import StageError
-from kmesh.harness.child import new_cache, outcome_of, restore_child
+from kmesh.harness.child import new_cache, outcome_of, restore_child, restored_mask
 from kmesh.harness.workload import Child
 from kmesh.kv.restore import capture
 from kmesh.model.blend import blend, plan
@@ -58,13 +58,6 @@ def batched_attention(setup: GroupSetup) -> str:
     return str(setup.sec.get("batched_attention", "member"))
 
 
-def _restored_mask(child: Child) -> torch.Tensor:
-    mask = torch.zeros(len(child.ids), dtype=torch.bool)
-    for _, start, end in child.segment_slices():
-        mask[start:end] = True
-    return mask
-
-
 def restore_parts(setup: GroupSetup, children: tuple[Child, ...], caches: dict[str, Any],
                   private: torch.Tensor) -> list[RestorePart]:
     """Each member's segments captured from its private copy (here: the export's bytes), with new positions."""
@@ -86,7 +79,7 @@ class Arms:
         self.setup, self.children = setup, children
         self.caches = {ch.name: new_cache(setup.ctx, ch) for ch in children}
         self.ids = {ch.name: torch.tensor(ch.ids, device=setup.device) for ch in children}
-        self.restored = {ch.name: _restored_mask(ch) for ch in children}
+        self.restored = {ch.name: restored_mask(ch) for ch in children}
         self.private = setup.export.raw
         self.attention = batched_attention(setup)
 
@@ -171,7 +164,7 @@ def batched_agreement(res: Result, setup: GroupSetup, serial: dict[str, ChildOut
         rot_equal = case.check("rotation_bit_identical", all(v == 0 for v in rot.values()), value=rot)
         del per_member, layerwise
         caches = {ch.name: new_cache(ctx, ch) for ch in children}
-        members = [Member(ch.name, torch.tensor(ch.ids, device=setup.device), caches[ch.name], _restored_mask(ch))
+        members = [Member(ch.name, torch.tensor(ch.ids, device=setup.device), caches[ch.name], restored_mask(ch))
                    for ch in children]
         restore = LayerwiseRestore(runner, restore_parts(setup, children, caches, setup.export.raw))
         group_out = blend_group(runner, members, ctx.repair, batched=True, restore=restore,
