@@ -157,3 +157,12 @@ def test_replay_names_a_forced_position_left_out_and_a_touched_restored_row(llam
     k[3, row] += 1.0               # a restored row the repair did not recompute, changed anyway
     rep = _replay(dec, ids, restored, before, res.masks, (k, after[1]), conf, res.logits)
     assert not rep.reused_rows_untouched
+
+
+def test_replay_names_a_last_position_left_out_instead_of_crashing(llama):
+    _, runner, dec = llama
+    ids, restored, before, res, after, conf = _restored_run(runner)
+    masks = res.masks.clone()
+    masks[2:, T - 1] = False
+    rep = _replay(dec, ids, restored, before, masks, after, conf, res.logits)
+    assert not rep.forced_always_recomputed and rep.logits_rel_err == float("inf")
