@@ -10,7 +10,13 @@ venv="${KMESH_VENV:-$root/.venv}"
 lock="${KMESH_LOCK:-$root/requirements/cpu.lock}"
 python="${KMESH_PYTHON:-python3.11}"
 stamp="$venv/.kmesh-lock"
-want="$(sha256sum "$lock" | cut -d' ' -f1)"
+# The Kubernetes executor plugin is installed apart, in $k8s_dir, off the venv's import path: Snakemake imports every
+# installed executor plugin at start, and this one imports the `kubernetes` client (~2.6 CPU-s per Snakemake process:
+# a third of a dry run; make test starts ~25 of them). `kmesh pipeline` puts it on the path for a run that asks for
+# the kubernetes executor (docs/cluster.md). "+k8s-apart" in the stamp rebuilds a venv made before.
+k8s_plugin="snakemake-executor-plugin-kubernetes"
+k8s_dir="$venv/opt/snakemake-kubernetes"
+want="$(sha256sum "$lock" | cut -d' ' -f1)+k8s-apart"
 
 # pip's configured extra index is a flat folder; its per-package "ignored" warnings are noise.
 quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
@@ -38,15 +44,24 @@ else
     esac
   done < <("$venv/bin/python" -m pip config list 2>/dev/null)
   # --no-deps --require-hashes as with pip. Byte-code is compiled below, only for what is imported.
+  main_lock="$(mktemp)" && k8s_lock="$(mktemp)"
+  grep -v -E "^$k8s_plugin==" "$lock" > "$main_lock"
+  grep -E "^$k8s_plugin==" "$lock" > "$k8s_lock" || { echo "[setup-env] $lock pins no $k8s_plugin" >&2; exit 1; }
   if ! "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --require-hashes --no-deps \
-      "${uv_args[@]}" -r "$lock"; then
+      "${uv_args[@]}" -r "$main_lock"; then
     # a machine whose default index lacks part of the lock: pip, with every index it is configured with
     echo "[setup-env] uv could not install $lock from pip's index and find-links (its errors above); pip instead" >&2
-    if ! quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$lock"; then
+    if ! quiet_pip install --quiet --require-hashes --no-deps --no-compile -r "$main_lock"; then
       echo "[setup-env] installing $lock failed (see pip's errors above)" >&2
       exit 1
     fi
   fi
+  # the plugin alone (its dependencies, the kubernetes client among them, are in the venv from the lock)
+  if ! quiet_pip install --quiet --require-hashes --no-deps --no-compile --target "$k8s_dir" -r "$k8s_lock"; then
+    echo "[setup-env] installing $k8s_plugin into $k8s_dir failed (see pip's errors above)" >&2
+    exit 1
+  fi
+  rm -f "$main_lock" "$k8s_lock"
   echo "$want" > "$stamp"
   built=1
 fi

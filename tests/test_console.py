@@ -244,7 +244,8 @@ def test_a_product_mode_runs_snakemake_untouched(monkeypatch, capsys):
     monkeypatch.setattr("kmesh.console.subprocess.run",
                         lambda cmd, **kwargs: ran.append((cmd, kwargs)) or subprocess.CompletedProcess(cmd, 0))
     assert cli.main(["pipeline", "--cores", "all", "--dag"]) == 0
-    assert ran == [([sys.executable, "-m", "snakemake", "--cores", "all", "--dag"], {})]   # its stdout is ours
+    # its stdout is ours; env None: this process's (no executor plugin to put on the path)
+    assert ran == [([sys.executable, "-m", "snakemake", "--cores", "all", "--dag"], {"env": None})]
     assert capsys.readouterr().out == ""
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from kmesh.errors import ConfigError
+from kmesh.executors import make_importable, snakemake_env
 from kmesh.stage_times import Expectation, expectations
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -453,6 +454,8 @@ class Invocation:
 
 
 def read_invocation(args: list[str]) -> Invocation:
+    # first: Snakemake collects the executor plugins it offers when its modules are imported (kmesh.executors)
+    make_importable(args)
     try:
         from snakemake.cli import parse_args, parse_config
         from snakemake.exceptions import CliException
@@ -521,7 +524,7 @@ def run_pipeline(args: list[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
     invocation = read_invocation(args)
     if invocation.passthrough:
-        return subprocess.run([*SNAKEMAKE, *args]).returncode
+        return subprocess.run([*SNAKEMAKE, *args], env=snakemake_env(args)).returncode
     path = log_path(invocation)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Output paths in Snakemake's log are relative to its working directory.
@@ -536,7 +539,7 @@ def run_pipeline(args: list[str], out: TextIO | None = None) -> int:
 
     with path.open("w") as log_file:
         proc = subprocess.Popen([*SNAKEMAKE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1)
+                                errors="replace", bufsize=1, env=snakemake_env(args, invocation.workdir))
         threading.Thread(target=ticks, name="pipeline-progress", daemon=True).start()
         assert proc.stdout is not None
         interrupted = False
