@@ -95,7 +95,7 @@ def test_gpu_diagnostics_refuse_clearly_without_a_gpu(name, tmp_path, capsys):
 def test_decode_reproducibility_on_the_cpu_profile(tmp_path):
     """The one CPU-runnable diagnostic, end to end on a 2-layer seeded Qwen2 (~10 s): seven runs, a service process
     during runs 2-4, and on the CPU every run bit-equal to run 0."""
-    out = _kmesh("diagnose", "decode_reproducibility", "--profile", "cpu", "--steps", "3",
+    out = _kmesh("diagnose", "decode_reproducibility", "--profile", "cpu", "--steps", "1",   # the prefill and a step
                  "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",
                  "--set", "equivalence.byte_token_offset=0", "--set", f"model.qwen2_random={TINY_QWEN2}",
                  "--set", "equivalence.workload={prompt_tokens: 352, segment_tokens: [80, 80, 80], children: 3, "
@@ -210,7 +210,7 @@ def test_service_load_on_the_cpu_profile(tmp_path):
     """service_load end to end on a 2-layer seeded Qwen2 and a small RAG workload: a real service, every arm timed
     in every kept round, each arm's destination checked against the leader's bytes (a mismatch would stop it)."""
     out_json = tmp_path / "sl.json"
-    out = _kmesh("diagnose", "service_load", "--profile", "cpu", "--rounds", "2", "--warmup", "1",
+    out = _kmesh("diagnose", "service_load", "--profile", "cpu", "--rounds", "1", "--warmup", "0",
                  "--out", str(out_json), "--set", f"results_dir={tmp_path}", "--set", "equivalence.model=qwen2_random",
                  "--set", "equivalence.byte_token_offset=0", "--set", f"equivalence.workload={BYTE_WORKLOAD}",
                  "--set", f"model.qwen2_random={TINY_QWEN2.replace('512', '2048')}",
@@ -220,7 +220,7 @@ def test_service_load_on_the_cpu_profile(tmp_path):
     import json
 
     got = json.loads(out_json.read_text())
-    assert got["segments"] == 4 and got["rounds"] == 2 and got["profile"] == {}
+    assert got["segments"] == 4 and got["rounds"] == 1 and got["profile"] == {}
     from kmesh.diagnostics.service_load import ARMS
     assert sorted(got["arms"]) == sorted(ARMS)
     assert all(row["median_ms"] > 0 for row in got["arms"].values())

@@ -14,9 +14,9 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 ADVICE = "Specify a conda environment or container for each rule."
 
 
-def _snakemake(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _snakemake(*args: str, tmp_path: Path, config: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     # A scratch results dir keeps the user's results/ out of it; --config is validated like config.yaml.
-    return subprocess.run([*SNAKEMAKE, *args, "--config", f"results_dir={tmp_path}"], cwd=ROOT,
+    return subprocess.run([*SNAKEMAKE, *args, "--config", f"results_dir={tmp_path}", *config], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -65,14 +65,36 @@ def _planned_threads(text: str) -> dict[str, int]:
 TWO_THREAD_STAGES = {"peers", "vllm"}
 
 
+def _planned_jobs(text: str) -> dict[str, dict[str, object]]:
+    """rule -> {"priority": int, "inputs": the stages whose results it reads} from a dry run's job listing."""
+    out = {}
+    for block in re.split(r"^(?=rule \w+:)", text, flags=re.M):
+        m = re.match(r"rule (\w+):", block)
+        if m:
+            p = re.search(r"^    priority: (\d+)", block, re.M)
+            inputs = re.search(r"^    input: (.*)$", block, re.M)
+            out[m.group(1)] = {"priority": int(p.group(1)) if p else 0,
+                               "inputs": set(re.findall(r"/(\w+)/result\.json", inputs.group(1))) if inputs else set()}
+    return out
+
+
 def test_engine_stages_declare_two_threads_the_rest_one_and_make_test_caps_them(tmp_path):
     full = _planned_threads(_snakemake("-n", "--forceall", "--cores", "2", tmp_path=tmp_path).stdout)
     assert set(full) >= set(STAGES), sorted(set(STAGES) - set(full))
     assert {s: full[s] for s in STAGES} == {s: 2 if s in TWO_THREAD_STAGES else 1 for s in STAGES}
-    capped = _planned_threads(_snakemake("-n", "--forceall", "--cores", "2", "--max-threads", "1",
-                                         tmp_path=tmp_path).stdout)
+    # as scripts/test.sh runs it: threads capped, the test overlay
+    capped_run = _snakemake("-n", "--forceall", "--cores", "2", "--max-threads", "1", tmp_path=tmp_path,
+                            config=("overlay=test",))
+    capped = _planned_threads(capped_run.stdout)
     assert set(capped.values()) == {1}
     assert '--max-threads "$OMP_NUM_THREADS"' in (ROOT / "scripts" / "test.sh").read_text()
+    # Critical path first (workflow/rules/common.smk): a stage outranks every stage that waits for it, and the
+    # engine chain (model -> reliability -> peers -> vllm) starts before equivalence, the longest single stage.
+    jobs = _planned_jobs(capped_run.stdout)
+    for stage in STAGES:
+        for upstream in jobs[stage]["inputs"] & set(STAGES):
+            assert jobs[upstream]["priority"] > jobs[stage]["priority"], (upstream, stage, jobs)
+    assert jobs["reliability"]["priority"] > jobs["equivalence"]["priority"], jobs
 
 
 def test_every_stage_rule_is_one_kmesh_call():

@@ -33,15 +33,38 @@ def stage_threads(stage):
     return ENGINE_THREADS if stage in ENGINE_STAGES else 1
 
 
-# Longest first: of the stages ready to run, Snakemake starts those of highest priority first. A stage's priority is
-# its wall time in the committed cpu table (docs/measurements/stage-times.json), so the longest one-core stage starts
-# as soon as its inputs exist and the short ones fill the other core beside it (longest-processing-time-first
-# scheduling); a stage that table lacks gets 0. Priorities order the jobs; they never change what a stage computes.
-_COMMITTED_WALL = {stage: t.wall_s for stage, t in kmesh.stage_times.from_committed("cpu").items()}
+# Critical path first: of the stages ready to run, Snakemake starts those of highest priority first. A stage's
+# priority is the longest chain of wall time from its start to the pipeline's end: its own wall time in the committed
+# table of this run's variant (docs/measurements/stage-times.json: "cpu+test" for make test, else "cpu"), plus the
+# largest priority of the stages that wait for it (their inputs, order-only ones included). So the chain
+# model -> reliability -> peers -> vllm -> report starts before equivalence, the longest single stage, and the short
+# stages fill the other core beside them (critical-path list scheduling; until 2026-12-07 a stage's own wall time
+# only, and the engine chain ran last, alone on ~1 of make test's 2 cores after the suite had ended). A stage the
+# table lacks counts 0 s. Priorities order the jobs; they never change what a stage computes. The priority is a
+# function: Snakemake evaluates it when it builds the jobs, after every rule file is read.
+_VARIANT = kmesh.stage_times.variant(PROFILE, [OVERLAY] if OVERLAY else [])
+_COMMITTED_WALL = {stage: t.wall_s for stage, t in (kmesh.stage_times.from_committed(_VARIANT)
+                                                   or kmesh.stage_times.from_committed("cpu")).items()}
+
+
+def _waiting_on(stage):
+    """The stages whose rules list `stage`'s result among their inputs."""
+    produced = result(stage)
+    return [s for s in kmesh.stages.STAGES if produced in {str(f) for f in workflow.get_rule(s).input}]
+
+
+def _critical_path_s(stage, _seen=()):
+    if stage in _seen:  # a cycle Snakemake itself would refuse; never loop here
+        return 0.0
+    after = [_critical_path_s(s, (*_seen, stage)) for s in _waiting_on(stage)]
+    return _COMMITTED_WALL.get(stage, 0.0) + max(after, default=0.0)
 
 
 def stage_priority(stage):
-    return int(_COMMITTED_WALL.get(stage, 0))
+    def priority(wildcards):
+        return int(_critical_path_s(stage))
+
+    return priority
 
 
 # The stages whose results `rule all` and the report read, in pipeline order (every stage of kmesh.stages.STAGES, the
