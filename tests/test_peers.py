@@ -242,3 +242,23 @@ def test_kill_evidence_needs_sigkill_and_every_address_closed(tmp_path):
         "exit_status": -9, "killed_by_sigkill": True, "still_accepting": {}, "server_gone": True}
     assert kill_evidence(0, {"tcp": False})["server_gone"] is False       # it exited on its own
     assert kill_evidence(None, {})["server_gone"] is False                 # it never ran
+
+
+def test_a_kill_while_storing_is_judged_by_the_servers_own_listing():
+    """fault-engine-killed-while-storing: what the interrupted request left against what one complete store of a
+    same-length prompt added, from listings read until they settle (LMCache stores after the answer)."""
+    from kmesh.stages.peers.stage import _store_outcome, _stored_objects
+
+    assert [_store_outcome(added, 4) for added in (0, -1, 1, 3, 4, 5)] == \
+        ["missing", "missing", "partial", "partial", "complete", "complete"]
+
+    class Listing:   # a server whose asynchronous store lands between the first reads
+        def __init__(self, counts, key):
+            self.counts, self.key = list(counts), key
+
+        def holdings(self, pids):
+            return {self.key: self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]}
+
+    assert _stored_objects(Listing([9, 10, 10], "l1_objects"), {}, settle_s=0.01) == 10
+    assert _stored_objects(Listing([44, 44], "objects"), {}, settle_s=0.01) == 44
+    assert _stored_objects(Listing([{"server": "down"}.get("objects", -1)], "objects"), {}, settle_s=0.01) == -1

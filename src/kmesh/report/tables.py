@@ -574,13 +574,14 @@ def peers_markdown(result: dict[str, Any]) -> str:
 
 
 def peers_faults_frame(summary: dict[str, Any]) -> pd.DataFrame:
-    """One row per fault scenario × system (summary key faults): kept serving, tokens right, what the server holds
-    afterwards (its own status), how it recovered."""
+    """One row per fault scenario × system (summary key faults): kept serving, tokens right, what the kill
+    interrupted (where the scenario records it), what the server holds afterwards (its own status), how it
+    recovered."""
     rows = []
     for scenario, systems in (summary.get("faults") or {}).items():
         for system, r in systems.items():
             rows.append({"scenario": scenario, "system": system, "engine kept serving": r.get("kept_serving"),
-                         "tokens right": r.get("tokens_right"),
+                         "tokens right": r.get("tokens_right"), "at the kill": r.get("store_at_kill", ""),
                          "server holds afterwards": _holds(r.get("server_holds")), "recovery": r.get("recovery")})
     return pd.DataFrame(rows)
 

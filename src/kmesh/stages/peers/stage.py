@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kmesh.bench import Intervals, rotate
 from kmesh.config import Config
 from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_matches, build
@@ -735,34 +737,59 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
         out["second-engine"] = rows
 
     with res.case("fault-engine-killed-while-storing",
-                  {"what": "the second engine SIGKILLed while its request (a prompt never stored) runs",
-                   "kill_after_fraction_of_cold_request": float(fs["kill_while_storing_fraction"])}) as case:
+                  {"what": "the second engine SIGKILLed while its request (a prompt never stored) runs, the kill timed "
+                           "from a cold request of the same length on that engine",
+                   "kill_after_fraction_of_same_length_cold_ttft": float(fs["kill_while_storing_fraction"])}) as case:
         rows = {}
-        cold = {name: exact["summary"]["arms"][name]["request_s"]["cold"] for name in PEERS}
+        # the same length as `fresh`, never requested either: its cold request times the kill and shows what one
+        # complete store adds to the server's own listing
+        twin = prompt[1:] + prompt[:1]
         marks: dict[str, Any] = {}
         for name, peer in arms.peers.items():             # one peer after the other: each kill at its own moment
             eng = second[name]
-            rows[name] = {"holds_before": peer.holdings({"second": eng.pid})}
+            listed_before_twin = _stored_objects(peer, {"second": eng.pid})
+            cpu0 = _cpu_s(eng.pid)
+            twin_ttft = eng.ttft_output(twin, peer.params())["seconds"]
+            twin_cpu = _cpu_s(eng.pid) - cpu0
+            rows[name] = {"holds_before": peer.holdings({"second": eng.pid}),
+                          "same_length_cold": {"ttft_s": twin_ttft, "engine_cpu_s": twin_cpu}}
+            listed_before = _stored_objects(peer, {"second": eng.pid})
+            rows[name]["one_store_adds"] = listed_before - listed_before_twin
             marks[name] = peer.server.mark() if name == "lmcache" else None
+            cpu0 = _cpu_s(eng.pid)
             eng.submit({"op": "generate", "prompts": [fresh], "max_tokens": n_new,
                         "params": [peer.params()], "logprobs": 0})
-            time.sleep(float(fs["kill_while_storing_fraction"]) * cold[name])
+            t0 = time.perf_counter()
+            time.sleep(float(fs["kill_while_storing_fraction"]) * twin_ttft)
+            rows[name]["engine_cpu_s_at_kill"] = _cpu_s(eng.pid) - cpu0
+            rows[name]["killed_after_s"] = time.perf_counter() - t0
             rows[name]["engine_killed_rc"] = eng.kill()
             rows[name]["killed_at"] = time.monotonic()
+            rows[name]["listed_before"] = listed_before
         released = _watch_release(arms.peers, second, rows, float(fs["release_wait_s"]))
         for name, peer in arms.peers.items():
-            rows[name].pop("killed_at")
-            rows[name]["released_after_s"] = released[name]
-            rows[name]["watched_s"] = float(fs["release_wait_s"])
-            rows[name]["holds_after"] = peer.holdings({"killed": second[name].pid})
+            row = rows[name]
+            row.pop("killed_at")
+            row["released_after_s"] = released[name]
+            row["watched_s"] = float(fs["release_wait_s"])
+            row["holds_after"] = peer.holdings({"killed": second[name].pid})
+            row["listed_after"] = _stored_objects(peer, {"killed": second[name].pid})
+            row["store"] = _store_outcome(row["listed_after"] - row["listed_before"], row["one_store_adds"])
             if marks[name] is not None:
-                rows[name]["server_counted_before_and_after_kill"] = peer.server.counted(marks[name], settle_s=0.5)
+                row["server_counted_before_and_after_kill"] = peer.server.counted(marks[name], settle_s=0.5)
             got = ask(name, arms.engines[name], fresh)
             got["tokens_right"] = got.get("tokens") == ref_fresh
-            rows[name]["main_engine_after"] = got
-            rows[name]["main_engine_alive"] = arms.engines[name].proc.poll() is None
-            case.check(f"{name}_engine_was_killed", rows[name]["engine_killed_rc"] == -9,
-                       value=rows[name]["engine_killed_rc"])
+            row["main_engine_after"] = got
+            row["main_engine_alive"] = arms.engines[name].proc.poll() is None
+            case.check(f"{name}_engine_was_killed", row["engine_killed_rc"] == -9, value=row["engine_killed_rc"])
+            # The kill landed while the request ran and before its store was complete: the engine had done at least
+            # a fifth of a same-length cold request's work, and the server's own listing holds less of the prompt
+            # than one complete store adds (missing or partial), that store having added something.
+            case.check(f"{name}_kill_landed_before_the_store_completed",
+                       row["one_store_adds"] > 0 and row["store"] in ("missing", "partial")
+                       and row["engine_cpu_s_at_kill"] >= 0.2 * row["same_length_cold"]["engine_cpu_s"],
+                       value={k: row[k] for k in ("store", "one_store_adds", "listed_before", "listed_after",
+                                                  "engine_cpu_s_at_kill", "same_length_cold", "killed_after_s")})
         km = rows["kmesh"]
         case.check("kmesh_main_engine_serves_right_tokens",
                    km["main_engine_alive"] and km["main_engine_after"].get("tokens_right") is True, value=km)
@@ -870,6 +897,37 @@ def _unanswered(eng: EngineProcess, e: EngineError, t0: float) -> dict[str, Any]
             "seconds": time.perf_counter() - t0}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds the process has used so far (user + system, all its threads: vLLM's engine core runs in the
+    engine process, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _stored_objects(peer: Peer, pids: dict[str, int], settle_s: float = 0.5, bound_s: float = 10.0) -> int:
+    """The objects the peer's server lists (KMesh: its store's objects; LMCache: its L1 objects), once two reads
+    `settle_s` apart agree: LMCache stores asynchronously after the request has answered."""
+    def listed() -> int:
+        holds = peer.holdings(pids)
+        return int(holds.get("objects", holds.get("l1_objects", -1)))
+
+    last, t0 = listed(), time.monotonic()
+    while time.monotonic() - t0 < bound_s:
+        time.sleep(settle_s)
+        now = listed()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _store_outcome(added: int, one_store_adds: int) -> str:
+    """What the server holds of the interrupted request's prompt, by its own listing."""
+    if added <= 0:
+        return "missing"
+    return "partial" if added < one_store_adds else "complete"
+
+
 def rows_answered(out: dict[str, Any], name: str) -> bool:
     """Did the peer's engine answer through the server's kill (else it is hung and is replaced)?"""
     row = out.get("server-killed-mid-load", {}).get(name, {})
@@ -890,6 +948,8 @@ def _fault_table(out: dict[str, Any]) -> dict[str, Any]:
                 gone = r["released_after_s"]
                 entry = {"kept_serving": after["answered"], "tokens_right": after.get("tokens_right"),
                          "server_holds": r["holds_after"],
+                         "store_at_kill": f"{r['store']} ({r['listed_after'] - r['listed_before']} of "
+                                          f"{r['one_store_adds']} objects, killed {r['killed_after_s']:.2f} s in)",
                          "recovery": (f"killed engine's registration released {gone:.1f} s after the kill"
                                       if gone is not None else f"killed engine still registered {r['watched_s']:.0f} s "
                                       f"after the kill") + f"; the other engine reused {after.get('reused')} tokens "
