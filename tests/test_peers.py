@@ -47,6 +47,9 @@ def test_counted_reads_its_own_log_lines_since_the_mark(tmp_path):
     assert server.counted(Mark(0, 0, {}), settle_s=0.5)["stored_tokens_logged"] == 1024
 
 
+# The stage asserts the same of its own server: fresh and empty with every counter exported (setup), killed with its
+# ports closed (fault-server-killed-mid-load), started again as a new generation on its address (fault-server-restarted)
+@pytest.mark.covered_by_stage("peers", "setup", "fault-server-killed-mid-load", "fault-server-restarted")
 @needs_lmcache
 def test_real_lmcache_server_on_loopback_answers_status_and_metrics_then_dies_by_kill(tmp_path):
     server = LMCacheServer(tmp_path, SETTINGS)

@@ -54,7 +54,7 @@ from kmesh.harness.workload import HFTokenizer, Workload, WorkloadSpec, answer_m
 from kmesh.model.quality import first_divergence
 from kmesh.model.smollm2 import converted_dir
 from kmesh.result import Result
-from kmesh.stages.peers.lmcache_server import PeerServerError
+from kmesh.stages.peers.lmcache_server import METRICS, PeerServerError
 from kmesh.stages.peers.servers import KMeshPeer, LMCachePeer, Peer
 from kmesh.vllm.engine import EngineError, EngineProcess, EngineTimeout, llm_kwargs
 from kmesh.harness.outputs import agreement, child_spans, repairs_by_request, save_spans
@@ -159,6 +159,7 @@ def run(cfg: Config) -> Result:
             from transformers import AutoTokenizer
 
             starts = {name: peer.start() for name, peer in peers.items()}
+            _fresh_lmcache_server(case, peers["lmcache"], sec["lmcache"])     # before any engine registers
             blend_start = arms.start_blend()
             arms.engines.update({"vllm": EngineProcess(model_dir, None, log_path=workdir / "engine-vllm.log",
                                                        wait=False, **common),
@@ -207,6 +208,18 @@ def run(cfg: Config) -> Result:
         shutil.rmtree(workdir, ignore_errors=True)
     res.extra.update(summary)
     return res
+
+
+def _fresh_lmcache_server(case: Any, peer: LMCachePeer, settings: dict[str, Any]) -> None:
+    """LMCache's server as started, before any engine: healthy, the configured chunk size, nothing registered or
+    stored, and the Prometheus counters the stage reads all exported."""
+    st = peer.server.status()
+    case.check("lmcache_server_fresh_and_empty",
+               st.get("healthy") is True and st.get("chunk_size") == int(settings["chunk_size"])
+               and st.get("instances") == [] and st.get("l1_objects") == 0, value=st)
+    exported = peer.server.metrics()
+    case.check("lmcache_server_exports_the_counters_read", set(METRICS) <= set(exported),
+               value=sorted(set(METRICS) - set(exported)))
 
 
 def _keep_logs_of_a_failure(res: Result, cfg: Config, workdir: Path) -> None:
@@ -848,7 +861,14 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
                 eng.kill()
                 rows[name] = {"engine": "hung or dead after the server's kill: replaced by a new engine"}
                 arms.engines[name] = None
+            if name == "lmcache":
+                address, generation = (peer.server.port, peer.server.http_port), peer.server.generation
             peer.start()
+            if name == "lmcache":         # a new process and log on the address the engine knows, answering again
+                case.check("lmcache_server_restarted_on_the_same_address",
+                           (peer.server.port, peer.server.http_port) == address
+                           and peer.server.generation == generation + 1 and peer.server.status().get("healthy"),
+                           value={"address": address, "generation": peer.server.generation})
         time.sleep(float(fs["reconnect_s"]))             # both servers up again; each engine's reconnect interval
         for name, peer in arms.peers.items():
             if arms.engines[name] is None:
