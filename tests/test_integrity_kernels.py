@@ -64,10 +64,12 @@ def test_loader_tracks_included_headers(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
-    """The host harness as a shared library (one nvcc build for every test here)."""
+    """The host harness as a shared library (one nvcc build for every test here). The tests run its host code
+    only (gcc -O2); the PTX nvcc also makes of the device code is never run, so NVVM, most of the build's time,
+    builds it unoptimised (-Xcicc -O0; docs/testing.md has the figures)."""
     out = tmp_path_factory.mktemp("integrity-emu") / "libemu.so"
     cmd = [NVCC, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=compute_90",
-           str(ROOT / "tests" / "integrity_host" / "harness.cu"), "-o", str(out)]
+           "-Xcicc", "-O0", str(ROOT / "tests" / "integrity_host" / "harness.cu"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ctypes.CDLL(str(out))

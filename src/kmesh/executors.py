@@ -1,8 +1,8 @@
 """The Kubernetes executor plugin, installed apart from the venv's import path, and the runs that need it.
 
 Snakemake imports every executor plugin it can find when it starts, and the Kubernetes plugin imports the
-`kubernetes` client with it: about a third of a Snakemake dry run's CPU on the 2-core machine, paid by every Snakemake
-process (make test starts ~25). scripts/setup-env.sh therefore installs the plugin, pinned like everything else, into
+`kubernetes` client with it, a large share of a short Snakemake run's CPU, paid by every Snakemake process
+(docs/cluster.md has the figures). scripts/setup-env.sh therefore installs the plugin, pinned like everything else, into
 KUBERNETES_PLUGIN_DIR; `kmesh pipeline` puts that folder on the path of a run that asks for the kubernetes executor,
 by `--executor`/`-e` or through a profile whose config.yaml names it. Plain Snakemake: `PYTHONPATH=<that folder>`.
 """
