@@ -331,3 +331,21 @@ def test_a_dry_run_prints_the_plan(results):
     assert "This was a dry-run" in (results / "cpu" / "logs" / "snakemake-dry-run.log").read_text()
 
 
+
+
+def test_a_running_stage_says_its_cases_done_of_the_expected_count(tmp_path):
+    # and never "3/2": a stage that gained cases since its record says how many it had then
+    log = tmp_path / "cpu" / "logs" / "peers.log"
+    log.parent.mkdir(parents=True)
+    out = io.StringIO()
+    console = Console(out, ROOT, tmp_path / "snakemake.log", False, clock=SteppingClock(),
+                      expected={"peers": stage_times.Expectation(wall_s=60.0, cases=2, source="last run here")})
+    console.handle(JobStarted("0", "peers", (f"{tmp_path}/cpu/peers/result.json",), (str(log),)))
+    progress = []
+    for ended in (1, 3):
+        log.write_text("".join(f"[kmesh] case {i + 1} passed: c{i} (1.0 s)\n" for i in range(ended))
+                       + f"[kmesh] case {ended + 1} started: c{ended}\n")
+        console.tick(every_s=0.0)
+        progress.append(out.getvalue().splitlines()[-1])
+    assert re.search(r"running  1/2 cases done, now c1  \d+\.\d s of ~1 min 0 s$", progress[0]), progress
+    assert "running  3 cases done (of 2 when last recorded), now c3" in progress[1], progress

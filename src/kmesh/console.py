@@ -358,10 +358,12 @@ class Console:
             self._last_line[jobid] = now
             done, current = case_progress(_read_lines(self._path(job.logs[0]))) if job.logs else (0, None)
             e = self.expected.get(job.rule)
-            of = f"/{e.cases}" if e else ""
+            count = f"{done}/{e.cases} cases done" if e and done <= e.cases else f"{done} cases done"
+            if e and done > e.cases:   # the stage gained cases since the record the expectation comes from
+                count += f" (of {e.cases} when last recorded)"
             now_in = f", now {current}" if current else ""
             took = format_seconds(now - t0) + (f" of ~{format_seconds(e.wall_s)}" if e else "")
-            self.say(f"{job.rule:<{RULE_WIDTH}}  running  {done}{of} cases done{now_in}  {took}")
+            self.say(f"{job.rule:<{RULE_WIDTH}}  running  {count}{now_in}  {took}")
 
     def _finished(self, event: JobFinished) -> None:
         started, t0 = self.running.pop(event.jobid, (None, 0.0))
