@@ -181,3 +181,19 @@ def test_a_written_result_records_the_cpu_of_the_stage_and_of_the_children_it_wa
     assert second["own_cpu_s"] >= first["own_cpu_s"] > 0
     assert second["cpu_s"] == pytest.approx(second["own_cpu_s"] + second["children_cpu_s"], abs=0.002)
     assert second["max_rss_mib"] > 10
+
+
+def test_a_failed_case_names_its_failed_checks_in_the_log(capsys):
+    # Snakemake deletes a failed stage's result file: the log line is what is left to say why
+    res = Result("x", "cpu", {})
+    with res.case("a") as c:
+        c.check("fine", True)
+        c.check("store_incomplete", False, value={"store": "complete"})
+    with res.case("b"):
+        raise ValueError("no engine\nsecond line")
+    with res.case("c") as c:
+        c.check("fine", True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[2] == '[kmesh]   failed checks: store_incomplete = {"store": "complete"}', lines
+    assert lines[5] == "[kmesh]   error: ValueError: no engine", lines
+    assert lines[-1].startswith("[kmesh] case 3 passed: c"), lines

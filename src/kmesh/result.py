@@ -41,6 +41,7 @@ SCHEMA = "kmesh.result/1"
 # follows these lines to say how far a long stage is (kmesh.console).
 CASE_STARTED = "[kmesh] case {number} started: {id}"
 CASE_ENDED = "[kmesh] case {number} {outcome}: {id} ({seconds:.1f} s)"
+CASE_FAILED_BECAUSE = "[kmesh]   {why}"
 
 
 def to_jsonable(v: Any) -> Any:
@@ -87,6 +88,14 @@ class Case:
         # At least one real check, none failed: a case that only recorded values has proven nothing.
         real = [c["ok"] for c in self.checks.values() if c["ok"] is not None]
         return self.error is None and bool(real) and all(real)
+
+    def failed_because(self, value_chars: int = 300) -> str:
+        """One line: the failed checks with the start of their values, or the error's first line, or that no check
+        ran."""
+        if self.error is not None:
+            return "error: " + self.error.splitlines()[0][:value_chars]
+        failed = [f"{k} = {json.dumps(v['value'])[:value_chars]}" for k, v in self.checks.items() if v["ok"] is False]
+        return "failed checks: " + "; ".join(failed) if failed else "no check ran"
 
     def check(self, name: str, ok: bool, value: Any = None) -> bool:
         """Record a pass/fail check. Returns ok so callers can branch on it."""
@@ -152,6 +161,8 @@ class Result:
             outcome = {True: "passed", False: "failed", None: "skipped"}[c.passed]
             print(CASE_ENDED.format(number=number, outcome=outcome, id=case_id, seconds=c.seconds),
                   file=sys.stderr, flush=True)
+            if c.passed is False:   # in the log too: Snakemake deletes a failed stage's result file
+                print(CASE_FAILED_BECAUSE.format(why=c.failed_because()), file=sys.stderr, flush=True)
 
     def skip_case(self, case_id: str, params: dict[str, Any] | None, reason: str) -> Case:
         """Record a case that does not run here as skipped with `reason`, under the id it has when it runs."""

@@ -750,9 +750,9 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
         out["second-engine"] = rows
 
     with res.case("fault-engine-killed-while-storing",
-                  {"what": "the second engine SIGKILLed while its request (a prompt never stored) runs, the kill timed "
-                           "from a cold request of the same length on that engine",
-                   "kill_after_fraction_of_same_length_cold_ttft": float(fs["kill_while_storing_fraction"])}) as case:
+                  {"what": "the second engine SIGKILLed while its request (a prompt never stored) runs, once it has "
+                           "spent a fraction of the CPU a cold request of the same length took on that engine",
+                   "kill_after_fraction_of_same_length_cold_cpu": float(fs["kill_while_storing_fraction"])}) as case:
         rows = {}
         # the same length as `fresh`, never requested either: its cold request times the kill and shows what one
         # complete store adds to the server's own listing
@@ -773,7 +773,10 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
             eng.submit({"op": "generate", "prompts": [fresh], "max_tokens": n_new,
                         "params": [peer.params()], "logprobs": 0})
             t0 = time.perf_counter()
-            time.sleep(float(fs["kill_while_storing_fraction"]) * twin_ttft)
+            # By the engine's own progress, not by the clock: when it has spent the fraction of the same-length
+            # cold request's CPU (beside make test's suite a wall-clock fraction came after the store had ended)
+            _wait_for_cpu(eng.pid, cpu0 + float(fs["kill_while_storing_fraction"]) * twin_cpu,
+                          bound_s=10.0 * twin_ttft + 5.0)
             rows[name]["engine_cpu_s_at_kill"] = _cpu_s(eng.pid) - cpu0
             rows[name]["killed_after_s"] = time.perf_counter() - t0
             rows[name]["engine_killed_rc"] = eng.kill()
@@ -922,6 +925,16 @@ def _cpu_s(pid: int) -> float:
     engine process, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
+
+
+def _wait_for_cpu(pid: int, cpu_s: float, bound_s: float, poll_s: float = 0.005) -> bool:
+    """Until process `pid` has used `cpu_s` CPU seconds in all (True), or `bound_s` have passed (False)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound_s:
+        if _cpu_s(pid) >= cpu_s:
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def _stored_objects(peer: Peer, pids: dict[str, int], settle_s: float = 0.5, bound_s: float = 10.0) -> int:
