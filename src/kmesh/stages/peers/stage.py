@@ -775,8 +775,9 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
             t0 = time.perf_counter()
             # By the engine's own progress, not by the clock: when it has spent the fraction of the same-length
             # cold request's CPU (beside make test's suite a wall-clock fraction came after the store had ended)
-            _wait_for_cpu(eng.pid, cpu0 + float(fs["kill_while_storing_fraction"]) * twin_cpu,
-                          bound_s=10.0 * twin_ttft + 5.0)
+            reached = _wait_for_cpu(eng.pid, cpu0 + float(fs["kill_while_storing_fraction"]) * twin_cpu,
+                                    bound_s=10.0 * twin_ttft + 5.0)
+            rows[name]["kill_trigger"] = "engine CPU reached" if reached else "wall bound (engine CPU not reached)"
             rows[name]["engine_cpu_s_at_kill"] = _cpu_s(eng.pid) - cpu0
             rows[name]["killed_after_s"] = time.perf_counter() - t0
             rows[name]["engine_killed_rc"] = eng.kill()
@@ -805,7 +806,8 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
                        row["one_store_adds"] > 0 and row["store"] in ("missing", "partial")
                        and row["engine_cpu_s_at_kill"] >= 0.2 * row["same_length_cold"]["engine_cpu_s"],
                        value={k: row[k] for k in ("store", "one_store_adds", "listed_before", "listed_after",
-                                                  "engine_cpu_s_at_kill", "same_length_cold", "killed_after_s")})
+                                                  "engine_cpu_s_at_kill", "same_length_cold", "killed_after_s",
+                                                  "kill_trigger")})
         km = rows["kmesh"]
         case.check("kmesh_main_engine_serves_right_tokens",
                    km["main_engine_alive"] and km["main_engine_after"].get("tokens_right") is True, value=km)
