@@ -6,6 +6,7 @@ Packages in EXCLUDE are dropped on purpose (see the comments); everything else
 the resolver picked is kept.
 
     python -m kmesh.devtools.lock cpu        # make lock (also: mutation)
+    python -m kmesh.devtools.lock cpu --keep # only what the .in adds moves: the lock's own pins are constraints
 """
 from __future__ import annotations
 
@@ -29,19 +30,22 @@ EXCLUDE = {"torchvision", "torchaudio", "torchcodec", "llama-cpp-python", "llm",
 OVERLAYS = {"mutation": "cpu"}
 
 
-def write_lock(profile: str, root: Path) -> Path:
-    """Resolve requirements/<profile>.in (pip's dry-run report) and write requirements/<profile>.lock."""
+def write_lock(profile: str, root: Path, keep: bool = False) -> Path:
+    """Resolve requirements/<profile>.in (pip's dry-run report) and write requirements/<profile>.lock. With `keep`,
+    the lock's current pins constrain the resolution: a package the .in adds comes in with what it needs, and no
+    other pin moves (without it, every unpinned distribution takes the index's newest fitting version)."""
     src = root / "requirements" / f"{profile}.in"
     out = root / "requirements" / f"{profile}.lock"
     base = OVERLAYS.get(profile)
     base_pins = {name: pin.version for name, pin in read_lock(root / "requirements" / f"{base}.lock").items()} \
         if base else {}
+    kept = {name: pin.version for name, pin in read_lock(out).items()} if keep and out.is_file() else {}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         extra = []
-        if base_pins:
+        if base_pins or kept:
             constraints = Path(tmp) / "constraints.txt"
-            constraints.write_text("".join(f"{n}=={v}\n" for n, v in base_pins.items()))
+            constraints.write_text("".join(f"{n}=={v}\n" for n, v in {**kept, **base_pins}.items()))
             extra = ["-c", str(constraints)]
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
@@ -66,7 +70,9 @@ def write_lock(profile: str, root: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    write_lock(args[0] if args else "cpu", find_root())
+    keep = "--keep" in args
+    names = [a for a in args if a != "--keep"]
+    write_lock(names[0] if names else "cpu", find_root(), keep=keep)
     return 0
 
 

@@ -136,8 +136,8 @@ def _first_layers(case: Any, cfg: Config, full: Path) -> None:
     want = {k for k in whole if (i := smollm2.layer_of(k)) is None or i < n}
     case.check("first_layers_tensors_equal", set(kept) == want and all(torch.equal(kept[k], whole[k]) for k in want),
                value={"tensors": len(kept), "of": len(whole)})
-    config = json.loads((stages_dir / "config.json").read_text())
-    case.check("first_layers_config", config.get("num_hidden_layers") == n, value=config.get("num_hidden_layers"))
+    written = json.loads((stages_dir / "config.json").read_text()).get("num_hidden_layers")
+    case.check("first_layers_config", written == n, value=written)
     problem = manifest_problem(stages_dir, smollm2.first_layers_manifest(full, n))
     case.check("first_layers_manifest_verifies", problem is None, value=problem or str(stages_dir / MANIFEST))
 
