@@ -5,8 +5,9 @@
 #   1. the cpu pipeline with config/overlays/test.yaml (reduced sizes and repetitions, the same cases and checks) into
 #      its own results dir (results/test: the published results/cpu are never timed beside the suite);
 #   2. the SLURM profile's test (tests/test_slurm_profile.py: it mostly waits on a real SLURM cluster's jobs);
-#   3. the rest of the suite, less the tests marked covered_by_stage (a stage case asserts the same behaviour) or slow;
-#   then tests/test_stage_results.py: every stage's result present, ok and current for this code, every case a
+#   3. the rest of the suite on every core, less the tests marked covered_by_stage (a stage case asserts the same
+#      behaviour) or slow;
+#   once the pipeline ends, tests/test_stage_results.py: every stage's result present, ok and current for this code, every case a
 #   covered_by_stage test names passed, and nothing left in the pipeline's own TMPDIR (a fresh directory: every
 #   stage and the processes it starts make their temporary files there through `tempfile`).
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
@@ -50,18 +51,26 @@ slurm=$!
 # module's tests, and its module fixtures, on one worker.
 workers="${KMESH_TEST_WORKERS:-auto}"
 [[ "$workers" == 1 ]] && parallel=() || parallel=(-n "$workers" --dist loadfile)
-KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 nice -n "${KMESH_SUITE_NICE:-0}" python -m pytest -q -m "not slurm and not slow" \
-  "${parallel[@]}" --ignore=tests/test_stage_results.py --ignore=tests/test_slurm_profile.py "$@"
+# KMESH_SUITE_MODEL_OVERLAY: the suite's tests on SmolLM2's real weights load the whole model the pipeline's model
+# stage converts (tests/smollm2_model.py), so make test converts the GGUF once, not twice.
+KMESH_STAGES_RUN_BESIDE=1 KMESH_REQUIRE_VLLM=1 KMESH_SUITE_MODEL_OVERLAY="$overlay" nice -n "${KMESH_SUITE_NICE:-0}" \
+  python -m pytest -q -m "not slurm and not slow" \
+  "${parallel[@]}" --ignore=tests/test_stage_results.py --ignore=tests/test_slurm_profile.py "$@" &
+suite_pid=$!
+# The stage results are checked as soon as the pipeline ends, beside whatever of the suite is still running.
+wait "$pipeline"
+stages=$?
+KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" KMESH_STAGE_TMPDIR="$stage_tmp" \
+  python -m pytest -q -p no:cacheprovider tests/test_stage_results.py > "$results/stage-results.log" 2>&1
+checked=$?
+wait "$suite_pid"
 suite=$?
 wait "$slurm"
 slurm_rc=$?
-wait "$pipeline"
-stages=$?
 echo "--- the pipeline beside the suite ($console) ---"
 cat "$console"
-KMESH_REQUIRE_STAGES=cpu KMESH_STAGE_RESULTS="$results" KMESH_STAGE_OVERLAY="$overlay" KMESH_STAGE_TMPDIR="$stage_tmp" \
-  python -m pytest -q -p no:cacheprovider tests/test_stage_results.py
-checked=$?
+echo "--- the stage results, checked when the pipeline ended ($results/stage-results.log) ---"
+if ((checked)); then cat "$results/stage-results.log"; else tail -n 1 "$results/stage-results.log"; fi
 rm -rf "$stage_tmp"
 # Last, so that a CI page showing only the output's tail shows why the SLURM test failed (CI at f770335 showed only
 # "slurm test exit 1": its tail was printed before the pipeline's console and cut).
