@@ -13,8 +13,9 @@ def test_smollm2_runs_in_the_configured_dtype(dtype: str) -> None:
     from kmesh.config import load_config, parse_overrides
     from kmesh.harness.modelsetup import load_model
 
-    converted()
-    cfg = load_config(profile="cpu", overrides=parse_overrides([f"model.smollm2.run_dtype={dtype}"]))
+    folder = converted()     # the whole model, wherever the suite's tests load it (tests/smollm2_model.py)
+    cfg = load_config(profile="cpu", overrides=parse_overrides([f"model.smollm2.run_dtype={dtype}",
+                                                                 f"model.dir={folder.parent}"]))
     model, tok, what = load_model(cfg, {"model": "smollm2"}, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert what.endswith(f":{dtype}")
