@@ -13,7 +13,7 @@
 #   KMESH_TEST_RESULTS  results dir of the test run's pipeline (default: results/test)
 #   KMESH_TEST_OVERLAY  its overlay over the cpu profile (default: config/overlays/test.yaml)
 #   KMESH_SUITE_NICE    the suite's niceness beside the pipeline (default 0: equal shares)
-#   KMESH_TEST_WORKERS  the suite's pytest-xdist workers (default auto: one per core; 1: the suite in one process)
+#   KMESH_TEST_WORKERS  the suite's pytest-xdist workers (default: one per core, at most 4; 1: one process)
 #   args                passed to the suite's pytest run (e.g. -x); `make test-all` runs the whole suite alone
 set -uo pipefail
 # One torch (OpenMP) thread per process: the pipeline's stage, the suite and the processes each starts share 2 cores,
@@ -46,10 +46,11 @@ slurm=$!
 # The suite at the pipeline's CPU priority (KMESH_SUITE_NICE, default 0). At niceness 5 it ended last (clean clone,
 # b7071ed: the suite 16 min 33 s, the pipeline 13 min 13 s): once peers left the chain's end the pipeline keeps both
 # cores busy, and the suite, one test at a time, is the longer chain.
-# On every core (pytest-xdist, KMESH_TEST_WORKERS, default one per core; 1: no workers, one process): one test at a
-# time left a core idle once the pipeline ended, and the suite was make test's longer chain. `--dist loadfile` keeps a
-# module's tests, and its module fixtures, on one worker.
-workers="${KMESH_TEST_WORKERS:-auto}"
+# On every core (pytest-xdist, KMESH_TEST_WORKERS, default one per core up to 4, each worker holding ~1-2 GB; 1: no
+# workers, one process): one test at a time left a core idle once the pipeline ended, and the suite was make test's
+# longer chain. `--dist loadfile` keeps a module's tests, and its module fixtures, on one worker.
+cores=$(nproc)
+workers="${KMESH_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 [[ "$workers" == 1 ]] && parallel=() || parallel=(-n "$workers" --dist loadfile)
 # KMESH_SUITE_MODEL_OVERLAY: the suite's tests on SmolLM2's real weights load the whole model the pipeline's model
 # stage converts (tests/smollm2_model.py), so make test converts the GGUF once, not twice.
