@@ -49,7 +49,7 @@ slurm=$!
 # On every core (pytest-xdist, KMESH_TEST_WORKERS, default one per core up to 4, each worker holding ~1-2 GB; 1: no
 # workers, one process): one test at a time left a core idle once the pipeline ended, and the suite was make test's
 # longer chain. `--dist loadfile` keeps a module's tests, and its module fixtures, on one worker.
-cores=$(nproc)
+cores=$(nproc --all)   # --all: nproc alone honours the OMP_NUM_THREADS=1 exported above
 workers="${KMESH_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 [[ "$workers" == 1 ]] && parallel=() || parallel=(-n "$workers" --dist loadfile)
 # KMESH_SUITE_MODEL_OVERLAY: the suite's tests on SmolLM2's real weights load the whole model the pipeline's model
