@@ -258,3 +258,40 @@ def test_agent_against_no_store_says_unavailable(tmp_path):
         assert agent.call("ping")["connected"] is False   # the agent itself is fine
     finally:
         agent.close()
+
+
+def test_a_setup_that_meets_a_taken_name_is_tried_again_on_a_fresh_port(master, monkeypatch):
+    """Two clients under one name (host:port) cannot both register: Mooncake refuses the second setup (-600). The
+    port a client picks is free only until the socket that found it closes, so its setup is tried again on a fresh
+    port while the master answers (it happened once in make test, beside the suite)."""
+    first = remote.MooncakeClient(master.spec(segment_bytes=16 << 20))
+    taken = int(first.local.rsplit(":", 1)[1])
+    picks = iter([taken])
+    picked = []
+    real_free_port = remote.free_port
+
+    def free_port(host: str = "127.0.0.1") -> int:
+        picked.append(next(picks, None) or real_free_port(host))
+        return picked[-1]
+
+    monkeypatch.setattr(remote, "free_port", free_port)
+    try:
+        second = remote.MooncakeClient(master.spec(segment_bytes=0))
+        try:
+            assert picked[0] == taken and len(picked) == 2 and second.local == f"127.0.0.1:{picked[1]}"
+            second.publish(b"k", b"z" * 4096)
+            assert first.fetch(b"k") == b"z" * 4096
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_setup_against_a_master_that_is_down_is_not_retried(tmp_path, monkeypatch):
+    m = remote.MooncakeMaster(tmp_path / "master")      # ports chosen, nothing listening
+    picked = []
+    real_free_port = remote.free_port
+    monkeypatch.setattr(remote, "free_port", lambda host="127.0.0.1": picked.append(1) or real_free_port(host))
+    with pytest.raises(remote.RemoteUnavailableError, match="setup"):
+        remote.MooncakeClient(m.spec())
+    assert len(picked) == 1

@@ -85,6 +85,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+SETUP_ATTEMPTS = 3   # a client's setups, each on a fresh port, while the master answers (MooncakeClient)
+
+
+def master_answers(master: str, timeout_s: float = 1.0) -> bool:
+    """Whether the master's RPC port (host:port) accepts a TCP connection."""
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -101,12 +114,28 @@ class MooncakeClient:
         from mooncake.store import MooncakeDistributedStore
 
         self.spec = spec
-        self._store = MooncakeDistributedStore()
-        local = f"{spec.hostname}:{port or free_port(spec.hostname)}"
-        rc = self._store.setup(local, spec.metadata, spec.segment_bytes, spec.buffer_bytes, spec.protocol, "",
-                               spec.master)
+        # The client's name is host:port, and a name another client has registered is refused (code -600,
+        # "Failed to register segment descriptor"). The port is only a name (nothing listens on it), so free_port
+        # can hand out one that a live client already goes by: it happened once in make test (CI, 60cd9e5). A setup
+        # that fails while the master's RPC port accepts is tried again under a fresh port; one against a master
+        # that does not answer is the store being down: RemoteUnavailableError at once. (Given no port, the client
+        # picks and retries itself, 20 times: ~90 s against a master that is down, measured.)
+        rcs: list[int] = []
+        for _ in range(SETUP_ATTEMPTS):
+            self._store = MooncakeDistributedStore()
+            local = f"{spec.hostname}:{port or free_port(spec.hostname)}"
+            rc = self._store.setup(local, spec.metadata, spec.segment_bytes, spec.buffer_bytes, spec.protocol, "",
+                                   spec.master)
+            if rc == 0:
+                break
+            rcs.append(rc)
+            if port is not None or not master_answers(spec.master):
+                break
+        else:
+            rc = rcs[-1]
         if rc != 0:
-            raise RemoteUnavailableError(f"Mooncake store setup against master {spec.master} failed (code {rc})")
+            raise RemoteUnavailableError(f"Mooncake store setup against master {spec.master} failed "
+                                         f"(code{'s' if len(rcs) > 1 else ''} {', '.join(map(str, rcs))})")
         self.local = local
 
     def exists(self, key: bytes) -> bool:
