@@ -21,6 +21,7 @@ env:
 PROFILE_OVERLAY ?=
 OVERLAY_CONFIG := $(if $(PROFILE_OVERLAY),--config overlay=$(PROFILE_OVERLAY) results_dir=results/$(PROFILE_OVERLAY))
 pipeline: env  ## run every stage on the CPU profile (~10 min on 2 cores), then tables + plots; PROFILE_OVERLAY=long: the long forms
+	@echo "[kmesh] host: $$(python -m kmesh host-speed)"
 	python -m kmesh pipeline --cores all $(OVERLAY_CONFIG) $(SNAKEMAKE_ARGS)
 
 # Every stage AND the whole suite (scripts/test.sh): the cpu pipeline at config/overlays/test.yaml's reduced sizes

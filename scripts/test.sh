@@ -36,6 +36,10 @@ if ! python -m ruff check src tests; then
   exit 1
 fi
 
+# Which host this is, and how fast its cores are (kmesh.hostspeed): make test's time differs by more than half
+# between the hosts a "2-core machine" can be
+echo "[kmesh] make test: host: $(python -m kmesh host-speed --out "$results/host.json")"
+
 # /tmp, not under results: the ownership stage's foreign-uid case needs a parent every user can traverse
 stage_tmp=$(mktemp -d /tmp/kmesh-stage-tmp.XXXXXX) && chmod 755 "$stage_tmp"
 TMPDIR="$stage_tmp" python -m kmesh pipeline --cores all --max-threads "$OMP_NUM_THREADS" --config "results_dir=$results" "overlay=$overlay" \

@@ -67,7 +67,8 @@ def test_stages_folder_is_a_table_of_contents():
 # -- the package root holds infrastructure; the KV domain lives in kmesh.kv (issue "one path for a saved segment") --
 
 ROOT_INFRASTRUCTURE = {"__init__", "__main__", "bench", "cli", "config", "console", "doctor", "errors", "jsonfile",
-                       "executors", "pins", "progress", "provenance", "result", "stage_times", "zygote"}
+                       "executors", "hostspeed", "pins", "progress", "provenance", "result", "stage_times",
+                       "zygote"}
 RUNTIME_PACKAGES = ("kmesh.kv", "kmesh.service", "kmesh.transfer", "kmesh.storage", "kmesh.integrity", "kmesh.vllm",
                     "kmesh.cuda", "kmesh.model", "kmesh.reference", "kmesh.sources")
 

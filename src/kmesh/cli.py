@@ -107,6 +107,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raise
 
 
+def cmd_host_speed(args: argparse.Namespace) -> int:
+    from kmesh import hostspeed
+
+    return hostspeed.main(args.json, args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kmesh", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the committed table's records of this profile and overlay instead (docs/testing.md)")
     t.add_argument("--note", default="", help="with --write: how the run was made (command, machine state)")
     t.set_defaults(func=cmd_times)
+
+    h = sub.add_parser("host-speed", help="this machine's CPU and the seconds one core takes for two fixed "
+                                          "workloads (kmesh.hostspeed: tells apart runs on different hosts)")
+    h.add_argument("--json", action="store_true", help="print the facts as JSON instead of a line")
+    h.add_argument("--out", default=None, metavar="FILE", help="also write them to FILE (JSON)")
+    h.set_defaults(func=cmd_host_speed)
 
     g = sub.add_parser("diagnose", help="run one measurement diagnostic (kmesh.diagnostics); none named: list them")
     g.add_argument("name", nargs="?", help="which diagnostic (leave out to list them)")
