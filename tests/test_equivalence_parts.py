@@ -528,7 +528,8 @@ def test_quality_case_stock_matched_gets_the_repair_count(env):
     (unrestored positions included), plain stock its own int(0.15·T); every arm is measured teacher-forced."""
     # stock's ratio differs from repair's, so an arm run with the other's config shows in its count
     setup = SimpleNamespace(**vars(env.setup), sec={"repair": {"check_layers": [1], "recompute_ratio": 0.15},
-                                                   "stock": {"check_layers": [1], "recompute_ratio": 0.2}})
+                                                   "stock": {"check_layers": [1], "recompute_ratio": 0.2},
+                                                   "chance_seeds": 2})
     res = Result("equivalence", "cpu", {}, [])
     quality, claim = eq_stage._quality_case(res, setup, env.refs)
     case = res.cases[-1]
@@ -1048,7 +1049,7 @@ def test_service_segments_prefetch_overlaps_the_loads_and_fails_where_the_serial
 # --- issue 21 item 6: the quality case's full arm is recomputed, not the reference scored against itself -------
 
 def _quality_setup(env):
-    sec = {"repair": dataclasses.asdict(env.ctx.repair), "stock": dataclasses.asdict(env.ctx.repair)}
+    sec = {"repair": dataclasses.asdict(env.ctx.repair), "stock": dataclasses.asdict(env.ctx.repair), "chance_seeds": 2}
     return SimpleNamespace(**{**vars(env.setup), "sec": sec})
 
 

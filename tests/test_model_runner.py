@@ -520,6 +520,55 @@ def test_recompute_counts_errors(tiny):
     RepairConfig(check_layers=(1, 2), recompute_counts=(1, 1)).validate(4)
 
 
+def test_chance_control_keeps_the_budget_and_is_seeded(tiny):
+    """selection_seed: the repair's budget and forced rows, the restored rows picked by a seeded random score (the
+    same seed the same rows; another seed other rows); the repair arm's only; never in a CUDA graph."""
+    r, c = tiny.runner, _case(tiny.runner, 40, 7)
+    rule = blend(r, c.child, _copy(r, c.pristine), c.restored, arm="repair")
+    runs = [blend(r, c.child, _copy(r, c.pristine), c.restored, RepairConfig(selection_seed=s), arm="repair")
+            for s in (0, 0, 1)]
+    for res in runs:
+        assert res.counts() == rule.counts()
+        assert res.masks[:, ~c.restored].all() and res.masks[:, c.T - 1].all()
+    assert torch.equal(runs[0].masks, runs[1].masks) and not torch.equal(runs[0].masks, runs[2].masks)
+    for arm in ("naive", "stock", "full", "epic"):
+        with pytest.raises(RepairConfigError, match="chance control"):
+            plan(arm, c.restored, RepairConfig(selection_seed=0), r.num_layers, torch.device("cpu"), chunks=[(40, 64)])
+    for bad in (-1, 1.5):
+        with pytest.raises(RepairConfigError, match="selection_seed"):
+            RepairConfig(selection_seed=bad).validate(r.num_layers)
+
+
+def test_the_rule_leaves_the_check_layer_closest_to_full(tiny):
+    """The law the equivalence stage checks (quality: repair_closest_to_full_at_its_check_layer): at the first
+    check layer the repair's cache is no farther from the full prefill's than chance's at the same budget, and a
+    rule that keeps the most deviant rows restored (the least deviant recomputed) is farther than chance."""
+    from kmesh.model import blend as blend_mod
+    from kmesh.model.quality import kv_error
+
+    r, c = tiny.runner, _case(tiny.runner, 40, 7)
+
+    def at_check(config: RepairConfig) -> float:
+        cache = _copy(r, c.pristine)
+        blend(r, c.child, cache, c.restored, config, arm="repair")
+        full, got = SimpleNamespace(k=c.full_cache.stacked(c.T)[0]), SimpleNamespace(k=cache.stacked(c.T)[0])
+        return kv_error(full, got, CHECK)
+
+    rule, chance = at_check(RepairConfig()), [at_check(RepairConfig(selection_seed=s)) for s in range(3)]
+    assert rule < min(chance)
+    real_pick = blend_mod.pick
+
+    def least_deviant(p, i, dev, forced_rows):
+        return real_pick(p, i, -dev, forced_rows)
+
+    blend_mod.pick = least_deviant
+    try:
+        wrong = at_check(RepairConfig())
+    finally:
+        blend_mod.pick = real_pick
+    assert wrong > max(chance)
+
+
 def test_decode_stops_at_end_of_turn(tiny):
     r = tiny.runner
     ids = _ids(40, 2)
@@ -845,9 +894,10 @@ def test_pick_ranks_a_nan_deviation_above_every_number_and_below_the_forced_rows
     from kmesh.model.blend import pick
 
     dev = torch.tensor([0.1, float("nan"), 0.5, 0.2])
-    assert pick(SimpleNamespace(keep=[1]), 0, dev, None).tolist() == [1]
-    assert pick(SimpleNamespace(keep=[2]), 0, dev, None).tolist() == [1, 2]
+    assert pick(SimpleNamespace(keep=[1], selection_seed=None), 0, dev, None).tolist() == [1]
+    assert pick(SimpleNamespace(keep=[2], selection_seed=None), 0, dev, None).tolist() == [1, 2]
     forced = torch.tensor([False, False, False, True])
-    assert pick(SimpleNamespace(keep=[1]), 0, dev, forced).tolist() == [3]
-    assert pick(SimpleNamespace(keep=[2]), 0, dev, forced).tolist() == [1, 3]
-    assert pick(SimpleNamespace(keep=[9]), 0, dev, forced).tolist() == [0, 1, 2, 3]   # k capped at the rows
+    assert pick(SimpleNamespace(keep=[1], selection_seed=None), 0, dev, forced).tolist() == [3]
+    assert pick(SimpleNamespace(keep=[2], selection_seed=None), 0, dev, forced).tolist() == [1, 3]
+    # k capped at the rows
+    assert pick(SimpleNamespace(keep=[9], selection_seed=None), 0, dev, forced).tolist() == [0, 1, 2, 3]

@@ -62,6 +62,9 @@ class RepairConfig:
     # set per request to the repair arm's recomputed count; never read from the config file)
     recompute_counts: tuple[int, ...] | None = None
     epic_tokens: int = 16    # epic arm: leading tokens of every restored chunk recomputed (EPIC's k)
+    # repair arm only, a control: rows ranked by a seeded random score instead of their deviation, at the same
+    # budget (chance at the repair's budget, the equivalence stage's quality case; never read from the config file)
+    selection_seed: int | None = None
 
     def ratios(self) -> tuple[float, ...]:
         r = self.recompute_ratio
@@ -93,6 +96,8 @@ class RepairConfig:
                 raise RepairConfigError(f"{len(counts)} recompute counts for {len(self.check_layers)} check layers")
             if not all(type(n) is int and n >= 1 for n in counts) or list(counts) != sorted(counts, reverse=True):
                 raise RepairConfigError(f"recompute counts must be positive integers, non-increasing, got {counts}")
+        if self.selection_seed is not None and (type(self.selection_seed) is not int or self.selection_seed < 0):
+            raise RepairConfigError(f"selection_seed must be an integer >= 0 or None, got {self.selection_seed!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "RepairConfig":
@@ -131,6 +136,7 @@ class BlendPlan:
     keep: tuple[int, ...]       # per check layer: how many rows survive the selection
     check_layers: tuple[int, ...]
     deviation: str
+    selection_seed: int | None = None   # the chance control: rows ranked by a seeded random score (RepairConfig)
 
 
 def _chunk_heads(r: torch.Tensor, chunks: Sequence[tuple[int, int]] | None, k: int) -> torch.Tensor:
@@ -156,6 +162,8 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
     config.validate(num_layers)
     if config.recompute_counts is not None and arm != "stock":
         raise RepairConfigError(f"recompute_counts is the stock arm's fixed budget, not the {arm!r} arm's")
+    if config.selection_seed is not None and arm != "repair":
+        raise RepairConfigError(f"selection_seed is the repair arm's chance control, not the {arm!r} arm's")
     r = torch.as_tensor(restored, dtype=torch.bool).cpu()
     T = r.numel()
     if T == 0:
@@ -178,7 +186,7 @@ def plan(arm: str, restored: Sequence[bool] | torch.Tensor, config: RepairConfig
         keep = ()
     checks = config.check_layers if arm in ("repair", "stock") else ()
     return BlendPlan(arm, T, forced.nonzero()[:, 0].to(device), forced.to(device), keep, tuple(checks),
-                     config.deviation)
+                     config.deviation, config.selection_seed)
 
 
 def deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -191,6 +199,9 @@ def deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
 
 def pick(p: BlendPlan, i: int, dev: torch.Tensor, forced_rows: torch.Tensor | None) -> torch.Tensor:
     """Sorted row indices that stay recomputed after check layer i, from the rows' deviations."""
+    if p.selection_seed is not None:   # the chance control: the same budget, ranked by a seeded random score
+        g = torch.Generator().manual_seed(p.selection_seed * 1000 + i)
+        dev = torch.rand(dev.shape, generator=g, dtype=torch.float32).to(dev.device)
     # topk ranks NaN above +inf: a NaN deviation (broken restored data) must rank below the forced rows.
     dev = torch.nan_to_num(dev, nan=torch.finfo(dev.dtype).max)
     if forced_rows is not None:  # repair: forced positions always survive, the rest compete

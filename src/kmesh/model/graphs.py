@@ -82,6 +82,8 @@ class GraphedBlend:
                  chunks: Sequence[tuple[int, int]] | None = None) -> None:
         if runner.device.type != "cuda":
             raise ModelError("CUDA graphs need the runner on a CUDA device")
+        if config.selection_seed is not None:   # its scores come from the host: a replay would reuse the first's
+            raise ModelError("the chance control (selection_seed) runs eagerly, never in a CUDA graph")
         self.runner, self.cache, self.restored, self.config, self.arm = runner, cache, restored, config, arm
         self.ids = ids.to(runner.device)
         self.plan = plan(arm, restored, config, runner.num_layers, runner.device, chunks)   # chunks: epic only

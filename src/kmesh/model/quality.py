@@ -54,6 +54,13 @@ def compare_states(a: Any, b: Any) -> dict[str, Any]:
             "first_unequal_layer": next((i for i in range(L) if not (k_eq[i] and v_eq[i] and m_eq[i])), None)}
 
 
+def kv_error(ref: Any, out: Any, layer: int, which: str = "k") -> float:
+    """Σ (out − ref)² of one layer's K (or V) over every position, head and channel, in float64: how far an arm's
+    cache at that layer is from the full prefill's (ChildOutcomes)."""
+    a, b = (ref.k, out.k) if which == "k" else (ref.v, out.v)
+    return float(((b[layer].double() - a[layer].double()) ** 2).sum())
+
+
 def identical(cmp: dict[str, Any]) -> bool:
     L = cmp["layers"]
     return (cmp["k_equal_layers"] == L and cmp["v_equal_layers"] == L and cmp["mask_equal_layers"] == L
