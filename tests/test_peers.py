@@ -265,3 +265,24 @@ def test_a_kill_while_storing_is_judged_by_the_servers_own_listing():
     assert _stored_objects(Listing([9, 10, 10], "l1_objects"), {}, settle_s=0.01) == 10
     assert _stored_objects(Listing([44, 44], "objects"), {}, settle_s=0.01) == 44
     assert _stored_objects(Listing([{"server": "down"}.get("objects", -1)], "objects"), {}, settle_s=0.01) == -1
+
+
+def test_a_mid_load_kill_is_placed_by_each_systems_own_counters():
+    """fault-server-killed-mid-load: before the load (no plan / no lookup hit), during it (planned, not delivered)
+    or after it (all of it delivered), from the interrupted request's own counters (the evidence the case records;
+    the values are those of real attempts)."""
+    from kmesh.stages.peers.stage import landed_where
+
+    kmesh = {"none": {"mode": "none", "tokens_supplied": 0, "load_errors": 0, "service": "down"},
+             "half-planned": {"mode": "prefix", "stored_tokens": 128, "tokens_supplied": 0, "load_errors": 1},
+             "planned": {"mode": "prefix", "stored_tokens": 256, "tokens_supplied": 0, "load_errors": 2},
+             "delivered": {"mode": "prefix", "stored_tokens": 256, "tokens_supplied": 256, "load_errors": 0}}
+    assert {k: landed_where("kmesh", v) for k, v in kmesh.items()} == \
+        {"none": "before", "half-planned": "during", "planned": "during", "delivered": "after"}
+    lmcache = {"no hit": {"lookup_hit_tokens": 0, "retrieved_tokens_logged": 0},
+               "hit, nothing retrieved": {"lookup_hit_tokens": 256, "retrieved_tokens_logged": 0},
+               "hit, part retrieved": {"lookup_hit_tokens": 256, "retrieved_tokens_logged": 128},
+               "hit, all retrieved": {"lookup_hit_tokens": 256, "retrieved_tokens_logged": 256}}
+    assert {k: landed_where("lmcache", v) for k, v in lmcache.items()} == \
+        {"no hit": "before", "hit, nothing retrieved": "during", "hit, part retrieved": "during",
+         "hit, all retrieved": "after"}

@@ -819,41 +819,63 @@ def _faults(res: Result, sec: dict[str, Any], arms: Arms, exact: dict[str, Any],
         out["engine-killed-while-storing"] = rows
 
     with res.case("fault-server-killed-mid-load",
-                  {"what": "the server SIGKILLed while an engine's request for a stored prompt runs",
-                   "kill_after_fraction_of_ttft": float(fs["kill_mid_load_fraction"])}) as case:
+                  {"what": "the server SIGKILLed while an engine's request for a stored prompt is loading it",
+                   "first_kill_fraction_of_ttft": float(fs["kill_mid_load_fraction"]),
+                   "attempts": int(fs["mid_load_attempts"]), "budget_s": float(fs["mid_load_budget_s"]),
+                   "landed": LANDED_RULE}) as case:
         rows = {}
-        # the load happens before the first token: the kill comes at a fraction of the arm's own median TTFT
+        # the load happens before the first token: the first kill comes at a fraction of the arm's own median TTFT,
+        # the next ones earlier or later as the last one came after or before the load (bisection)
         ttft = {name: ttft_exact[name]["median_ms"] / 1e3 for name in PEERS}
+        # before an engine's next request after its server's restart: LMCache's connector pings every 10 s
+        # (reconnect_s), KMesh's connector connects again after its retry interval
+        reconnect_s = {"lmcache": float(fs["reconnect_s"]), "kmesh": 2 * float(sec["kmesh"]["retry_s"])}
         for name, peer in arms.peers.items():
             eng = arms.engines[name]
-            mark = peer.server.mark() if name == "lmcache" else None
-            eng.submit({"op": "generate", "prompts": [prompt], "max_tokens": n_new, "params": [peer.params()],
-                        "logprobs": 0})
-            t_submit = time.perf_counter()
-            time.sleep(float(fs["kill_mid_load_fraction"]) * ttft[name])
-            t0 = time.perf_counter()
-            killed = peer.kill()
-            row: dict[str, Any] = {"kill": killed, "killed_after_s": t0 - t_submit}
-            try:
-                o = eng.answer("generate", wait_s)["outputs"][0]
-                row["during"] = {"answered": True, "tokens_right": o["tokens"] == ref_prompt,
-                                 "reused": peer.reused(o), "seconds": time.perf_counter() - t0}
-            except EngineError as e:
-                row["during"] = _unanswered(eng, e, t0)
-            if mark is not None:
-                row["server_logged"] = peer.server.counted(mark, settle_s=0.5)
+            attempts: list[dict[str, Any]] = []
+            lo, hi, delay = 0.0, None, float(fs["kill_mid_load_fraction"]) * ttft[name]
+            t_start = time.monotonic()   # each system gets the same time to land its kill (mid_load_budget_s)
+            while True:
+                if attempts:   # the last kill missed the load: the server again, the prompt stored again
+                    # first a request with the server down, as a user's next one would come: each connector finds
+                    # its server gone only when a request fails (then reconnects after its interval)
+                    down = ask(name, eng, prompt)
+                    peer.start()
+                    time.sleep(reconnect_s[name])
+                    stored = []     # one request stores it anew, the next must reuse it (a third if one was early)
+                    while len(stored) < 3 and not (stored and stored[-1].get("reused")):
+                        stored.append(ask(name, eng, prompt))
+                    attempts[-1]["next"] = {"server_down_request": down, "stored_again": stored}
+                    if not stored[-1].get("reused"):
+                        peer.kill()     # down again, as the last attempt left it: the cases after expect that
+                        attempts[-1]["next"]["why"] = "the restarted server's store was not reused: no further attempt"
+                        break
+                row = _kill_during_load(name, peer, eng, prompt, n_new, delay, wait_s)
+                row["during"]["tokens_right"] = row["during"].get("tokens") == ref_prompt
+                attempts.append(row)
+                where = row["landed"]
+                if (where == "during" or not row["during"]["answered"] or len(attempts) >= int(fs["mid_load_attempts"])
+                        or time.monotonic() - t_start >= float(fs["mid_load_budget_s"])):
+                    break
+                lo, hi = (delay, hi) if where == "before" else (lo, delay)
+                delay = (lo + hi) / 2 if hi is not None else 2 * delay
+            row = {**attempts[-1], "attempts": [{k: a[k] for k in ("delay_s", "killed_after_s", "landed", "evidence",
+                                                                   "next") if k in a} for a in attempts]}
+            case.check(f"{name}_server_was_killed", row["kill"]["server_gone"], value=row["kill"])
             if row["during"]["answered"]:
                 after = ask(name, eng, prompt)          # served with its server down
                 after["tokens_right"] = after.get("tokens") == ref_prompt
                 row["server_down_request"] = after
             row["engine_alive"] = eng.proc.poll() is None
             rows[name] = row
-            # the exit status says SIGKILL, and neither its port(s) nor its socket accept a connection any more
-            case.check(f"{name}_server_was_killed", killed["server_gone"], value=killed)
         km = rows["kmesh"]
+        # ours must land: a kill that came before the lookup or after the load proves nothing about a load
+        case.check("kmesh_kill_landed_during_a_load", km["landed"] == "during",
+                   value={"landed": km["landed"], "attempts": km["attempts"]})
         case.check("kmesh_engine_kept_serving_right_tokens",
                    km["engine_alive"] and km["during"].get("tokens_right") is True
                    and km.get("server_down_request", {}).get("tokens_right") is True, value=km)
+        case.record("landed_during_a_load", {n: r["landed"] == "during" for n, r in rows.items()})
         case.record("outcomes", rows)
         out["server-killed-mid-load"] = rows
 
@@ -910,6 +932,52 @@ def _watch_release(peers: dict[str, Peer], killed: dict[str, EngineProcess], row
                 out[name] = time.monotonic() - rows[name]["killed_at"]
         time.sleep(0.25)
     return out
+
+
+LANDED_RULE = ("from each system's own counters for the interrupted request: KMesh's connector report (a load planned "
+               "from the records the service served, mode != none, and blocks that failed to load, load_errors > 0); "
+               "LMCache's connector (num_lmcache_cached_tokens > 0: its lookup hit) and its server's log (fewer "
+               "tokens retrieved than the hit). No plan / no hit: before the load; all of it delivered: after")
+
+
+def _kill_during_load(name: str, peer: Peer, eng: EngineProcess, prompt: list[int], n_new: int, delay_s: float,
+                      wait_s: float) -> dict[str, Any]:
+    """One attempt: the stored prompt requested, the server SIGKILLed `delay_s` later, the request's outcome and
+    where the kill landed (before, during or after the load, LANDED_RULE)."""
+    mark = peer.server.mark() if name == "lmcache" else None
+    eng.submit({"op": "generate", "prompts": [prompt], "max_tokens": n_new, "params": [peer.params()],
+                "logprobs": 0})
+    t_submit = time.perf_counter()
+    time.sleep(delay_s)
+    t0 = time.perf_counter()
+    killed = peer.kill()
+    row: dict[str, Any] = {"delay_s": delay_s, "kill": killed, "killed_after_s": t0 - t_submit}
+    try:
+        o = eng.answer("generate", wait_s)["outputs"][0]
+        row["during"] = {"answered": True, "tokens": o["tokens"], "reused": peer.reused(o),
+                         "seconds": time.perf_counter() - t0}
+    except EngineError as e:
+        row["during"] = _unanswered(eng, e, t0)
+        o = {}
+    if name == "kmesh":
+        rep = o.get("kmesh") or {}
+        evidence = {k: rep.get(k) for k in ("mode", "stored_tokens", "tokens_supplied", "load_errors", "service")}
+    else:
+        evidence = {"lookup_hit_tokens": peer.reused(o) or 0, **peer.server.counted(mark, settle_s=0.5)}
+    row["evidence"] = evidence
+    row["landed"] = landed_where(name, evidence) if row["during"]["answered"] else "unanswered"
+    return row
+
+
+def landed_where(system: str, evidence: dict[str, Any]) -> str:
+    """Where a server's kill landed in the interrupted request's load, from that system's own counters
+    (LANDED_RULE): "before" (nothing planned / no lookup hit), "during" or "after" (all of it delivered)."""
+    if system == "kmesh":
+        planned = evidence.get("mode") not in (None, "none")
+        return "during" if planned and (evidence.get("load_errors") or 0) > 0 else "after" if planned else "before"
+    hit = evidence.get("lookup_hit_tokens") or 0
+    return ("during" if hit > 0 and (evidence.get("retrieved_tokens_logged") or 0) < hit else
+            "after" if hit > 0 else "before")
 
 
 def _unanswered(eng: EngineProcess, e: EngineError, t0: float) -> dict[str, Any]:
@@ -992,12 +1060,23 @@ def _fault_table(out: dict[str, Any]) -> dict[str, Any]:
             elif scenario == "server-killed-mid-load":
                 during = r["during"]
                 down = r.get("server_down_request", {})
+                tries = len(r.get("attempts", [])) or 1
+                landed = r.get("landed")
+                ev = r.get("evidence") or {}
+                shown = (f"its server retrieved {ev.get('retrieved_tokens_logged')} of the "
+                         f"{ev.get('lookup_hit_tokens')} tokens its lookup hit" if name == "lmcache" else
+                         f"{ev.get('tokens_supplied')} of {ev.get('stored_tokens')} planned tokens supplied, "
+                         f"{ev.get('load_errors')} blocks failed")
                 entry = {"kept_serving": during["answered"] and down.get("answered", False),
                          "tokens_right": during.get("tokens_right") is True and down.get("tokens_right") is True,
-                         "server_holds": "down (killed)",
-                         "recovery": (f"killed {r['killed_after_s'] * 1e3:.0f} ms into the request; it was answered "
-                                      f"{during['seconds']:.2f} s after the kill, reused {during.get('reused')}; "
-                                      f"next request (server down) {down.get('seconds', float('nan')):.2f} s"
+                         "server_holds": "down (killed)", "kill_landed": landed,
+                         "recovery": (f"killed {r['killed_after_s'] * 1e3:.0f} ms into the request, "
+                                      + ("during its load" if landed == "during" else f"{landed} its load: "
+                                         "not a mid-load kill") + f" ({shown}; {tries} attempt"
+                                      f"{'s' if tries > 1 else ''}); "
+                                      f"answered {during['seconds']:.2f} s after the kill, reused by its own count "
+                                      f"{during.get('reused')}; next request (server down) "
+                                      f"{down.get('seconds', float('nan')):.2f} s"
                                       if during["answered"] else during.get("why"))}
             else:
                 entry = {"kept_serving": r["first"]["answered"] and r["again"]["answered"],
