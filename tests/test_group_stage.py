@@ -44,7 +44,7 @@ def env():
     ctx = ChildContext(runner, export.catalog, TransferEngine("cpu"), RepairConfig(), MAX_NEW)
     sec = {"children": 3, "scaling": {"sizes": [1, 3], "pairs": 1, "warmup": 0}, "batched_tolerance": 1e-4,
            "failure": {"child": "B", "after_layer": 0},
-           "invariants": {"children": 2, "rows_rel_bound": 1e-4, "logits_rel_bound": 1e-4}}
+           "invariants": {"children": 2, "rows_rel_bound": 1e-4, "logits_rel_bound": 1e-4, "chance_seeds": 2}}
     s = SimpleNamespace(runner=runner, workload=w, export=export, ctx=ctx, device=torch.device("cpu"), sec=sec,
                         group=w.children, cfg=SimpleNamespace(section=lambda name: {"pairs": 1, "warmup": 0}))
     staging = torch.empty(export.catalog.nbytes, dtype=torch.uint8)

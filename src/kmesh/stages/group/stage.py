@@ -47,7 +47,7 @@ from kmesh.harness.modelsetup import ModelSetup, SetupSpec, begin_with_setup, bu
 from kmesh.harness.service_side import ServiceSide
 from kmesh.harness.workload import Child, RagSpec, build_rag
 from kmesh.kv.sources import InProcessSegments, ServiceSegments
-from kmesh.model.quality import compare_states, flip_bit, identical
+from kmesh.model.quality import compare_states, flip_bit, identical, kv_error
 from kmesh.reference.decoder import Float64Decoder
 from kmesh.result import Case, Result
 from kmesh.stages.group import bench
@@ -240,6 +240,44 @@ def _invariants_case(res: Result, setup: GroupSetup, layer_major: dict[str, Chil
         check_replays(case, report, rows_bound, logits_bound)
 
 
+def _closest_case(res: Result, setup: GroupSetup, fulls: dict[str, ChildOutcome],
+                  layer_major: dict[str, ChildOutcome], batched: dict[str, ChildOutcome]) -> None:
+    """repair-closest-at-check-layer: the law equivalence's quality case checks, for the group's own repair paths.
+    At the first check layer every earlier layer was recomputed, so the rows a repair keeps restored are off the full
+    prefill by exactly their deviation: the rule's cache there is no farther from the full prefill's than that of
+    chance at its budget (the repair with rows ranked by a seeded random score, RepairConfig.selection_seed) —
+    rounding allowed, a millionth of naive's distance. A path that picks the wrong rows fails it by name."""
+    sec = setup.sec["invariants"]
+    members = list(setup.group)[: int(sec["children"])]
+    seeds = range(int(sec["chance_seeds"]))
+    repair = setup.ctx.repair
+    layer, which = repair.check_layers[0], repair.deviation
+    params = {"members": [m.name for m in members], "paths": ["layer-major", "batched"], "chance_seeds": len(seeds),
+              "check_layer": layer, "tensor": which}
+    with res.case("repair-closest-at-check-layer", params) as case:
+        runs = {(path, m.name): outs.get(m.name) for path, outs in (("layer-major", layer_major), ("batched", batched))
+                for m in members}
+        missing = sorted(f"{path}/{name}" for (path, name), o in runs.items() if o is None)
+        if not case.check("every_outcome_present", not missing, value=missing):
+            return
+        staging = torch.empty(setup.export.catalog.nbytes, dtype=torch.uint8, device=setup.device)
+        private = torch.empty_like(staging)
+        source = InProcessSegments(setup.export)
+        rows: dict[str, Any] = {}
+        for m in members:
+            full = fulls[m.name]
+            chance = [run_child(dataclasses.replace(setup.ctx, repair=dataclasses.replace(repair, selection_seed=s)),
+                                m, source, staging, private) for s in seeds]
+            naive = run_child(setup.ctx, m, source, staging, private, arm="naive")
+            base = {"chance_by_seed": [kv_error(full, o, layer, which) for o in chance],
+                    "naive": kv_error(full, naive, layer, which)}
+            for path in ("layer-major", "batched"):
+                rows[f"{path}/{m.name}"] = {"repair": kv_error(full, runs[path, m.name], layer, which), **base}
+        case.check("repair_closest_to_full_at_its_check_layer",
+                   all(r["repair"] <= min(r["chance_by_seed"]) + 1e-6 * r["naive"] for r in rows.values()),
+                   value=rows)
+
+
 def run(cfg: Config) -> Result:
     res, setup = begin_with_setup("group", cfg, make_setup, model=cfg.section("group")["model"])
     if setup is None:
@@ -267,6 +305,7 @@ def run(cfg: Config) -> Result:
     res.extra["batched_bound"], batched = bench.batched_agreement(res, setup, inproc,
                                                                   group_run.outcomes if group_run else {})
     _invariants_case(res, setup, group_run.outcomes if group_run else {}, batched)
+    _closest_case(res, setup, fulls, group_run.outcomes if group_run else {}, batched)
     res.extra["scaling"] = bench.scaling(res, setup)
     res.extra["bytes_held"] = bench.bytes_held(res, setup, store_bytes)
     res.extra["rag_scaling"] = _rag_scaling(res, setup)   # group.rag is required: its cases cannot be configured away
