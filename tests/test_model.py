@@ -14,6 +14,7 @@ from kmesh.config import load_config, overlay_file
 from kmesh.model import qwen2_random, smollm2
 from kmesh.model.errors import ModelError
 from kmesh.model.manifest import manifest_problem, read_manifest, write_manifest
+from kmesh.result import Case
 from kmesh.sources.digest import sha256_file
 from kmesh.stages import model as stage
 
@@ -316,19 +317,8 @@ def test_the_stages_load_the_first_layers_folder_only_where_the_config_says_so()
     assert n is not None and smollm2.converted_dir(test).name == f"{smollm2.full_dir(test).name}-layers{n}"
 
 
-class _Case:
-    """A case stand-in: the checks and records the model stage's helper makes."""
-
-    def __init__(self) -> None:
-        self.checks: dict[str, bool] = {}
-        self.records: dict[str, object] = {}
-
-    def check(self, name: str, ok: bool, value: object = None) -> bool:
-        self.checks[name] = bool(ok)
-        return bool(ok)
-
-    def record(self, name: str, value: object) -> None:
-        self.records[name] = value
+def _checks(case: Case) -> dict[str, bool]:
+    return {name: c["ok"] for name, c in case.checks.items() if c["ok"] is not None}
 
 
 def test_the_stages_first_layers_checks_pass_on_a_right_cut_and_fail_on_a_wrong_one(tmp_path, monkeypatch):
@@ -336,24 +326,24 @@ def test_the_stages_first_layers_checks_pass_on_a_right_cut_and_fail_on_a_wrong_
     full = smollm2.full_dir(cfg)
     full.mkdir(parents=True)
     _tiny_llama_folder(full)
-    right = _Case()
+    right = Case("smollm2-convert")
     stage._first_layers(right, cfg, full)
-    assert right.checks == {"first_layers_tensors_equal": True, "first_layers_config": True,
-                            "first_layers_manifest_verifies": True}
-    assert right.records["stages_load"] == {"dir": str(smollm2.converted_dir(cfg)), "layers": 2}
+    assert _checks(right) == {"first_layers_tensors_equal": True, "first_layers_config": True,
+                              "first_layers_manifest_verifies": True}
+    assert right.checks["stages_load"]["value"] == {"dir": str(smollm2.converted_dir(cfg)), "layers": 2}
 
     # a cut that keeps one layer too many and says so in its config: both checks see it
     cut = smollm2.cut_first_layers
     monkeypatch.setattr(smollm2, "cut_first_layers", lambda f, folder, n: cut(f, folder, n + 1))
     monkeypatch.setattr(smollm2, "first_layers_manifest", lambda f, n: {"layers": n, "mutant": True})   # cut again
-    wrong = _Case()
+    wrong = Case("smollm2-convert")
     stage._first_layers(wrong, cfg, full)
-    assert wrong.checks["first_layers_tensors_equal"] is False and wrong.checks["first_layers_config"] is False
+    assert _checks(wrong)["first_layers_tensors_equal"] is False and _checks(wrong)["first_layers_config"] is False
 
 
 def test_without_layers_the_stages_load_the_whole_folder_and_nothing_is_cut(tmp_path):
     cfg = load_config(profile="cpu", overrides={"model": {"dir": str(tmp_path)}})
-    case = _Case()
+    case = Case("smollm2-convert")
     stage._first_layers(case, cfg, smollm2.full_dir(cfg))
-    assert case.checks == {} and case.records["stages_load"]["layers"] == "all"
+    assert _checks(case) == {} and case.checks["stages_load"]["value"]["layers"] == "all"
     assert list(tmp_path.iterdir()) == []

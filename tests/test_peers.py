@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kmesh.result import Case
 from kmesh.stages.peers.lmcache_server import METRICS, LMCacheServer, Mark, parse_metrics
 from kmesh.vllm.engine import WORKAROUNDS, EngineError, EngineProcess, EngineTimeout, llm_kwargs
 
@@ -151,19 +152,6 @@ def test_stage_whose_engines_cannot_start_skips_the_rest_saying_why_and_leaves_n
     assert _left_processes(os.getpid()) == [], "an engine or server process outlived the stage"
 
 
-class _Checks:
-    """A case stand-in: the checks and records a helper makes."""
-
-    def __init__(self) -> None:
-        self.checks: dict[str, bool] = {}
-        self.records: dict[str, object] = {}
-
-    def check(self, name: str, ok: bool, value: object = None) -> bool:
-        self.checks[name] = bool(ok)
-        return bool(ok)
-
-    def record(self, name: str, value: object) -> None:
-        self.records[name] = value
 
 
 class _SpecPeer:
@@ -205,20 +193,20 @@ def test_the_engines_applied_settings_are_compared_as_each_reports_them(arm, ove
     another setting than the others fails by name; vLLM's prefix cache is on in vllm-prefix alone."""
     from kmesh.stages.peers.stage import _applied_settings
 
-    case = _Checks()
+    case = Case("setup")
     peers = {"lmcache": _SpecPeer("LMCacheMPConnector"), "kmesh": _SpecPeer("KMeshConnector")}
     _applied_settings(case, _engine_infos(**({arm: over} if arm else {})), peers)
-    assert {name for name, ok in case.checks.items() if not ok} == failing
-    assert set(case.records["applied_settings"]) == {"vllm", "vllm-prefix", "lmcache", "kmesh"}
+    assert {name for name, c in case.checks.items() if c["ok"] is False} == failing
+    assert set(case.checks["applied_settings"]["value"]) == {"vllm", "vllm-prefix", "lmcache", "kmesh"}
 
 
 def test_an_engine_that_reports_nothing_fails_the_comparison():
     from kmesh.stages.peers.stage import _applied_settings
 
-    case = _Checks()
+    case = Case("setup")
     infos = {arm: {} for arm in ("vllm", "vllm-prefix", "lmcache", "kmesh")}
     _applied_settings(case, infos, {"lmcache": _SpecPeer("LMCacheMPConnector"), "kmesh": _SpecPeer("KMeshConnector")})
-    assert case.checks["same_applied_settings_but_connector_and_prefix_cache"] is False
+    assert case.checks["same_applied_settings_but_connector_and_prefix_cache"]["ok"] is False
 
 
 def test_kill_evidence_needs_sigkill_and_every_address_closed(tmp_path):
